@@ -1,0 +1,23 @@
+"""archlab: declarative exploration of efficient decoder architectures (YOCO, YOCO-U, baselines).
+
+    spec = archlab.load_spec("specs/tiny/yoco-u.yaml")
+    model = archlab.build_model(spec)
+    logits = model(input_ids)  # [batch, length, vocab]
+"""
+
+from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.model import Model, build_model
+from archlab.spec import ModelSpec, SpecError, load_spec, validate_spec
+
+__all__ = [
+    "BlockSpec",
+    "BuildContext",
+    "MixerInput",
+    "Model",
+    "ModelSpec",
+    "Problems",
+    "SpecError",
+    "build_model",
+    "load_spec",
+    "validate_spec",
+]

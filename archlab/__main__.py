@@ -1,0 +1,3 @@
+from archlab.cli import main
+
+main()

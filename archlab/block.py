@@ -1,0 +1,95 @@
+"""The contract every block plugin implements.
+
+A block is the sequence mixer of one layer (the part between the pre-norm and the residual add).
+Its plugin is a pydantic spec class, tagged by a literal ``type``, that knows how to check itself
+against the model around it and how to build its ``nn.Module``. The model never asks which block
+it holds: it reads the capability flags below and calls ``build``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+
+
+class Strict(BaseModel):
+    """Base of every spec model: unknown keys are errors, values are immutable once validated."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a block may know about the model it is built into."""
+
+    d_model: int
+    rope_theta: float | None  # None: this half uses no position encoding
+    global_kv_heads: int | None = None  # set in the cross-decoder of a YOCO layout
+    global_head_dim: int | None = None
+    streams: int = 1  # ParScale parallel streams (1: off)
+    prefix_len: int = 0  # ParScale learned prefix K,V per stream
+
+
+@dataclass
+class MixerInput:
+    """Per-call inputs shared by all layers of one forward pass."""
+
+    positions: torch.Tensor  # [N] absolute positions of the tokens in x
+    global_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, N, Hkv, Dh] each
+    kv_memo: dict | None = None  # set when loop iterations share this layer's K,V
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a spec: where (a dotted field path) and what."""
+
+    loc: str
+    msg: str
+
+
+@dataclass
+class Problems:
+    """Collects problems under a path prefix, so nested checks report full field paths."""
+
+    prefix: str = ""
+    found: list[Problem] = field(default_factory=list)
+
+    def at(self, key: str | int) -> Problems:
+        part = f"[{key}]" if isinstance(key, int) else (f".{key}" if self.prefix else key)
+        return Problems(self.prefix + part, self.found)
+
+    def add(self, msg: str) -> None:
+        self.found.append(Problem(self.prefix or "<root>", msg))
+
+
+class BlockSpec(Strict):
+    """Base class of block specs. Subclasses set ``type: Literal[...]`` and the flags below."""
+
+    type: str
+
+    reads_global_kv: ClassVar[bool] = False  # cross-decoder block: attends to the global K,V
+    grows_kv_cache: ClassVar[bool] = False  # keeps a K,V cache that grows with the context
+    supports_streams: ClassVar[bool] = False  # can give ParScale streams their own prefix K,V
+
+    def check(self, ctx: BuildContext, problems: Problems) -> None:
+        """Report combinations that are impossible for this block in this model."""
+
+    @abstractmethod
+    def build(self, ctx: BuildContext) -> nn.Module:
+        """Return the mixer module: ``forward(x [B, N, D], inp: MixerInput) -> [B, N, D]``."""
+
+
+def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:
+    """Heads must tile the width when the head size is derived from it."""
+    if head_dim is None and d_model % n_heads:
+        divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
+        problems.at("n_heads").add(
+            f"{n_heads} heads do not divide d_model={d_model}; allowed: one of {divisors[:12]}"
+            + (" ..." if len(divisors) > 12 else "")
+            + ", or set head_dim explicitly"
+        )

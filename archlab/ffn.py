@@ -1,0 +1,64 @@
+"""Feed-forward sublayers: dense SwiGLU and a top-k routed mixture of SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from archlab.spec import FFN, MoE, SwiGLU
+
+
+class SwiGLUFFN(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, aux_losses: list) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class MoEFFN(nn.Module):
+    """Softmax router, top-k of ``n_experts`` SwiGLU experts (weights renormalised), plus
+    ``n_shared`` experts every token uses. Appends the Switch-style balance loss
+    ``weight * E * sum_e(fraction routed to e * mean router probability of e)`` to ``aux_losses``."""
+
+    def __init__(self, d_model: int, spec: MoE):
+        super().__init__()
+        self.top_k, self.aux_weight = spec.top_k, spec.aux_loss_weight
+        self.router = nn.Linear(d_model, spec.n_experts, bias=False)
+        hidden, experts = spec.expert_hidden, spec.n_experts
+        self.gate_up = nn.Parameter(torch.empty(experts, d_model, 2 * hidden))
+        self.down = nn.Parameter(torch.empty(experts, hidden, d_model))
+        self.shared = SwiGLUFFN(d_model, hidden * spec.n_shared) if spec.n_shared else None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.gate_up, std=std)
+        nn.init.normal_(self.down, std=std)
+
+    def forward(self, x: torch.Tensor, aux_losses: list) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = self.router(tokens).float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for expert in chosen.unique().tolist():
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            gate, up = (tokens[rows] @ self.gate_up[expert]).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ self.down[expert]
+            out = out.index_add(0, rows, y * weights[rows, slot, None])
+        if self.shared is not None:
+            out = out + self.shared(tokens, aux_losses)
+        n_experts = probs.shape[-1]
+        routed = F.one_hot(chosen, n_experts).sum(dim=1).float().mean(dim=0) / self.top_k
+        aux_losses.append(self.aux_weight * n_experts * (routed * probs.mean(dim=0)).sum())
+        return out.view_as(x)
+
+
+def build_ffn(spec: FFN, d_model: int) -> nn.Module:
+    if isinstance(spec, SwiGLU):
+        return SwiGLUFFN(d_model, spec.hidden_for(d_model))
+    return MoEFFN(d_model, spec)

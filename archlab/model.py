@@ -1,0 +1,126 @@
+"""The nn.Module built from a spec: embed -> segments (each looped T times) -> norm -> head.
+
+In a YOCO layout the global K,V is projected once from the normalised self-decoder output,
+between the last self-decoder segment and the first cross-decoder segment. A cross-decoder loop
+that does not share its K,V re-projects it from its own input at every iteration after the first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from archlab.block import MixerInput
+from archlab.ffn import build_ffn
+from archlab.plan import Segment, segments
+from archlab.rope import Rotary
+from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
+
+
+def build_norm(spec: Norm, dim: int) -> nn.Module:
+    if isinstance(spec, RMSNorm):
+        return nn.RMSNorm(dim, eps=spec.eps)
+    return nn.LayerNorm(dim, eps=spec.eps, bias=False)
+
+
+class Layer(nn.Module):
+    """Pre-norm residual layer: x + mixer(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, mixer: nn.Module):
+        super().__init__()
+        self.mixer_norm, self.mixer = build_norm(spec.norm, spec.d_model), mixer
+        self.ffn_norm, self.ffn = build_norm(spec.norm, spec.d_model), build_ffn(spec.ffn, spec.d_model)
+
+    def forward(self, x: torch.Tensor, inp: MixerInput, aux_losses: list) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), inp)
+        return x + self.ffn(self.ffn_norm(x), aux_losses)
+
+
+class GlobalKV(nn.Module):
+    """YOCO's one K,V for the whole cross-decoder: RMSNorm, then K and V projections (RoPE on K
+    when the cross-decoder uses RoPE)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        shape = spec.layout.global_kv
+        self.heads, self.head_dim = shape.n_kv_heads, shape.head_dim
+        self.norm = build_norm(spec.norm, spec.d_model)
+        self.k_proj = nn.Linear(spec.d_model, self.heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(spec.d_model, self.heads * self.head_dim, bias=False)
+        position = spec.layout.cross_decoder.position
+        self.rotary = Rotary(self.head_dim, position.theta) if isinstance(position, RoPE) else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, n, _ = x.shape
+        h = self.norm(x)
+        k = self.k_proj(h).view(batch, n, self.heads, self.head_dim)
+        v = self.v_proj(h).view(batch, n, self.heads, self.head_dim)
+        return (k if self.rotary is None else self.rotary(k, positions)), v
+
+
+class Model(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.segments: tuple[Segment, ...] = segments(spec)
+        self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
+        contexts = [spec.build_context(h) for h in range(len(spec.halves))]
+        half_of = [seg.half for seg in self.segments for _ in seg.layers]
+        self.layers = nn.ModuleList(
+            Layer(spec, spec.block_at(i).build(contexts[half_of[i]])) for i in range(spec.n_layers)
+        )
+        self.global_kv = GlobalKV(spec) if isinstance(spec.layout, YocoLayout) else None
+        self.streams = spec.parscale.streams if spec.parscale else 1
+        self.stream_mix = nn.Linear(self.streams * spec.d_model, self.streams, bias=False) if self.streams > 1 else None
+        self.norm = build_norm(spec.norm, spec.d_model)
+        self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
+        self.apply(self._init)
+        if spec.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def _init(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.spec.init_std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, length, vocab]."""
+        return self.forward_with_aux(input_ids)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits and the summed auxiliary losses (MoE load balancing; 0 without MoE)."""
+        batch, n = input_ids.shape
+        positions = torch.arange(n, device=input_ids.device)
+        x = self.embed(input_ids)
+        if self.streams > 1:
+            x = x.repeat_interleave(self.streams, dim=0)  # rows (sequence, stream), stream fastest
+        aux: list[torch.Tensor] = []
+        global_kv = None
+        for seg in self.segments:
+            if seg.half == 1 and global_kv is None:
+                global_kv = self.global_kv(x, positions)
+            memos: dict[int, dict] = {i: {} for i in seg.layers} if seg.share_kv else {}
+            loop_kv = global_kv
+            for t in range(seg.times):
+                if t > 0 and seg.half == 1 and not seg.share_kv:
+                    loop_kv = self.global_kv(x, positions)
+                for i in seg.layers:
+                    inp = MixerInput(positions, global_kv=loop_kv, kv_memo=memos.get(i))
+                    x = self.layers[i](x, inp, aux)
+        if self.streams > 1:
+            x = self._mix_streams(x.view(batch, self.streams, n, -1))
+        logits = self.head(self.norm(x))
+        return logits, torch.stack(aux).sum() if aux else logits.new_zeros(())
+
+    def _mix_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """ParScale aggregation: per-token softmax weights over streams from all streams' outputs."""
+        batch, streams, n, d = x.shape
+        per_token = x.permute(0, 2, 1, 3)  # [B, N, P, D]
+        weights = self.stream_mix(per_token.reshape(batch, n, streams * d)).softmax(dim=-1)
+        return (weights.unsqueeze(-1) * per_token).sum(dim=2)
+
+
+def build_model(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Model:
+    """Build the model for a validated spec (``device="meta"`` builds paper-scale shapes for free)."""
+    with torch.device(device or "cpu"):
+        model = Model(spec)
+    return model if dtype is None else model.to(dtype)

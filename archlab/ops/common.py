@@ -1,0 +1,18 @@
+"""Pieces shared by the linear-recurrent ops (state setup, chunking)."""
+import torch
+import torch.nn.functional as F
+
+
+def setup_state(q, v, scale, initial_state):
+    """Compute dtype, default scale 1/sqrt(K) and the starting state (zeros if none given)."""
+    B, _, H, K = q.shape
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    S = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype) if initial_state is None else initial_state.to(dtype)
+    return dtype, K ** -0.5 if scale is None else scale, S
+
+
+def to_chunks(x, C):
+    """[B, T, H, ...] -> [B, H, N, C, ...], zero-padding T to a multiple of C (padding is a no-op step)."""
+    x = x.transpose(1, 2)
+    x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, -x.shape[2] % C))
+    return x.reshape(*x.shape[:2], -1, C, *x.shape[3:])

@@ -1,0 +1,78 @@
+"""Mamba-2 SSD (state space duality) in pure PyTorch, mirroring mamba_ssm's Triton ops
+(ops/triton/ssd_combined.py: mamba_chunk_scan_combined; ops/triton/selective_state_update.py).
+
+Per head h, with state S [P, N], dt processed as softplus(dt + dt_bias) clamped to dt_limit:
+    S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t,    out_t = y_t * silu(z_t)
+B and C are shared by groups of heads (head h uses group h // (H / G), as mamba_ssm).
+Computed in fp32 (fp64 stays fp64); outputs keep x's dtype, states are fp32.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def _dt(dt, dt_bias, dt_softplus):
+    dt = dt if dt_bias is None else dt + dt_bias
+    return F.softplus(dt) if dt_softplus else dt  # F.softplus is the identity above 20, as the kernels
+
+
+def _skip_and_gate(y, x, D, z):
+    """mamba_ssm's output epilogue: y + D x, then gated by silu(z)."""
+    if D is not None:
+        y = y + x * D.reshape(D.shape[0], -1).to(y.dtype)  # D [H] or [H, P]
+    return y if z is None else y * F.silu(z.to(y.dtype))
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+    """Chunked SSD: quadratic (segsum-masked) attention inside chunks, state passing across chunks.
+
+    x [b, l, h, p], dt [b, l, h], A [h] (< 0), B, C [b, l, g, n], D [h] or [h, p], z [b, l, h, p],
+    dt_bias [h], initial_states [b, h, p, n]. Returns out [b, l, h, p], or (out, final_states
+    [b, h, p, n]) if return_final_states. Unlike mamba_ssm there is no seq_idx / cu_seqlens
+    (pass arguments after chunk_size by keyword).
+    """
+    b, l, h, p = x.shape
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)  # clamped unconditionally, as the kernel
+
+    def chunks(t):  # [b, l, h, ...] -> [b, h, c, L, ...], zero-padded (dt = 0 makes padding a no-op)
+        t = t.transpose(1, 2)
+        t = F.pad(t, (0, 0) * (t.dim() - 3) + (0, -l % chunk_size))
+        return t.reshape(b, h, -1, chunk_size, *t.shape[3:])
+
+    X = chunks(xf * dt[..., None])
+    Bc, Cc = (chunks(t.to(dtype).repeat_interleave(h // t.shape[2], dim=2)) for t in (B, C))
+    Acum = chunks(dt * A.to(dtype)).cumsum(-1)  # [b, h, c, L]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
+    L = (Acum[..., :, None] - Acum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(segsum)
+    Y = (Cc @ Bc.transpose(-1, -2) * L) @ X  # intra-chunk outputs [b, h, c, L, p]
+    states = X.transpose(-1, -2) @ (Bc * (Acum[..., -1:] - Acum).exp()[..., None])  # per-chunk [b, h, c, p, n]
+    S = x.new_zeros(b, h, p, B.shape[-1], dtype=dtype) if initial_states is None else initial_states.to(dtype)
+    out = []
+    for c in range(Y.shape[2]):
+        out.append(Y[:, :, c] + (Cc[:, :, c] * Acum[:, :, c, :, None].exp()) @ S.transpose(-1, -2))
+        S = S * Acum[:, :, c, -1, None, None].exp() + states[:, :, c]
+    y = torch.stack(out, 2).reshape(b, h, -1, p)[:, :, :l].transpose(1, 2)
+    out = _skip_and_gate(y, xf, D, z).to(x.dtype)
+    return (out, S) if return_final_states else out
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One decoding step of the recurrence above; returns (out [b, h, p], new_state [b, h, p, n]).
+
+    state [b, h, p, n], x [b, h, p], dt [b, h] or [b, h, p], A [h] or [h, p, n], B, C [b, g, n],
+    D [h] or [h, p], z [b, h, p], dt_bias [h] or [h, p]. mamba_ssm writes the state in place and
+    returns only out; ours is functional (returns the new state, no in-place write) so it stays
+    autograd-friendly. No dt_limit clamp, as mamba_ssm's step.
+    """
+    b, h, p = x.shape
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(dtype)
+    dt = _dt(dt.to(dtype).reshape(b, h, -1), None if dt_bias is None else dt_bias.reshape(h, -1), dt_softplus)
+    dt = dt[..., None]  # [b, h, p or 1, 1]
+    A = A.to(dtype) if A.dim() == 3 else A.to(dtype)[:, None, None]
+    Bh, Ch = (t.to(dtype).repeat_interleave(h // t.shape[1], dim=1)[:, :, None, :] for t in (B, C))  # [b, h, 1, n]
+    state = state.to(dtype) * (dt * A).exp() + dt * Bh * xf[..., None]
+    out = _skip_and_gate((state * Ch).sum(-1), xf, D, z)
+    return out.to(x.dtype), state

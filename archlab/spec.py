@@ -1,0 +1,474 @@
+"""The spec language: pydantic models of an architecture, and YAML loading with ``extends``.
+
+A spec file is YAML. ``extends: other.yaml`` (relative to the file) deep-merges the file over
+its parent; a mapping whose ``type``/``position`` tag changes replaces the parent's instead of
+merging into it. Validation runs in two passes: pydantic checks types and keys, then
+``ModelSpec.problems()`` checks combinations that need the whole model (heads vs width, loop
+range vs stack, ...). Both report through ``SpecError`` with dotted field paths.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
+
+from archlab.block import BlockSpec, BuildContext, Problem, Problems, Strict
+from archlab.registry import block_specs
+
+SCHEMA_VERSION = 1
+
+
+class SpecError(Exception):
+    """A spec that cannot be used, with every problem found and the file it came from."""
+
+    def __init__(self, source: str, problems: list[Problem]):
+        self.source = source
+        self.problems = problems
+        lines = [f"{source}: {len(problems)} problem(s)"]
+        lines += [f"  {p.loc}: {p.msg}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+def _tag_shorthand(key: str):
+    """Let ``rope`` stand for ``{type: rope}`` (and likewise for every tagged union)."""
+    return BeforeValidator(lambda v: {key: v} if isinstance(v, str) else v)
+
+
+# --- position encoding, norm, FFN ------------------------------------------------------------
+
+
+class RoPE(Strict):
+    type: Literal["rope"]
+    theta: PositiveFloat = 10_000.0
+
+
+class NoPosition(Strict):
+    type: Literal["none"]
+
+
+Position = Annotated[Union[RoPE, NoPosition], Field(discriminator="type"), _tag_shorthand("type")]
+
+
+class RMSNorm(Strict):
+    type: Literal["rmsnorm"] = "rmsnorm"
+    eps: PositiveFloat = 1e-6
+
+
+class LayerNorm(Strict):
+    type: Literal["layernorm"]
+    eps: PositiveFloat = 1e-5
+
+
+Norm = Annotated[Union[RMSNorm, LayerNorm], Field(discriminator="type"), _tag_shorthand("type")]
+
+
+class SwiGLU(Strict):
+    """Dense gated FFN; ``hidden`` defaults to 8/3 of the width rounded up to a multiple of 64."""
+
+    type: Literal["swiglu"] = "swiglu"
+    hidden: PositiveInt | None = None
+
+    def hidden_for(self, d_model: int) -> int:
+        return self.hidden or -(-8 * d_model // 3 // 64) * 64
+
+
+class MoE(Strict):
+    """Top-k routed SwiGLU experts plus always-on shared experts, with a load-balancing loss."""
+
+    type: Literal["moe"]
+    n_experts: PositiveInt
+    top_k: PositiveInt
+    n_shared: int = Field(0, ge=0)
+    expert_hidden: PositiveInt
+    aux_loss_weight: float = Field(0.01, ge=0)
+
+
+FFN = Annotated[Union[SwiGLU, MoE], Field(discriminator="type"), _tag_shorthand("type")]
+
+
+# --- blocks and layouts ----------------------------------------------------------------------
+
+
+@cache
+def block_union() -> Any:
+    """The discriminated union of every registered block spec (built once, from entry points)."""
+    classes = tuple(block_specs().values())
+    tagged = [Field(discriminator="type")] if len(classes) > 1 else []  # a lone class is no union
+    return Annotated[(Union[classes], *tagged, _tag_shorthand("type"))]
+
+
+def _resolve_blocks() -> None:
+    """Bind the ``Block`` annotation to the installed plugins, on first use rather than at import,
+    so that a broken plugin is reported as an error instead of breaking ``import archlab``."""
+    if ModelSpec.__pydantic_complete__:
+        return
+    namespace = {"Block": block_union()}
+    for model in (Half, CrossHalf, StackLayout, YocoLayout, ModelSpec):
+        model.model_rebuild(_types_namespace=namespace)
+
+
+class Half(Strict):
+    """A run of layers: ``blocks`` is a pattern repeated over ``n_layers`` (e.g. [gdn, gdn, swa])."""
+
+    n_layers: PositiveInt
+    blocks: list[Block] = Field(min_length=1)
+    position: Position = RoPE(type="rope")
+
+    def block_at(self, i: int) -> BlockSpec:
+        return self.blocks[i % len(self.blocks)]
+
+
+class CrossHalf(Half):
+    """The YOCO cross-decoder: by default plain cross-attention to the global K,V, without RoPE."""
+
+    blocks: list[Block] = Field(
+        default_factory=lambda: [{"type": "cross_attention"}], min_length=1, validate_default=True
+    )
+    position: Position = NoPosition(type="none")
+
+
+class StackLayout(Strict):
+    """A plain decoder: every layer mixes its own input."""
+
+    type: Literal["stack"]
+    layers: Half
+
+
+class GlobalKV(Strict):
+    """Shape of YOCO's one global K,V, projected once from the self-decoder output."""
+
+    n_kv_heads: PositiveInt
+    head_dim: PositiveInt
+
+
+class YocoLayout(Strict):
+    """Decoder-decoder: self-decoder, one global K,V projection, cross-decoder reading it."""
+
+    type: Literal["yoco"]
+    self_decoder: Half
+    global_kv: GlobalKV
+    cross_decoder: CrossHalf
+
+
+Layout = Annotated[Union[StackLayout, YocoLayout], Field(discriminator="type")]
+
+
+# --- the loop -------------------------------------------------------------------------------
+
+KVCache = Literal["shared", "per_iteration"]
+
+
+class _Loop(Strict):
+    times: Annotated[int, Field(ge=1, description="iterations T of the looped layers")]
+    kv_cache: KVCache | None = Field(
+        None,
+        description="for loops over layers with a length-growing K,V cache: one cache for all"
+        " iterations ('shared') or one per iteration ('per_iteration'); required there, not allowed elsewhere",
+    )
+
+
+class NoLoop(Strict):
+    position: Literal["none"]
+
+
+class LowerLoop(_Loop):
+    """The YOCO self-decoder (YOCO-U)."""
+
+    position: Literal["lower"]
+
+
+class UpperLoop(_Loop):
+    """The YOCO cross-decoder."""
+
+    position: Literal["upper"]
+
+
+class PrefixLoop(_Loop):
+    """The first ``n_layers`` layers (RINS)."""
+
+    position: Literal["prefix"]
+    n_layers: PositiveInt
+
+
+class AllLoop(_Loop):
+    """The whole stack (Universal Transformer)."""
+
+    position: Literal["all"]
+
+
+class RangeLoop(_Loop):
+    """Layers ``start`` .. ``end - 1`` (global layer indices)."""
+
+    position: Literal["range"]
+    start: int = Field(ge=0)
+    end: PositiveInt
+
+
+Loop = Annotated[
+    Union[NoLoop, LowerLoop, UpperLoop, PrefixLoop, AllLoop, RangeLoop],
+    Field(discriminator="position"),
+    _tag_shorthand("position"),
+]
+
+
+class ParScale(Strict):
+    """Parallel scaling: P weight-shared streams with learned prefix K,V, mixed by learned weights."""
+
+    streams: int = Field(2, ge=2)
+    prefix_len: PositiveInt = 48
+
+
+# --- the model ------------------------------------------------------------------------------
+
+
+class ModelSpec(Strict):
+    """A whole architecture. Field order is the order ``archlab show`` prints."""
+
+    schema_version: Literal[1]
+    name: str
+    description: str = ""
+    vocab_size: PositiveInt
+    d_model: PositiveInt
+    norm: Norm = RMSNorm()
+    ffn: FFN = SwiGLU()
+    layout: Layout
+    loop: Loop = NoLoop(position="none")
+    parscale: ParScale | None = None
+    tie_embeddings: bool = False
+    init_std: PositiveFloat = 0.02
+    inference_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    # -- structure derived from the layout; the plan (archlab.plan) builds on these --
+
+    @property
+    def halves(self) -> list[tuple[str, Half]]:
+        """(path, half) in layer order."""
+        if isinstance(self.layout, YocoLayout):
+            return [("layout.self_decoder", self.layout.self_decoder), ("layout.cross_decoder", self.layout.cross_decoder)]
+        return [("layout.layers", self.layout.layers)]
+
+    @property
+    def n_layers(self) -> int:
+        return sum(h.n_layers for _, h in self.halves)
+
+    def loop_range(self) -> tuple[int, int] | None:
+        """Global layer indices [start, end) of the looped layers, or None."""
+        loop, halves = self.loop, self.halves
+        match loop.position:
+            case "none":
+                return None
+            case "lower":
+                return (0, halves[0][1].n_layers)
+            case "upper":
+                return (halves[0][1].n_layers, self.n_layers)
+            case "prefix":
+                return (0, loop.n_layers)
+            case "all":
+                return (0, self.n_layers)
+            case "range":
+                return (loop.start, loop.end)
+
+    def build_context(self, half_index: int) -> BuildContext:
+        half = self.halves[half_index][1]
+        yoco = isinstance(self.layout, YocoLayout)
+        cross = yoco and half_index == 1
+        return BuildContext(
+            d_model=self.d_model,
+            rope_theta=half.position.theta if isinstance(half.position, RoPE) else None,
+            global_kv_heads=self.layout.global_kv.n_kv_heads if cross else None,
+            global_head_dim=self.layout.global_kv.head_dim if cross else None,
+            streams=self.parscale.streams if self.parscale else 1,
+            prefix_len=self.parscale.prefix_len if self.parscale else 0,
+        )
+
+    def problems(self) -> list[Problem]:
+        """Combinations that pydantic's per-field checks cannot see."""
+        root = Problems()
+        yoco = isinstance(self.layout, YocoLayout)
+        for half_index, (path, half) in enumerate(self.halves):
+            ctx = self.build_context(half_index)
+            for i, block in enumerate(half.blocks):
+                at = root.at(f"{path}.blocks").at(i)
+                block.check(ctx, at)
+                if block.reads_global_kv and not (yoco and half_index == 1):
+                    at.at("type").add(
+                        f"{block.type!r} reads the global K,V, which exists only in a YOCO cross-decoder"
+                    )
+                if yoco and half_index == 1 and not block.reads_global_kv:
+                    at.at("type").add(
+                        f"{block.type!r} does not read the global K,V; the cross-decoder needs blocks that do"
+                        f" (registered: {sorted(n for n, c in block_specs().items() if c.reads_global_kv)})"
+                    )
+                if self.parscale and not block.supports_streams and block.grows_kv_cache:
+                    at.at("type").add(f"{block.type!r} cannot give ParScale streams their own prefix K,V")
+        if self.parscale and not any(
+            b.supports_streams for _, h in self.halves for b in h.blocks
+        ):
+            root.at("parscale").add(
+                "ParScale streams differ only through prefix K,V, but no block here supports it"
+                f" (blocks that do: {sorted(n for n, c in block_specs().items() if c.supports_streams)})"
+            )
+        if isinstance(self.ffn, MoE) and self.ffn.top_k > self.ffn.n_experts:
+            root.at("ffn.top_k").add(f"top_k={self.ffn.top_k} exceeds n_experts={self.ffn.n_experts}")
+        if isinstance(self.layout, YocoLayout) and isinstance(self.layout.cross_decoder.position, RoPE):
+            if self.layout.global_kv.head_dim % 2:
+                root.at("layout.global_kv.head_dim").add("RoPE in the cross-decoder needs an even head_dim")
+        self._check_loop(root.at("loop"))
+        return root.found
+
+    def _check_loop(self, at: Problems) -> None:
+        span = self.loop_range()
+        if span is None:
+            return
+        start, end = span
+        n, loop = self.n_layers, self.loop
+        if loop.position == "upper" or loop.position == "lower":
+            if not isinstance(self.layout, YocoLayout):
+                at.at("position").add(f"{loop.position!r} names a YOCO half; this layout is a plain stack"
+                                      " (use 'prefix', 'all' or 'range')")
+                return
+        if not (0 <= start < end <= n):
+            at.add(f"layers {start}..{end - 1} are outside the stack of {n} layers (0..{n - 1})")
+            return
+        if isinstance(self.layout, YocoLayout):
+            boundary = self.layout.self_decoder.n_layers
+            if start < boundary < end:
+                at.add(
+                    f"layers {start}..{end - 1} straddle the global K,V projection after layer {boundary - 1};"
+                    f" a loop must lie within the self-decoder (0..{boundary - 1}) or the cross-decoder"
+                    f" ({boundary}..{n - 1})"
+                )
+                return
+        looped = [self.block_at(i) for i in range(start, end)]
+        with_cache = sorted({b.type for b in looped if b.grows_kv_cache or b.reads_global_kv})
+        if with_cache and loop.kv_cache is None:
+            at.at("kv_cache").add(
+                f"required: the looped layers keep a length-growing K,V cache ({', '.join(with_cache)});"
+                " allowed: 'shared' (all iterations use one cache) or 'per_iteration' (each keeps its own)"
+            )
+        if not with_cache and loop.kv_cache is not None:
+            at.at("kv_cache").add(
+                f"not applicable: layers {start}..{end - 1} have no global attention or growing K,V cache"
+                f" (blocks: {', '.join(sorted({b.type for b in looped}))}); remove it"
+            )
+
+    def block_at(self, layer: int) -> BlockSpec:
+        """The block of global layer index ``layer``."""
+        for _, half in self.halves:
+            if layer < half.n_layers:
+                return half.block_at(layer)
+            layer -= half.n_layers
+        raise IndexError(layer)
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _deep_merge(base: Any, over: Any) -> Any:
+    if not (isinstance(base, dict) and isinstance(over, dict)):
+        return over
+    for tag in ("type", "position"):
+        old, new = base.get(tag), over.get(tag)
+        if isinstance(old, str) and isinstance(new, str) and old != new:
+            return over  # a different variant: the parent's fields do not apply
+    merged = dict(base)
+    for key, value in over.items():
+        merged[key] = _deep_merge(base[key], value) if key in base else value
+    return merged
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
+    """Load one file and its ``extends`` ancestors, merged. ``chain`` (the files that extended
+    into this one, as given) detects cycles; paths print as the user wrote them."""
+    if path.resolve() in {p.resolve() for p in chain}:
+        cycle = " -> ".join(str(p) for p in (*chain, path))
+        raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
+    if not path.is_file():
+        origin = f"extended from {chain[-1]}" if chain else "no such file"
+        raise SpecError(str(path), [Problem("<file>", f"not found ({origin})")])
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
+        what = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(str(path), [Problem(at, f"YAML syntax error: {what}")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc}")]) from None
+    if not isinstance(data, dict):
+        raise SpecError(str(path), [Problem("<root>", f"a spec is a YAML mapping, got {type(data).__name__}")])
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
+    return _deep_merge(_read_yaml(path.parent / parent, (*chain, path)), data)
+
+
+def _loc(parts: tuple, data: Any) -> str:
+    """pydantic's loc as a dotted path through the input, without the union tags it inserts."""
+    out = ""
+    for part in parts:
+        if isinstance(data, dict) and part not in data and part in (data.get("type"), data.get("position")):
+            continue  # the tag of the union member pydantic chose
+        if isinstance(data, str) and isinstance(part, str):
+            continue  # a shorthand tag ("rope") that pydantic expanded
+        data = data[part] if isinstance(data, (dict, list)) and _has(data, part) else None
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<root>"
+
+
+def _has(data: dict | list, key: Any) -> bool:
+    return key in data if isinstance(data, dict) else isinstance(key, int) and 0 <= key < len(data)
+
+
+def _describe(err: dict) -> str:
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        return "unknown key (not part of the schema; check its spelling and level)"
+    if err["type"] == "union_tag_invalid":
+        ctx = err["ctx"]
+        return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}"
+    if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
+        return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
+    if "input" in err and not isinstance(err["input"], (dict, list)):
+        return f"{msg} (got {err['input']!r})"
+    return msg
+
+
+def validate_spec(data: dict, source: str = "<spec>") -> ModelSpec:
+    """Validate an already-merged mapping (e.g. a study's override of a spec)."""
+    _resolve_blocks()
+    try:
+        spec = ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(source, [Problem(_loc(e["loc"], data), _describe(e)) for e in exc.errors()]) from None
+    found = spec.problems()
+    if found:
+        raise SpecError(source, found)
+    return spec
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read, merge (``extends``) and validate a spec file."""
+    path = Path(path)
+    return validate_spec(_read_yaml(path, ()), str(path))
+
+
+def spec_to_yaml(spec: ModelSpec) -> str:
+    """The resolved spec with every default filled in, as YAML that validates again."""
+    return yaml.safe_dump(_tags_first(spec.model_dump(mode="json")), sort_keys=False)
+
+
+def _tags_first(data: Any) -> Any:
+    """Put each mapping's ``type``/``position`` tag first, where a reader looks for it."""
+    if isinstance(data, list):
+        return [_tags_first(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    first = [k for k in ("type", "position") if isinstance(data.get(k), str)]
+    return {k: _tags_first(data[k]) for k in (*first, *(k for k in data if k not in first))}

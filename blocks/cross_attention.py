@@ -1,0 +1,54 @@
+"""YOCO cross-attention: each layer makes its own queries and reads the one global K,V."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import PositiveInt
+from torch import nn
+
+from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.rope import Rotary
+from blocks.attention import attend, band_mask
+
+
+class CrossAttentionSpec(BlockSpec):
+    type: Literal["cross_attention"]
+    n_heads: PositiveInt | None = None  # None: d_model // the global head_dim
+
+    reads_global_kv: ClassVar[bool] = True
+
+    def heads(self, ctx: BuildContext) -> int:
+        return self.n_heads or ctx.d_model // ctx.global_head_dim
+
+    def check(self, ctx: BuildContext, problems: Problems) -> None:
+        if ctx.global_kv_heads is None:
+            return  # outside a cross-decoder; the model reports that
+        heads = self.heads(ctx)
+        if heads == 0 or heads % ctx.global_kv_heads:
+            problems.at("n_heads").add(
+                f"{heads} query heads must be a positive multiple of the global K,V's"
+                f" {ctx.global_kv_heads} heads (layout.global_kv.n_kv_heads)"
+            )
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        return CrossAttention(ctx, self.heads(ctx))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, ctx: BuildContext, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, ctx.global_head_dim
+        self.q_proj = nn.Linear(ctx.d_model, heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, ctx.d_model, bias=False)
+        self.rotary = Rotary(self.head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
+
+    def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, self.heads, self.head_dim)
+        if self.rotary is not None:
+            q = self.rotary(q, inp.positions)
+        k, v = inp.global_kv
+        out = attend(q, k, v, band_mask(inp.positions, inp.positions, None))
+        return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

@@ -1,0 +1,85 @@
+"""Gated DeltaNet (Yang et al.): a delta-rule state with a data-dependent decay.
+
+Per head: q, k, v through a short causal conv and silu, q and k L2-normalised; write strength
+beta = sigmoid(W_b x); decay g = -exp(A_log) * softplus(W_a x + dt_bias) (as Mamba2's dt). The
+output is per-head RMSNorm gated by silu(W_gate x), projected back to the width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import PositiveFloat, PositiveInt
+from torch import nn
+
+from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
+from archlab.ops.conv import causal_conv1d_fn
+from archlab.ops.gated_delta_rule import chunk_gated_delta_rule
+
+
+class GatedDeltaNetSpec(BlockSpec):
+    type: Literal["gdn"]
+    n_heads: PositiveInt = 4
+    head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
+    expand_v: PositiveFloat = 2.0  # value head size = expand_v * head_dim
+    conv_size: PositiveInt = 4
+    chunk_size: PositiveInt = 64
+
+    def dims(self, d_model: int) -> tuple[int, int]:
+        head_dim = self.head_dim or d_model // self.n_heads
+        return head_dim, int(head_dim * self.expand_v)
+
+    def check(self, ctx: BuildContext, problems: Problems) -> None:
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
+        head_dim = self.dims(ctx.d_model)[0]
+        if (head_dim * self.expand_v) % 1:
+            problems.at("expand_v").add(f"expand_v * head_dim = {head_dim * self.expand_v} must be a whole number")
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        return GatedDeltaNet(ctx, self)
+
+
+def short_conv(dim: int, size: int) -> nn.Conv1d:
+    """Depthwise causal conv weights (applied through the causal_conv1d op)."""
+    return nn.Conv1d(dim, dim, size, groups=dim, bias=False)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, ctx: BuildContext, spec: GatedDeltaNetSpec):
+        super().__init__()
+        self.heads, self.chunk_size = spec.n_heads, spec.chunk_size
+        self.head_dim, self.value_dim = spec.dims(ctx.d_model)
+        d, h = ctx.d_model, self.heads
+        key_width, value_width = h * self.head_dim, h * self.value_dim
+        self.q_proj = nn.Linear(d, key_width, bias=False)
+        self.k_proj = nn.Linear(d, key_width, bias=False)
+        self.v_proj = nn.Linear(d, value_width, bias=False)
+        self.q_conv = short_conv(key_width, spec.conv_size)
+        self.k_conv = short_conv(key_width, spec.conv_size)
+        self.v_conv = short_conv(value_width, spec.conv_size)
+        self.a_proj = nn.Linear(d, h, bias=False)
+        self.b_proj = nn.Linear(d, h, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h).uniform_(1, 16).log())
+        dt = torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.gate_proj = nn.Linear(d, value_width, bias=False)
+        self.head_norm = nn.RMSNorm(self.value_dim, eps=1e-6)
+        self.o_proj = nn.Linear(value_width, d, bias=False)
+
+    def _conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        return causal_conv1d_fn(x.transpose(1, 2), conv.weight.squeeze(1), activation="silu").transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
+        batch, n, _ = x.shape
+        heads = (batch, n, self.heads, -1)
+        q = F.normalize(self._conv(self.q_conv, self.q_proj(x)).view(heads), dim=-1)
+        k = F.normalize(self._conv(self.k_conv, self.k_proj(x)).view(heads), dim=-1)
+        v = self._conv(self.v_conv, self.v_proj(x)).view(heads)
+        beta = self.b_proj(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)
+        o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
+        return self.o_proj(o.reshape(batch, n, -1))

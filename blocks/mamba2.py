@@ -1,0 +1,81 @@
+"""Mamba2 (SSD): a selective state-space mixer with scalar-times-identity decay per head.
+
+in_proj gives the gate z, the SSM input x, B, C and dt; x, B, C pass through a causal conv and
+silu; the SSD scan runs with A = -exp(A_log), a D skip and softplus(dt + dt_bias); the output is
+RMSNorm(y * silu(z)) (grouped by ``n_groups``), projected back to the width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import PositiveInt
+from torch import nn
+
+from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.ops.conv import causal_conv1d_fn
+from archlab.ops.ssd import mamba_chunk_scan_combined
+
+
+class Mamba2Spec(BlockSpec):
+    type: Literal["mamba2"]
+    d_state: PositiveInt = 128
+    d_conv: PositiveInt = 4
+    expand: PositiveInt = 2
+    head_dim: PositiveInt = 64
+    n_groups: PositiveInt = 1
+    chunk_size: PositiveInt = 256
+
+    def dims(self, d_model: int) -> tuple[int, int]:
+        """(inner width, heads)."""
+        inner = self.expand * d_model
+        return inner, inner // self.head_dim
+
+    def check(self, ctx: BuildContext, problems: Problems) -> None:
+        inner, heads = self.dims(ctx.d_model)
+        if inner % self.head_dim:
+            problems.at("head_dim").add(f"head_dim={self.head_dim} must divide expand * d_model = {inner}")
+        elif heads % self.n_groups:
+            problems.at("n_groups").add(f"n_groups={self.n_groups} must divide the {heads} heads")
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        return Mamba2(ctx, self)
+
+
+class Mamba2(nn.Module):
+    def __init__(self, ctx: BuildContext, spec: Mamba2Spec):
+        super().__init__()
+        self.inner, self.heads = spec.dims(ctx.d_model)
+        self.head_dim, self.groups, self.d_state, self.chunk_size = spec.head_dim, spec.n_groups, spec.d_state, spec.chunk_size
+        self.conv_dim = self.inner + 2 * self.groups * self.d_state
+        self.in_proj = nn.Linear(ctx.d_model, self.inner + self.conv_dim + self.heads, bias=False)
+        self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, spec.d_conv, groups=self.conv_dim, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
+        dt = torch.empty(self.heads).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.D = nn.Parameter(torch.ones(self.heads))
+        self.norm_weight = nn.Parameter(torch.ones(self.inner))
+        self.out_proj = nn.Linear(self.inner, ctx.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
+        batch, n, _ = x.shape
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        xbc = causal_conv1d_fn(xbc.transpose(1, 2), self.conv.weight.squeeze(1), self.conv.bias, activation="silu")
+        xs, B, C = xbc.transpose(1, 2).split([self.inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+        y = mamba_chunk_scan_combined(
+            xs.reshape(batch, n, self.heads, self.head_dim),
+            dt,
+            -self.A_log.float().exp(),
+            B.reshape(batch, n, self.groups, self.d_state),
+            C.reshape(batch, n, self.groups, self.d_state),
+            self.chunk_size,
+            D=self.D,
+            dt_bias=self.dt_bias,
+            dt_softplus=True,
+        )
+        y = y.reshape(batch, n, self.inner) * F.silu(z)
+        y = F.rms_norm(y.view(batch, n, self.groups, -1), (self.inner // self.groups,), eps=1e-5)
+        return self.out_proj(y.view(batch, n, self.inner) * self.norm_weight)

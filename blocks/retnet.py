@@ -1,0 +1,71 @@
+"""RetNet multi-scale retention, or YOCO's gated retention (``gated: true``).
+
+Retention decays each head's state by a fixed gamma_h = 1 - 2^(-5-h); gated retention decays it
+by a per-token, per-head gate logsigmoid(W_g x) / 16. Either way the output is per-head RMSNorm,
+gated by silu(W_gate x), then projected back to the width.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import PositiveInt
+from torch import nn
+
+from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
+from archlab.ops.retention import chunk_retention, chunk_simple_gla
+from archlab.rope import Rotary
+
+
+class RetentionSpec(BlockSpec):
+    type: Literal["retnet"]
+    n_heads: PositiveInt = 4
+    head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
+    value_dim: PositiveInt | None = None  # value head size; None: 2 * head_dim (as RetNet)
+    gated: bool = False
+    chunk_size: PositiveInt = 64
+
+    def dims(self, d_model: int) -> tuple[int, int]:
+        head_dim = self.head_dim or d_model // self.n_heads
+        return head_dim, self.value_dim or 2 * head_dim
+
+    def check(self, ctx: BuildContext, problems: Problems) -> None:
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
+        if ctx.rope_theta is not None and self.dims(ctx.d_model)[0] % 2:
+            problems.at("head_dim").add("RoPE needs an even head_dim")
+
+    def build(self, ctx: BuildContext) -> nn.Module:
+        return Retention(ctx, self)
+
+
+class Retention(nn.Module):
+    def __init__(self, ctx: BuildContext, spec: RetentionSpec):
+        super().__init__()
+        self.heads, self.chunk_size, self.gated = spec.n_heads, spec.chunk_size, spec.gated
+        self.head_dim, self.value_dim = spec.dims(ctx.d_model)
+        d, h = ctx.d_model, self.heads
+        self.q_proj = nn.Linear(d, h * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, h * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, h * self.value_dim, bias=False)
+        self.gate_proj = nn.Linear(d, h * self.value_dim, bias=False)
+        self.decay_proj = nn.Linear(d, h, bias=False) if spec.gated else None
+        self.head_norm = nn.RMSNorm(self.value_dim, eps=1e-6)
+        self.o_proj = nn.Linear(h * self.value_dim, d, bias=False)
+        self.rotary = Rotary(self.head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
+
+    def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
+        batch, n, _ = x.shape
+        q = self.q_proj(x).view(batch, n, self.heads, self.head_dim)
+        k = self.k_proj(x).view(batch, n, self.heads, self.head_dim)
+        v = self.v_proj(x).view(batch, n, self.heads, self.value_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(q, inp.positions), self.rotary(k, inp.positions)
+        if self.gated:
+            g = F.logsigmoid(self.decay_proj(x).float()) / 16
+            o, _ = chunk_simple_gla(q, k, v, g, chunk_size=self.chunk_size)
+        else:
+            o, _ = chunk_retention(q, k, v)
+        o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
+        return self.o_proj(o.reshape(batch, n, -1))

@@ -1,0 +1,24 @@
+from pathlib import Path
+
+import pytest
+import torch
+
+import archlab
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = sorted((ROOT / "specs" / "tiny").glob("*.yaml"))
+PAPER = sorted((ROOT / "specs" / "paper").glob("*.yaml"))
+
+
+def ids(paths):
+    return [f"{p.parent.name}/{p.stem}" for p in paths]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tiny_model(name: str):
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")
+    return spec, archlab.build_model(spec)

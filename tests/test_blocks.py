@@ -1,0 +1,96 @@
+"""Block modules against independent references."""
+
+import pytest
+import torch
+
+from archlab.block import BuildContext, MixerInput
+from blocks.attention import AttentionSpec
+from blocks.gated_deltanet import GatedDeltaNetSpec
+from blocks.retnet import RetentionSpec
+from blocks.swa import SlidingWindowSpec
+
+
+def naive_window_attention(q, k, v, window):
+    """Per query, softmax over its allowed keys only (no mask tricks): [B, N, H, D] layout, GQA."""
+    batch, n, heads, dim = q.shape
+    k = k.repeat_interleave(heads // k.shape[2], dim=2)
+    v = v.repeat_interleave(heads // v.shape[2], dim=2)
+    out = torch.empty_like(q)
+    for i in range(n):
+        lo = 0 if window is None else max(0, i - window + 1)
+        scores = torch.einsum("bhd,bjhd->bhj", q[:, i], k[:, lo : i + 1]) / dim**0.5
+        out[:, i] = torch.einsum("bhj,bjhd->bhd", scores.softmax(-1), v[:, lo : i + 1])
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+@pytest.mark.parametrize("n", [1, 9, 37])
+def test_sliding_window_attention_matches_naive_and_fla(window, n):
+    spec = SlidingWindowSpec(type="swa", window=window) if window else AttentionSpec(type="attention")
+    spec = spec.model_copy(update={"n_heads": 4, "n_kv_heads": 2})
+    module = spec.build(BuildContext(d_model=32, rope_theta=10_000.0)).double()
+    x = torch.randn(2, n, 32, dtype=torch.float64)
+    positions = torch.arange(n)
+    got = module(x, MixerInput(positions))
+
+    q = module.rope(module.q_proj(x).view(2, n, 4, 8), positions)
+    k = module.rope(module.k_proj(x).view(2, n, 2, 8), positions)
+    v = module.v_proj(x).view(2, n, 2, 8)
+    expected = naive_window_attention(q, k, v, window)
+    torch.testing.assert_close(got, module.o_proj(expected.reshape(2, n, 32)), rtol=1e-10, atol=1e-12)
+
+    fla_naive = pytest.importorskip("fla.ops.attn.naive")
+    reference, _ = fla_naive.naive_parallel_attn(q, k, v, window_size=window)
+    torch.testing.assert_close(expected, reference.to(expected.dtype), rtol=1e-10, atol=1e-12)
+
+
+def test_window_is_crossed_in_the_tiny_specs():
+    """The tiny window must be shorter than the sequences the tests use, or nothing is tested."""
+    from conftest import TINY
+
+    import archlab
+
+    windows = [b.window for p in TINY for _, h in archlab.load_spec(p).halves for b in h.blocks if b.type == "swa"]
+    assert windows and max(windows) < 24
+
+
+def test_rope_is_relative():
+    """Scores after RoPE depend only on the offset between positions."""
+    from archlab.rope import Rotary
+
+    rope = Rotary(8, 10_000.0).double()
+    q, k = torch.randn(1, 1, 1, 8, dtype=torch.float64), torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    score = lambda i, j: (rope(q, torch.tensor([i])) * rope(k, torch.tensor([j]))).sum()  # noqa: E731
+    torch.testing.assert_close(score(7, 3), score(104, 100))
+    assert not torch.isclose(score(7, 3), score(7, 4))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_retention_block_chunk_sizes_agree(gated):
+    """The block's output does not depend on the chunk size of its core op (chunks are exact)."""
+    ctx = BuildContext(d_model=32, rope_theta=10_000.0)
+    x = torch.randn(2, 45, 32, dtype=torch.float64)
+    outs = []
+    for chunk in (4, 16, 64):
+        torch.manual_seed(1)
+        module = RetentionSpec(type="retnet", n_heads=4, gated=gated, chunk_size=chunk).build(ctx).double()
+        outs.append(module(x, MixerInput(torch.arange(45))))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(outs[0], outs[2], rtol=1e-10, atol=1e-12)
+
+
+def test_gated_deltanet_block_matches_fla_recurrent_reference(monkeypatch):
+    """Swap the block's chunked op for fla's naive recurrent reference: same output."""
+    fla_naive = pytest.importorskip("fla.ops.gated_delta_rule.naive")
+    import blocks.gated_deltanet as gdn
+
+    module = GatedDeltaNetSpec(type="gdn", n_heads=2, chunk_size=8).build(BuildContext(32, None)).double()
+    x = torch.randn(2, 29, 32, dtype=torch.float64)
+    got = module(x, MixerInput(torch.arange(29)))
+
+    def reference_op(q, k, v, g, beta, chunk_size):
+        out, _ = fla_naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g)
+        return out.to(q.dtype), None
+
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", reference_op)
+    torch.testing.assert_close(got, module(x, MixerInput(torch.arange(29))), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,124 @@
+"""The installed ``archlab`` command, run as a user would, and block plugins from another package."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import yaml
+
+from conftest import ROOT
+
+
+def archlab(*args, cwd=ROOT, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "archlab", *map(str, args)],
+        cwd=cwd, env={**os.environ, "COLUMNS": "200", **(env or {})}, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_validate_reports_bad_spec_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "specs/tiny/yoco.yaml").read_text().replace("n_heads: 4", "n_heads: 5"))
+    good = ROOT / "specs/tiny/yoco-u.yaml"
+    result = archlab("validate", bad, good)
+    assert result.returncode == 1
+    assert str(bad) in result.stderr
+    assert "layout.self_decoder.blocks[0].n_heads" in result.stderr
+    assert "5 heads do not divide d_model=64" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert "ok" in result.stdout and "yoco-u" in result.stdout
+
+
+def test_validate_whole_zoo_and_show(tmp_path):
+    result = archlab("validate", "specs")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("ok") == 28
+    shown = archlab("show", "specs/tiny/rins.yaml")
+    assert shown.returncode == 0, shown.stderr
+    resolved = yaml.safe_load(shown.stdout)
+    assert "extends" not in resolved
+    assert resolved["loop"] == {"position": "prefix", "times": 3, "kv_cache": "per_iteration", "n_layers": 2}
+    assert resolved["layout"]["layers"]["blocks"][0]["n_kv_heads"] == 2  # inherited from transformer.yaml
+    (tmp_path / "resolved.yaml").write_text(shown.stdout)
+    assert archlab("validate", tmp_path / "resolved.yaml").returncode == 0
+
+
+def test_show_missing_file_is_a_clear_error():
+    result = archlab("show", "specs/tiny/nope.yaml")
+    assert result.returncode == 1
+    assert "specs/tiny/nope.yaml" in result.stderr and "not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_build_runs_tiny_specs():
+    result = archlab("build", "specs/tiny/yoco-u.yaml", "specs/tiny/rins.yaml", "--seq-len", "20")
+    assert result.returncode == 0, result.stderr
+    assert "self[0-1] x3" in result.stdout and "layers[0-1] x3" in result.stdout
+    assert "ok" in result.stdout
+
+
+PLUGIN = '''
+from typing import Literal
+
+import torch
+from torch import nn
+
+from archlab import BlockSpec
+
+
+class CausalMeanSpec(BlockSpec):
+    """Mixes each token with the running mean of its prefix."""
+
+    type: Literal["causal_mean"]
+
+    def build(self, ctx):
+        return CausalMean(ctx.d_model)
+
+
+class CausalMean(nn.Module):
+    def __init__(self, d_model):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, inp):
+        counts = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :, None]
+        return self.proj(x.cumsum(1) / counts)
+'''
+
+
+def install_plugin(root, entry):
+    """A real distribution on sys.path: dist-info metadata with an entry point, and its module."""
+    (root / "my_blocks.py").write_text(PLUGIN)
+    info = root / "my_blocks-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-blocks\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[archlab.blocks]\n{entry}\n")
+    return {"PYTHONPATH": str(root)}
+
+
+def test_block_from_another_installed_package(tmp_path):
+    env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(textwrap.dedent(f"""\
+        extends: {ROOT / 'specs/tiny/yoco-u.yaml'}
+        name: yoco-u-causal-mean
+        layout:
+          self_decoder:
+            blocks: [causal_mean, {{type: swa, window: 8, n_heads: 4}}]
+    """))
+    listed = archlab("blocks", env=env)
+    assert listed.returncode == 0 and "causal_mean" in listed.stdout and "my_blocks:CausalMeanSpec" in listed.stdout
+    built = archlab("build", spec, "--seq-len", "24", env=env)
+    assert built.returncode == 0, built.stderr
+    assert "yoco-u-causal-mean" in built.stdout and "ok" in built.stdout
+    without = archlab("validate", spec)
+    assert without.returncode == 1 and "unknown type 'causal_mean'" in without.stderr
+
+
+def test_broken_plugin_is_named(tmp_path):
+    env = install_plugin(tmp_path, "mean = my_blocks:CausalMeanSpec")  # name disagrees with its type
+    result = archlab("validate", "specs/tiny/yoco.yaml", env=env)
+    assert result.returncode == 2
+    assert "block plugin 'mean'" in result.stderr and "Literal['mean']" in result.stderr
+    assert "Traceback" not in result.stderr

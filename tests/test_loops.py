@@ -1,0 +1,119 @@
+"""Loops share weights: parameter counts, gradients from every iteration, cache sharing."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import archlab
+from conftest import ROOT, TINY, ids
+
+LOOPED = [p for p in TINY if archlab.load_spec(p).loop.position != "none"]
+
+
+def with_loop(spec, **loop):
+    data = spec.model_dump(mode="json")
+    data["loop"].update(loop)
+    return archlab.validate_spec(data, "override")
+
+
+def test_looped_specs_cover_every_position():
+    assert {archlab.load_spec(p).loop.position for p in LOOPED} == {"lower", "upper", "prefix", "all"}
+
+
+@pytest.mark.parametrize("path", LOOPED, ids=ids(LOOPED))
+def test_loop_adds_no_parameters(path):
+    spec = archlab.load_spec(path)
+    twin = with_loop(spec, times=1)
+    looped, single = archlab.build_model(spec, device="meta"), archlab.build_model(twin, device="meta")
+    assert spec.loop.times > 1
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(looped) == count(single)
+    assert [n for n, _ in looped.named_parameters()] == [n for n, _ in single.named_parameters()]
+
+
+def test_t1_twin_of_yoco_u_is_yoco():
+    yoco_u = archlab.load_spec(ROOT / "specs/tiny/yoco-u.yaml")
+    yoco = archlab.build_model(archlab.load_spec(ROOT / "specs/tiny/yoco.yaml"))
+    twin = archlab.build_model(with_loop(yoco_u, times=1))
+    twin.load_state_dict(yoco.state_dict())
+    tokens = torch.randint(0, 256, (2, 30))
+    torch.testing.assert_close(twin(tokens), yoco(tokens), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", LOOPED, ids=ids(LOOPED))
+def test_gradients_reach_shared_weights_from_every_iteration(path):
+    """Per application of a looped layer, recompute its weight-gradient contribution from the
+    captured input and output gradient; each is nonzero and together they sum to the tied grad."""
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec).double()
+    start, end = spec.loop_range()
+    layer = model.layers[start]
+    calls = []
+
+    def capture(module, args, output):
+        x, inp, _ = args
+        calls.append({"x": x, "inp": inp})
+        output.register_hook(lambda g, c=calls[-1]: c.setdefault("grad", g))
+
+    handle = layer.register_forward_hook(capture)
+    tokens = torch.randint(0, spec.vocab_size, (2, 24))
+    logits, aux = model.forward_with_aux(tokens)
+    (logits.square().mean() + aux).backward()
+    handle.remove()
+
+    assert len(calls) == spec.loop.times
+    weights = [p for p in layer.parameters()]
+    total = [torch.zeros_like(w) for w in weights]
+    for i, call in enumerate(calls):
+        x, inp = call["x"].detach().requires_grad_(), call["inp"]
+        kv = inp.global_kv and tuple(t.detach() for t in inp.global_kv)
+        memo = {"kv": tuple(t.detach() for t in inp.kv_memo["kv"])} if inp.kv_memo and i > 0 else None
+        aux_losses = []  # MoE's balance loss reaches the router directly, not through the output
+        out = layer(x, replace(inp, global_kv=kv, kv_memo=memo), aux_losses)
+        objective = (out * call["grad"]).sum() + sum(aux_losses)
+        contribution = torch.autograd.grad(objective, weights, allow_unused=True)
+        mixer_weight = dict(zip([n for n, _ in layer.named_parameters()], contribution))
+        first_proj = next(n for n in mixer_weight if n.startswith("mixer.") and mixer_weight[n] is not None)
+        assert mixer_weight[first_proj].abs().sum() > 0, "an iteration sent no gradient to the mixer"
+        assert mixer_weight["ffn_norm.weight"].abs().sum() > 0
+        total = [t + (c if c is not None else 0) for t, c in zip(total, contribution)]
+    for w, t in zip(weights, total):
+        if not spec.loop.kv_cache == "shared":  # shared K,V adds a path through the first iteration's memo
+            torch.testing.assert_close(w.grad, t, rtol=1e-9, atol=1e-12)
+
+
+def count_calls(module):
+    calls = []
+    module.register_forward_hook(lambda *a: calls.append(1))
+    return calls
+
+
+def test_upper_loop_shares_one_global_kv_or_projects_one_per_iteration():
+    shared = archlab.load_spec(ROOT / "specs/tiny/upper-loop.yaml")
+    own = archlab.load_spec(ROOT / "specs/tiny/upper-loop-no-shared-kv.yaml")
+    tokens = torch.randint(0, 256, (2, 20))
+    models = {}
+    for spec in (shared, own):
+        model = archlab.build_model(spec)
+        calls = count_calls(model.global_kv)
+        models[spec.name] = (model, model(tokens))
+        assert len(calls) == (1 if spec.loop.kv_cache == "shared" else spec.loop.times)
+    # same weights, different cache rule -> different function
+    (m_shared, out_shared), (m_own, _) = models.values()
+    m_own.load_state_dict(m_shared.state_dict())
+    assert not torch.allclose(m_own(tokens), out_shared)
+
+
+def test_shared_kv_in_an_attention_loop_writes_k_v_once():
+    rins = archlab.load_spec(ROOT / "specs/tiny/rins.yaml")
+    tokens = torch.randint(0, 256, (1, 20))
+    outs = []
+    for kv_cache in ("per_iteration", "shared"):
+        spec = with_loop(rins, kv_cache=kv_cache)
+        model = archlab.build_model(spec)
+        k_calls, q_calls = count_calls(model.layers[0].mixer.k_proj), count_calls(model.layers[0].mixer.q_proj)
+        outs.append(model(tokens))
+        assert len(q_calls) == 3
+        assert len(k_calls) == (3 if kv_cache == "per_iteration" else 1)
+    assert not torch.allclose(*outs)

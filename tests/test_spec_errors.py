@@ -1,0 +1,139 @@
+"""Malformed specs get a precise message: file, field path, what is wrong, what is allowed."""
+
+import textwrap
+
+import pytest
+
+import archlab
+
+BASE = """
+schema_version: 1
+name: t
+vocab_size: 64
+d_model: 32
+layout:
+  type: yoco
+  self_decoder: {n_layers: 2, blocks: [{type: swa, window: 8, n_heads: 4}]}
+  global_kv: {n_kv_heads: 2, head_dim: 8}
+  cross_decoder: {n_layers: 2}
+"""
+
+STACK = """
+schema_version: 1
+name: t
+vocab_size: 64
+d_model: 32
+layout:
+  type: stack
+  layers: {n_layers: 4, blocks: [{type: attention, n_heads: 4}]}
+"""
+
+# (name, files {name: text}, spec to load, [fragments the message must contain])
+CASES = [
+    ("yaml syntax", {"s.yaml": "name: [unclosed\n"}, "s.yaml", ["YAML syntax error", "line 2"]),
+    ("not a mapping", {"s.yaml": "- a\n- b\n"}, "s.yaml", ["a spec is a YAML mapping, got list"]),
+    ("wrong type", {"s.yaml": BASE.replace("d_model: 32", "d_model: wide")}, "s.yaml",
+     ["d_model:", "valid integer", "'wide'"]),
+    ("negative width", {"s.yaml": BASE.replace("d_model: 32", "d_model: -4")}, "s.yaml",
+     ["d_model:", "greater than 0"]),
+    ("unknown key", {"s.yaml": BASE + "dropout: 0.1\n"}, "s.yaml", ["dropout:", "unknown key"]),
+    ("unknown nested key", {"s.yaml": BASE.replace("window: 8", "window: 8, widow: 3")}, "s.yaml",
+     ["layout.self_decoder.blocks[0].widow", "unknown key"]),
+    ("unknown block type", {"s.yaml": BASE.replace("type: swa", "type: lstm")}, "s.yaml",
+     ["layout.self_decoder.blocks[0]", "unknown type 'lstm'", "'attention'", "'gdn'", "'mamba2'", "'retnet'", "'swa'"]),
+    ("unknown layout", {"s.yaml": BASE.replace("type: yoco", "type: encoder")}, "s.yaml",
+     ["layout", "unknown type 'encoder'", "'stack'", "'yoco'"]),
+    ("schema version", {"s.yaml": BASE.replace("schema_version: 1", "schema_version: 7")}, "s.yaml",
+     ["schema_version", "unsupported schema_version 7", "version 1"]),
+    ("missing field", {"s.yaml": BASE.replace("vocab_size: 64\n", "")}, "s.yaml", ["vocab_size", "Field required"]),
+    ("heads vs width", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 5")}, "s.yaml",
+     ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
+    ("kv heads vs heads", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 4, n_kv_heads: 3")}, "s.yaml",
+     ["n_kv_heads=3 must divide n_heads=4"]),
+    ("cross heads vs global kv", {"s.yaml": BASE.replace("n_kv_heads: 2", "n_kv_heads: 3")}, "s.yaml",
+     ["layout.cross_decoder.blocks[0].n_heads", "multiple of the global K,V's 3 heads"]),
+    ("loop outside stack", {"s.yaml": STACK + "loop: {position: range, start: 2, end: 9, times: 2, kv_cache: shared}\n"},
+     "s.yaml", ["loop:", "layers 2..8 are outside the stack of 4 layers (0..3)"]),
+    ("prefix longer than stack", {"s.yaml": STACK + "loop: {position: prefix, n_layers: 6, times: 2}\n"},
+     "s.yaml", ["loop:", "outside the stack of 4 layers"]),
+    ("loop straddles yoco halves", {"s.yaml": BASE + "loop: {position: range, start: 1, end: 3, times: 2}\n"},
+     "s.yaml", ["straddle the global K,V projection", "self-decoder (0..1)", "cross-decoder (2..3)"]),
+    ("all-stack loop in yoco", {"s.yaml": BASE + "loop: {position: all, times: 2}\n"}, "s.yaml", ["straddle"]),
+    ("upper loop on a stack", {"s.yaml": STACK + "loop: {position: upper, times: 2}\n"}, "s.yaml",
+     ["loop.position", "names a YOCO half", "'prefix', 'all' or 'range'"]),
+    ("cache option without global attention", {"s.yaml": BASE + "loop: {position: lower, times: 3, kv_cache: shared}\n"},
+     "s.yaml", ["loop.kv_cache", "not applicable", "no global attention", "swa"]),
+    ("cache option missing", {"s.yaml": BASE + "loop: {position: upper, times: 3}\n"}, "s.yaml",
+     ["loop.kv_cache", "required", "cross_attention", "'shared'", "'per_iteration'"]),
+    ("bad cache option", {"s.yaml": BASE + "loop: {position: upper, times: 3, kv_cache: some}\n"}, "s.yaml",
+     ["loop.kv_cache", "'shared' or 'per_iteration'"]),
+    ("loop keys of another position", {"s.yaml": BASE + "loop: {position: lower, times: 3, n_layers: 1}\n"}, "s.yaml",
+     ["loop.n_layers", "unknown key"]),
+    ("zero loop count", {"s.yaml": BASE + "loop: {position: lower, times: 0}\n"}, "s.yaml",
+     ["loop.times", "greater than or equal to 1"]),
+    ("unknown loop position", {"s.yaml": BASE + "loop: {position: middle, times: 2}\n"}, "s.yaml",
+     ["loop", "unknown position 'middle'", "'lower'", "'upper'", "'prefix'"]),
+    ("cross-attention in a stack", {"s.yaml": STACK.replace("[{type: attention, n_heads: 4}]", "[cross_attention]")},
+     "s.yaml", ["layout.layers.blocks[0].type", "reads the global K,V", "only in a YOCO cross-decoder"]),
+    ("self-attention in the cross-decoder", {"s.yaml": BASE.replace("cross_decoder: {n_layers: 2}", "cross_decoder: {n_layers: 2, blocks: [swa]}")},
+     "s.yaml", ["layout.cross_decoder.blocks[0].type", "does not read the global K,V", "['cross_attention']"]),
+    ("moe top-k", {"s.yaml": BASE + "ffn: {type: moe, n_experts: 4, top_k: 6, expert_hidden: 16}\n"}, "s.yaml",
+     ["ffn.top_k", "top_k=6 exceeds n_experts=4"]),
+    ("parscale without prefix k,v", {"s.yaml": BASE.replace("type: swa, window: 8, n_heads: 4", "type: gdn, n_heads: 4") + "parscale: {streams: 2}\n"},
+     "s.yaml", ["parscale", "no block here supports it", "['attention', 'swa']"]),
+    ("mamba head_dim", {"s.yaml": BASE.replace("{type: swa, window: 8, n_heads: 4}", "{type: mamba2, head_dim: 24}")},
+     "s.yaml", ["layout.self_decoder.blocks[0].head_dim", "head_dim=24 must divide expand * d_model = 64"]),
+    ("extends missing file", {"s.yaml": "extends: nowhere.yaml\nname: x\n"}, "s.yaml", ["nowhere.yaml", "not found", "extended from"]),
+    ("extends cycle", {"a.yaml": "extends: b.yaml\nname: a\n", "b.yaml": "extends: a.yaml\nname: b\n"}, "a.yaml",
+     ["extends", "cycle", "a.yaml -> ", "b.yaml -> ", "a.yaml"]),
+    ("extends not a path", {"s.yaml": "extends: [1, 2]\nname: x\n"}, "s.yaml", ["extends", "must be a path"]),
+    ("missing spec file", {}, "absent.yaml", ["absent.yaml", "not found"]),
+]
+
+
+@pytest.mark.parametrize("name,files,target,fragments", CASES, ids=[c[0] for c in CASES])
+def test_malformed_spec_message(tmp_path, name, files, target, fragments):
+    for fname, text in files.items():
+        (tmp_path / fname).write_text(textwrap.dedent(text))
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / target)
+    message = str(caught.value)
+    assert target in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    bad = BASE.replace("n_heads: 4", "n_heads: 5").replace("n_kv_heads: 2", "n_kv_heads: 3")
+    (tmp_path / "s.yaml").write_text(bad)
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / "s.yaml")
+    assert len(caught.value.problems) == 2
+
+
+def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):
+    (tmp_path / "base.yaml").write_text(BASE + "ffn: {type: swiglu, hidden: 48}\nloop: {position: lower, times: 2}\n")
+    (tmp_path / "child.yaml").write_text(
+        "extends: base.yaml\nname: child\n"
+        "layout: {self_decoder: {blocks: [{type: gdn, n_heads: 2}], position: none}}\n"
+        "ffn: {type: moe, n_experts: 4, top_k: 2, expert_hidden: 16}\n"
+        "loop: {times: 4}\n"
+    )
+    spec = archlab.load_spec(tmp_path / "child.yaml")
+    assert spec.name == "child"
+    assert spec.layout.self_decoder.n_layers == 2  # kept from the parent
+    assert spec.layout.self_decoder.blocks[0].type == "gdn"  # lists replace
+    assert spec.layout.self_decoder.position.type == "none"  # shorthand
+    assert spec.ffn.type == "moe" and spec.ffn.n_experts == 4  # new variant: swiglu's hidden not merged in
+    assert (spec.loop.position, spec.loop.times) == ("lower", 4)
+
+
+def test_show_output_is_a_valid_spec(tmp_path):
+    from archlab.spec import spec_to_yaml
+
+    (tmp_path / "s.yaml").write_text(BASE)
+    original = archlab.load_spec(tmp_path / "s.yaml")
+    text = spec_to_yaml(original)
+    assert text.startswith("schema_version: 1\n")
+    (tmp_path / "shown.yaml").write_text(text)
+    assert archlab.load_spec(tmp_path / "shown.yaml") == original

@@ -6,12 +6,17 @@
 """
 
 from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.engine import Engine, Generation, Sampling, generate
 from archlab.model import Model, build_model
 from archlab.spec import ModelSpec, SpecError, load_spec, validate_spec
 
 __all__ = [
     "BlockSpec",
     "BuildContext",
+    "Engine",
+    "Generation",
+    "Sampling",
+    "generate",
     "MixerInput",
     "Model",
     "ModelSpec",

@@ -37,11 +37,16 @@ class BuildContext:
 
 @dataclass
 class MixerInput:
-    """Per-call inputs shared by all layers of one forward pass."""
+    """What a mixer gets besides its input x [B, N, D].
 
-    positions: torch.Tensor  # [N] absolute positions of the tokens in x
-    global_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # [B, N, Hkv, Dh] each
-    kv_memo: dict | None = None  # set when loop iterations share this layer's K,V
+    Training passes no ``state``. Inference passes the layer's state (the dict its module's
+    ``new_state`` made), which the mixer reads and updates in place for the N new tokens.
+    """
+
+    positions: torch.Tensor  # [B, N] absolute positions of the tokens in x
+    state: dict[str, torch.Tensor] | None = None
+    global_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # K, V [B, M, Hkv, Dh], their positions [M]
+    kv_memo: dict | None = None  # set when loop iterations share this layer's K,V (first one writes it)
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class BlockSpec(Strict):
 
     reads_global_kv: ClassVar[bool] = False  # cross-decoder block: attends to the global K,V
     grows_kv_cache: ClassVar[bool] = False  # keeps a K,V cache that grows with the context
+    shares_kv: ClassVar[bool] = False  # honours MixerInput.kv_memo (loops with kv_cache: shared)
+    keeps_state: ClassVar[bool] = True  # has inference state, so a prefill must run it
     supports_streams: ClassVar[bool] = False  # can give ParScale streams their own prefix K,V
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
@@ -81,7 +88,13 @@ class BlockSpec(Strict):
 
     @abstractmethod
     def build(self, ctx: BuildContext) -> nn.Module:
-        """Return the mixer module: ``forward(x [B, N, D], inp: MixerInput) -> [B, N, D]``."""
+        """Return the mixer module, which has
+
+        - ``forward(x [B, N, D], inp: MixerInput) -> [B, N, D]``, and
+        - ``new_state(batch, capacity, dtype) -> dict[str, Tensor]``: its empty inference state
+          for sequences of up to ``capacity`` tokens (``{}`` for a stateless mixer). Every tensor
+          in it counts towards the cache bytes, so keep bookkeeping out of it.
+        """
 
 
 def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:

@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from archlab.block import MixerInput
+from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
-from archlab.plan import Segment, segments
+from archlab.plan import Segment, Step, prefill_end, segments, steps
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
+from blocks.attention import write_rows
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:
@@ -50,12 +52,23 @@ class GlobalKV(nn.Module):
         position = spec.layout.cross_decoder.position
         self.rotary = Rotary(self.head_dim, position.theta) if isinstance(position, RoPE) else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> State:
+        shape = (batch, capacity, self.heads, self.head_dim)
+        return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: State | None = None):
+        """(K, V, key positions) for the cross-decoder; with a state, the new rows are appended
+        and the whole cache is returned."""
         batch, n, _ = x.shape
         h = self.norm(x)
         k = self.k_proj(h).view(batch, n, self.heads, self.head_dim)
         v = self.v_proj(h).view(batch, n, self.heads, self.head_dim)
-        return (k if self.rotary is None else self.rotary(k, positions)), v
+        k = k if self.rotary is None else self.rotary(k, positions)
+        if state is None:
+            return k, v, positions
+        write_rows(state["k"], positions, k)
+        write_rows(state["v"], positions, v)
+        return state["k"], state["v"], torch.arange(state["k"].shape[1], device=x.device)[None]
 
 
 class Model(nn.Module):
@@ -63,6 +76,8 @@ class Model(nn.Module):
         super().__init__()
         self.spec = spec
         self.segments: tuple[Segment, ...] = segments(spec)
+        self.plan: tuple[Step, ...] = steps(self.segments)
+        self.prefill_steps = self.plan[: prefill_end(spec, self.segments, self.plan)]
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
         contexts = [spec.build_context(h) for h in range(len(spec.halves))]
         half_of = [seg.half for seg in self.segments for _ in seg.layers]
@@ -89,27 +104,57 @@ class Model(nn.Module):
     def forward_with_aux(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits and the summed auxiliary losses (MoE load balancing; 0 without MoE)."""
         batch, n = input_ids.shape
-        positions = torch.arange(n, device=input_ids.device)
-        x = self.embed(input_ids)
-        if self.streams > 1:
-            x = x.repeat_interleave(self.streams, dim=0)  # rows (sequence, stream), stream fastest
+        positions = torch.arange(n, device=input_ids.device).expand(batch, n)
         aux: list[torch.Tensor] = []
-        global_kv = None
-        for seg in self.segments:
-            if seg.half == 1 and global_kv is None:
-                global_kv = self.global_kv(x, positions)
-            memos: dict[int, dict] = {i: {} for i in seg.layers} if seg.share_kv else {}
-            loop_kv = global_kv
-            for t in range(seg.times):
-                if t > 0 and seg.half == 1 and not seg.share_kv:
-                    loop_kv = self.global_kv(x, positions)
-                for i in seg.layers:
-                    inp = MixerInput(positions, global_kv=loop_kv, kv_memo=memos.get(i))
-                    x = self.layers[i](x, inp, aux)
-        if self.streams > 1:
-            x = self._mix_streams(x.view(batch, self.streams, n, -1))
-        logits = self.head(self.norm(x))
+        x = self.run(self.embed_streams(input_ids), self.streams_of(positions), self.plan, aux=aux)
+        logits = self.logits(x)
         return logits, torch.stack(aux).sum() if aux else logits.new_zeros(())
+
+    # -- one walker for training and inference -----------------------------------------------
+
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.streams_of(self.embed(input_ids))
+
+    def streams_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """One row per (sequence, stream), stream fastest: how ParScale folds streams into the batch."""
+        return rows.repeat_interleave(self.streams, dim=0) if self.streams > 1 else rows
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.streams > 1:
+            x = self._mix_streams(x.view(-1, self.streams, *x.shape[1:]))
+        return self.head(self.norm(x))
+
+    def state_key(self, step: Step, layer: int) -> tuple[int, int, int]:
+        """The cache slot of a layer at a step: loops that share K,V keep the first iteration's."""
+        shared = self.segments[step.segment].share_kv and self.spec.block_at(layer).shares_kv
+        return (step.segment, 0 if shared else step.iteration, layer)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        plan: tuple[Step, ...],
+        cache: Cache | None = None,
+        aux: list | None = None,
+    ) -> torch.Tensor:
+        """Apply ``plan`` (all of ``self.plan``, or the prefill's leading part) to hidden states
+        x [rows, N, D] at ``positions`` [rows, N]; with a cache, read and extend its state."""
+        aux = [] if aux is None else aux
+        main_kv = loop_kv = None
+        memos: dict[int, dict] = {}
+        for step in plan:
+            seg = self.segments[step.segment]
+            if step.project:
+                loop_kv = self.global_kv(x, positions, cache.global_kv[step] if cache else None)
+                main_kv = main_kv or loop_kv
+                continue
+            if step.iteration == 0:  # a new segment: the one global K,V, fresh K,V memos
+                loop_kv = main_kv
+                memos = {i: {} for i in seg.layers if seg.share_kv and self.spec.block_at(i).shares_kv}
+            for i in seg.layers:
+                state = cache.layers[self.state_key(step, i)] if cache else None
+                x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i)), aux)
+        return x
 
     def _mix_streams(self, x: torch.Tensor) -> torch.Tensor:
         """ParScale aggregation: per-token softmax weights over streams from all streams' outputs."""

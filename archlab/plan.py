@@ -44,3 +44,38 @@ def segments(spec: ModelSpec) -> tuple[Segment, ...]:
             )
         first += half.n_layers
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One thing the forward pass does, in order: project the global K,V, or run a segment's
+    layers once (iteration ``iteration`` of segment ``segment``)."""
+
+    segment: int
+    iteration: int
+    project: bool = False
+
+
+def steps(segs: tuple[Segment, ...]) -> tuple[Step, ...]:
+    """The forward pass as a flat list. The global K,V is projected before the first
+    cross-decoder segment, and again at each later iteration of a loop that does not share it."""
+    out: list[Step] = []
+    projected = False
+    for s, seg in enumerate(segs):
+        if seg.half == 1 and not projected:
+            out.append(Step(s, 0, project=True))
+            projected = True
+        for t in range(seg.times):
+            if t > 0 and seg.half == 1 and not seg.share_kv:
+                out.append(Step(s, t, project=True))
+            out.append(Step(s, t))
+    return tuple(out)
+
+
+def prefill_end(spec: ModelSpec, segs: tuple[Segment, ...], plan: tuple[Step, ...]) -> int:
+    """How many leading steps a prefill must run: up to the last one that leaves inference
+    state behind. In YOCO that is the global K,V projection: the cross-decoder is skipped."""
+    stateful = [
+        step.project or any(spec.block_at(i).keeps_state for i in segs[step.segment].layers) for step in plan
+    ]
+    return max((i + 1 for i, keeps in enumerate(stateful) if keeps), default=0)

@@ -19,10 +19,11 @@ from archlab.rope import Rotary
 
 
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[Nq, Nk] bool: query i sees key j iff j <= i and, with a window W, i - j < W."""
-    offset = q_pos[:, None] - k_pos[None, :]
-    allowed = offset >= 0
-    return allowed if window is None else allowed & (offset < window)
+    """[B, 1, Nq, Nk] bool from positions q_pos [B, Nq] and k_pos [B or 1, Nk]: query i sees key j
+    iff 0 <= pos_i - pos_j and, with a window W, pos_i - pos_j < W. Negative key positions are empty."""
+    offset = q_pos[:, :, None] - k_pos[:, None, :]
+    allowed = (offset >= 0) & (k_pos[:, None, :] >= 0)
+    return (allowed if window is None else allowed & (offset < window))[:, None]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
     )
     return out.transpose(1, 2)
+
+
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[b, slots[b, i]] = values[b, i] for every row b (in place)."""
+    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
+    cache[rows, slots] = values.to(cache.dtype)
 
 
 class AttentionSpec(BlockSpec):
@@ -42,6 +49,7 @@ class AttentionSpec(BlockSpec):
     head_dim: PositiveInt | None = None  # None: d_model // n_heads
 
     grows_kv_cache: ClassVar[bool] = True
+    shares_kv: ClassVar[bool] = True
     supports_streams: ClassVar[bool] = True
 
     def window_size(self) -> int | None:
@@ -81,21 +89,49 @@ class SelfAttention(nn.Module):
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x if self.rotary is None else self.rotary(x, positions)
 
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """K,V rows: one per position, or a ring of the last ``window`` positions."""
+        rows = capacity if self.window is None else min(self.window, capacity)
+        shape = (batch, rows, self.kv_heads, self.head_dim)
+        return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
+
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
         q = self.rope(self.q_proj(x).view(batch, n, self.heads, self.head_dim), inp.positions)
         if inp.kv_memo is not None and "kv" in inp.kv_memo:
-            k, v = inp.kv_memo["kv"]
+            k, v, mask = inp.kv_memo["kv"]
         else:
-            k = self.rope(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim), inp.positions)
-            v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim)
+            k, v, mask = self.keys(x, inp)
             if inp.kv_memo is not None:
-                inp.kv_memo["kv"] = (k, v)
-        mask = band_mask(inp.positions, inp.positions, self.window)
+                inp.kv_memo["kv"] = (k, v, mask)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))
+
+    def keys(self, x: torch.Tensor, inp: MixerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V the queries attend to and the mask; writes the new tokens into the state, if any."""
+        batch, n, _ = x.shape
+        k = self.rope(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim), inp.positions)
+        v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim)
+        k_pos, state = inp.positions, inp.state
+        if state is not None and self.window is None:  # the cache row of a token is its position
+            write_rows(state["k"], inp.positions, k)
+            write_rows(state["v"], inp.positions, v)
+            k, v = state["k"], state["v"]
+            k_pos = torch.arange(k.shape[1], device=x.device)[None]
+        elif state is not None:  # ring: slot s holds the latest earlier position p with p % R == s
+            ring = state["k"].shape[1]
+            first = inp.positions[:, :1] - 1
+            slot = torch.arange(ring, device=x.device)[None]
+            ring_pos = first - (first - slot) % ring  # negative where nothing was written yet
+            keep = min(n, ring)
+            k_all, v_all = torch.cat((state["k"], k.to(state["k"].dtype)), 1), torch.cat((state["v"], v.to(state["v"].dtype)), 1)
+            write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
+            write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
+            k, v, k_pos = k_all, v_all, torch.cat((ring_pos, inp.positions), 1)
+        mask = band_mask(inp.positions, k_pos, self.window)
         if hasattr(self, "prefix_k"):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             k = torch.cat((self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), k), dim=1)
             v = torch.cat((self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype), v), dim=1)
-            mask = torch.cat((mask.new_ones(n, self.prefix_k.shape[1]), mask), dim=1)
-        out = attend(q, k, v, mask)
-        return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))
+            mask = torch.cat((mask.new_ones(*mask.shape[:3], self.prefix_k.shape[1]), mask), dim=-1)
+        return k, v, mask

@@ -18,6 +18,7 @@ class CrossAttentionSpec(BlockSpec):
     n_heads: PositiveInt | None = None  # None: d_model // the global head_dim
 
     reads_global_kv: ClassVar[bool] = True
+    keeps_state: ClassVar[bool] = False
 
     def heads(self, ctx: BuildContext) -> int:
         return self.n_heads or ctx.d_model // ctx.global_head_dim
@@ -44,11 +45,14 @@ class CrossAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.head_dim, ctx.d_model, bias=False)
         self.rotary = Rotary(self.head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
 
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {}  # it only reads the model's global K,V
+
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
         q = self.q_proj(x).view(batch, n, self.heads, self.head_dim)
         if self.rotary is not None:
             q = self.rotary(q, inp.positions)
-        k, v = inp.global_kv
-        out = attend(q, k, v, band_mask(inp.positions, inp.positions, None))
+        k, v, k_pos = inp.global_kv
+        out = attend(q, k, v, band_mask(inp.positions, k_pos, None))
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

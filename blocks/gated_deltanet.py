@@ -8,6 +8,7 @@ output is per-head RMSNorm gated by silu(W_gate x), projected back to the width.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Literal
 
 import torch
@@ -16,8 +17,8 @@ from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
-from archlab.ops.conv import causal_conv1d_fn
-from archlab.ops.gated_delta_rule import chunk_gated_delta_rule
+from archlab.ops.conv import short_conv
+from archlab.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
 class GatedDeltaNetSpec(BlockSpec):
@@ -42,8 +43,8 @@ class GatedDeltaNetSpec(BlockSpec):
         return GatedDeltaNet(ctx, self)
 
 
-def short_conv(dim: int, size: int) -> nn.Conv1d:
-    """Depthwise causal conv weights (applied through the causal_conv1d op)."""
+def conv_weights(dim: int, size: int) -> nn.Conv1d:
+    """Depthwise causal conv weights (applied through the causal_conv1d ops)."""
     return nn.Conv1d(dim, dim, size, groups=dim, bias=False)
 
 
@@ -57,9 +58,9 @@ class GatedDeltaNet(nn.Module):
         self.q_proj = nn.Linear(d, key_width, bias=False)
         self.k_proj = nn.Linear(d, key_width, bias=False)
         self.v_proj = nn.Linear(d, value_width, bias=False)
-        self.q_conv = short_conv(key_width, spec.conv_size)
-        self.k_conv = short_conv(key_width, spec.conv_size)
-        self.v_conv = short_conv(value_width, spec.conv_size)
+        self.q_conv = conv_weights(key_width, spec.conv_size)
+        self.k_conv = conv_weights(key_width, spec.conv_size)
+        self.v_conv = conv_weights(value_width, spec.conv_size)
         self.a_proj = nn.Linear(d, h, bias=False)
         self.b_proj = nn.Linear(d, h, bias=False)
         self.A_log = nn.Parameter(torch.empty(h).uniform_(1, 16).log())
@@ -69,17 +70,34 @@ class GatedDeltaNet(nn.Module):
         self.head_norm = nn.RMSNorm(self.value_dim, eps=1e-6)
         self.o_proj = nn.Linear(value_width, d, bias=False)
 
-    def _conv(self, conv: nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        return causal_conv1d_fn(x.transpose(1, 2), conv.weight.squeeze(1), activation="silu").transpose(1, 2)
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Conv tails of q, k, v and the delta-rule state, in fp32 as the ops keep them."""
+        tail = self.q_conv.kernel_size[0] - 1
+        key_width, value_width = self.q_conv.in_channels, self.v_conv.in_channels
+        return {
+            "q_conv": torch.zeros(batch, key_width, tail),
+            "k_conv": torch.zeros(batch, key_width, tail),
+            "v_conv": torch.zeros(batch, value_width, tail),
+            "S": torch.zeros(batch, self.heads, self.head_dim, self.value_dim),
+        }
 
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
-        heads = (batch, n, self.heads, -1)
-        q = F.normalize(self._conv(self.q_conv, self.q_proj(x)).view(heads), dim=-1)
-        k = F.normalize(self._conv(self.k_conv, self.k_proj(x)).view(heads), dim=-1)
-        v = self._conv(self.v_conv, self.v_proj(x)).view(heads)
+        heads, state = (batch, n, self.heads, -1), inp.state or {}
+
+        def conv(name: str, proj: nn.Linear) -> torch.Tensor:
+            return short_conv(proj(x), getattr(self, name).weight.squeeze(1), state=state.get(name)).view(heads)
+
+        q = F.normalize(conv("q_conv", self.q_proj), dim=-1)
+        k = F.normalize(conv("k_conv", self.k_proj), dim=-1)
+        v = conv("v_conv", self.v_proj)
         beta = self.b_proj(x).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)
+        if inp.state is None:
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)
+        else:  # a decoding step uses the recurrent form
+            op = fused_recurrent_gated_delta_rule if n == 1 else partial(chunk_gated_delta_rule, chunk_size=self.chunk_size)
+            o, final = op(q, k, v, g, beta, initial_state=state["S"], output_final_state=True)
+            state["S"].copy_(final)
         o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
         return self.o_proj(o.reshape(batch, n, -1))

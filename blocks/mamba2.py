@@ -16,8 +16,8 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
-from archlab.ops.conv import causal_conv1d_fn
-from archlab.ops.ssd import mamba_chunk_scan_combined
+from archlab.ops.conv import short_conv
+from archlab.ops.ssd import mamba_chunk_scan_combined, selective_state_update
 
 
 class Mamba2Spec(BlockSpec):
@@ -60,22 +60,35 @@ class Mamba2(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(self.inner))
         self.out_proj = nn.Linear(self.inner, ctx.d_model, bias=False)
 
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Conv tail of x, B, C and the SSM state, in fp32 as the ops keep them."""
+        return {
+            "conv": torch.zeros(batch, self.conv_dim, self.conv.kernel_size[0] - 1),
+            "ssm": torch.zeros(batch, self.heads, self.head_dim, self.d_state),
+        }
+
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
+        conv_state, ssm_state = (inp.state["conv"], inp.state["ssm"]) if inp.state is not None else (None, None)
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
-        xbc = causal_conv1d_fn(xbc.transpose(1, 2), self.conv.weight.squeeze(1), self.conv.bias, activation="silu")
-        xs, B, C = xbc.transpose(1, 2).split([self.inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
-        y = mamba_chunk_scan_combined(
-            xs.reshape(batch, n, self.heads, self.head_dim),
-            dt,
-            -self.A_log.float().exp(),
-            B.reshape(batch, n, self.groups, self.d_state),
-            C.reshape(batch, n, self.groups, self.d_state),
-            self.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
-            dt_softplus=True,
-        )
+        xbc = short_conv(xbc, self.conv.weight.squeeze(1), self.conv.bias, state=conv_state)
+        xs, B, C = xbc.split([self.inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+        xs = xs.reshape(batch, n, self.heads, self.head_dim)
+        B, C = B.reshape(batch, n, self.groups, self.d_state), C.reshape(batch, n, self.groups, self.d_state)
+        A = -self.A_log.float().exp()
+        if ssm_state is not None and n == 1:  # a decoding step uses the recurrent form
+            y, new_ssm = selective_state_update(
+                ssm_state, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, dt_bias=self.dt_bias, dt_softplus=True
+            )
+            y = y[:, None]
+        else:
+            y = mamba_chunk_scan_combined(
+                xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                initial_states=ssm_state, return_final_states=ssm_state is not None,
+            )
+            y, new_ssm = y if ssm_state is not None else (y, None)
+        if ssm_state is not None:
+            ssm_state.copy_(new_ssm)
         y = y.reshape(batch, n, self.inner) * F.silu(z)
         y = F.rms_norm(y.view(batch, n, self.groups, -1), (self.inner // self.groups,), eps=1e-5)
         return self.out_proj(y.view(batch, n, self.inner) * self.norm_weight)

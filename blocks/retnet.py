@@ -7,6 +7,7 @@ gated by silu(W_gate x), then projected back to the width.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -15,7 +16,12 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
-from archlab.ops.retention import chunk_retention, chunk_simple_gla
+from archlab.ops.retention import (
+    chunk_retention,
+    chunk_simple_gla,
+    fused_recurrent_retention,
+    fused_recurrent_simple_gla,
+)
 from archlab.rope import Rotary
 
 
@@ -25,7 +31,7 @@ class RetentionSpec(BlockSpec):
     head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
     value_dim: PositiveInt | None = None  # value head size; None: 2 * head_dim (as RetNet)
     gated: bool = False
-    chunk_size: PositiveInt = 64
+    chunk_size: PositiveInt = 64  # of the gated form's chunked op (fla's chunk_retention fixes its own)
 
     def dims(self, d_model: int) -> tuple[int, int]:
         head_dim = self.head_dim or d_model // self.n_heads
@@ -55,6 +61,9 @@ class Retention(nn.Module):
         self.o_proj = nn.Linear(h * self.value_dim, d, bias=False)
         self.rotary = Rotary(self.head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
 
+    def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return {"S": torch.zeros(batch, self.heads, self.head_dim, self.value_dim)}  # fp32, as the ops keep it
+
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
         q = self.q_proj(x).view(batch, n, self.heads, self.head_dim)
@@ -64,8 +73,14 @@ class Retention(nn.Module):
             q, k = self.rotary(q, inp.positions), self.rotary(k, inp.positions)
         if self.gated:
             g = F.logsigmoid(self.decay_proj(x).float()) / 16
-            o, _ = chunk_simple_gla(q, k, v, g, chunk_size=self.chunk_size)
+            chunked, recurrent = partial(chunk_simple_gla, g=g, chunk_size=self.chunk_size), partial(fused_recurrent_simple_gla, g=g)
         else:
-            o, _ = chunk_retention(q, k, v)
+            chunked, recurrent = chunk_retention, fused_recurrent_retention
+        state = inp.state
+        if state is None:
+            o, _ = chunked(q, k, v)
+        else:  # a decoding step uses the recurrent form
+            o, final = (recurrent if n == 1 else chunked)(q, k, v, initial_state=state["S"], output_final_state=True)
+            state["S"].copy_(final)
         o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
         return self.o_proj(o.reshape(batch, n, -1))

@@ -30,7 +30,7 @@ def test_sliding_window_attention_matches_naive_and_fla(window, n):
     spec = spec.model_copy(update={"n_heads": 4, "n_kv_heads": 2})
     module = spec.build(BuildContext(d_model=32, rope_theta=10_000.0)).double()
     x = torch.randn(2, n, 32, dtype=torch.float64)
-    positions = torch.arange(n)
+    positions = torch.arange(n).expand(2, n)
     got = module(x, MixerInput(positions))
 
     q = module.rope(module.q_proj(x).view(2, n, 4, 8), positions)
@@ -74,7 +74,7 @@ def test_retention_block_chunk_sizes_agree(gated):
     for chunk in (4, 16, 64):
         torch.manual_seed(1)
         module = RetentionSpec(type="retnet", n_heads=4, gated=gated, chunk_size=chunk).build(ctx).double()
-        outs.append(module(x, MixerInput(torch.arange(45))))
+        outs.append(module(x, MixerInput(torch.arange(45).expand(2, 45))))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(outs[0], outs[2], rtol=1e-10, atol=1e-12)
 
@@ -86,11 +86,11 @@ def test_gated_deltanet_block_matches_fla_recurrent_reference(monkeypatch):
 
     module = GatedDeltaNetSpec(type="gdn", n_heads=2, chunk_size=8).build(BuildContext(32, None)).double()
     x = torch.randn(2, 29, 32, dtype=torch.float64)
-    got = module(x, MixerInput(torch.arange(29)))
+    got = module(x, MixerInput(torch.arange(29).expand(2, 29)))
 
     def reference_op(q, k, v, g, beta, chunk_size):
         out, _ = fla_naive.naive_recurrent_gated_delta_rule(q, k, v, beta, g)
         return out.to(q.dtype), None
 
     monkeypatch.setattr(gdn, "chunk_gated_delta_rule", reference_op)
-    torch.testing.assert_close(got, module(x, MixerInput(torch.arange(29))), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, module(x, MixerInput(torch.arange(29).expand(2, 29))), rtol=1e-5, atol=1e-6)

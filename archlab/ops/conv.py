@@ -44,3 +44,22 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     if bias is not None:
         out = out + bias.to(dtype)
     return _activate(out, activation).to(x.dtype), window[..., 1:]
+
+
+def short_conv(x, weight, bias=None, state=None, activation="silu"):
+    """Sequence-first causal conv for a block: x [B, T, D] -> [B, T, D].
+
+    With ``state`` (a [B, D, W-1] tensor of the last inputs) it continues from and updates that
+    state in place: one token takes the decoding op, several take the full op.
+    """
+    if state is None:
+        return causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=activation).transpose(1, 2)
+    if x.shape[1] == 1:
+        out, new_state = causal_conv1d_update(x[:, 0], state, weight, bias, activation=activation)
+        state.copy_(new_state)
+        return out[:, None]
+    out, new_state = causal_conv1d_fn(
+        x.transpose(1, 2), weight, bias, initial_states=state, return_final_states=True, activation=activation
+    )
+    state.copy_(new_state)
+    return out.transpose(1, 2)

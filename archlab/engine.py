@@ -1,0 +1,171 @@
+"""Prefill and decode with the cache the architecture calls for.
+
+Prefill feeds all prompt tokens but the last, chunk by chunk, through the model's prefill steps
+only: in YOCO the self-decoder (every loop iteration) and the global K,V projection, never the
+cross-decoder. The last prompt token is then the first decoding step through the whole model.
+Prompts of different lengths are prefilled in groups of equal length; decoding runs them together,
+each row at its own position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from archlab.cache import Cache
+from archlab.model import Model
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is chosen. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_tokens: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Next tokens [B] from logits [B, V]."""
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / self.temperature
+        if self.top_k is not None:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p is not None:
+            ordered, order = logits.sort(dim=-1, descending=True)
+            probs = ordered.softmax(dim=-1)
+            drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p  # the mass before it already reaches p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns: new tokens per sequence (cut after a stop token), the logits of
+    every step [steps, B, V] if asked for, and the cache holding the whole sequences."""
+
+    tokens: list[list[int]]
+    cache: Cache
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, model: Model, prefill_chunk: int = 2048):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model, self.prefill_chunk = model, prefill_chunk
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+
+    def new_cache(self, sequences: int, capacity: int) -> Cache:
+        return Cache(self.model, sequences, capacity, self.dtype, self.device)
+
+    def _positions(self, start: torch.Tensor, n: int) -> torch.Tensor:
+        return self.model.streams_of(start[:, None] + torch.arange(n, device=self.device))
+
+    def feed(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache, full: bool) -> torch.Tensor | None:
+        """Run tokens [B, n] at positions start[b]..start[b]+n-1 into the cache: through the whole
+        model (``full``; returns the last position's logits [B, V]) or only the prefill steps."""
+        x = self.model.embed_streams(tokens)
+        plan = self.model.plan if full else self.model.prefill_steps
+        x = self.model.run(x, self._positions(start, tokens.shape[1]), plan, cache)
+        return self.model.logits(x[:, -1:])[:, -1] if full else None
+
+    @torch.no_grad()
+    def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
+        """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
+        predict each prompt's next token."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        if (lengths < 1).any():
+            raise ValueError("every prompt needs at least one token")
+        for length in lengths.unique().tolist():
+            group = (lengths == length).nonzero()[:, 0]
+            sub = cache if len(group) == len(prompts) else cache.take(group)
+            ids = torch.stack([prompts[i] for i in group.tolist()]).to(self.device)
+            for start in range(0, length - 1, self.prefill_chunk):
+                chunk = ids[:, start : min(start + self.prefill_chunk, length - 1)]
+                self.feed(chunk, torch.full((len(group),), start, device=self.device), sub, full=False)
+            if sub is not cache:
+                cache.put(group, sub)
+        last = torch.stack([p[-1] for p in prompts]).to(self.device)[:, None]
+        return self.feed(last, lengths - 1, cache, full=True)
+
+    @torch.no_grad()
+    def stream(
+        self,
+        prompts: Sequence[torch.Tensor],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        cache: Cache | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yield (tokens [B], logits [B, V], finished [B]) once per new token. Rows that met a stop
+        token keep decoding (their tokens are to be ignored) until every row has stopped. At the
+        end the last tokens are written into the cache too, so it holds every token."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        cache = cache or self.new_cache(len(prompts), int(lengths.max()) + max_new_tokens)
+        generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
+        stops = torch.tensor(sampling.stop_tokens, dtype=torch.long, device=self.device)
+        finished = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
+        logits = self.prefill(prompts, cache)
+        for i in range(max_new_tokens):
+            tokens = sampling.choose(logits, generator)
+            done_before = finished.clone()
+            finished |= torch.isin(tokens, stops)
+            yield tokens, logits, done_before
+            last = finished.all() or i == max_new_tokens - 1
+            logits = self.feed(tokens[:, None], lengths + i, cache, full=not last)
+            if last:
+                return
+
+    def generate(
+        self,
+        prompts: Sequence[torch.Tensor] | torch.Tensor,
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        keep_logits: bool = False,
+    ) -> Generation:
+        prompts = list(prompts)
+        lengths = [len(p) for p in prompts]
+        cache = self.new_cache(len(prompts), max(lengths) + max_new_tokens)
+        out: list[list[int]] = [[] for _ in prompts]
+        kept = []
+        for tokens, logits, done in self.stream(prompts, max_new_tokens, sampling, cache):
+            for row, token in enumerate(tokens.tolist()):
+                if not done[row]:
+                    out[row].append(token)
+            if keep_logits:
+                kept.append(logits)
+        return Generation(out, cache, kept)
+
+
+def generate(
+    model: Model,
+    input_ids: torch.Tensor | Sequence[torch.Tensor],
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] = (),
+    prefill_chunk: int = 2048,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` for each prompt (rows of a 2-D tensor, or 1-D tensors of
+    different lengths). Greedy unless a temperature is given."""
+    sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
+    return Engine(model, prefill_chunk).generate(input_ids, max_new_tokens, sampling)

@@ -3,7 +3,8 @@
 - the global K,V: one per projection step (one in YOCO, whatever T is; one per iteration in a
   cross-decoder loop that does not share it), a row per position;
 - a state per (segment, iteration, layer), made by the layer's mixer (K,V rows, a window ring,
-  recurrent and conv states); layers whose K,V a loop shares keep one for all iterations.
+  recurrent and conv states); layers whose K,V a loop shares keep one for all iterations, and
+  stateless mixers (cross-attention) none.
 
 Every tensor is batch-first, so a subset of sequences can be taken out, prefilled and put back.
 """
@@ -43,8 +44,8 @@ class Cache:
             for step in model.plan:
                 for i in [] if step.project else model.segments[step.segment].layers:
                     key = model.state_key(step, i)
-                    if key not in self.layers:
-                        self.layers[key] = model.layers[i].mixer.new_state(rows, capacity, dtype)
+                    if key not in self.layers and (state := model.layers[i].mixer.new_state(rows, capacity, dtype)):
+                        self.layers[key] = state
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
 
     def bytes_per_sequence(self) -> CacheBytes:

@@ -152,7 +152,7 @@ class Model(nn.Module):
                 loop_kv = main_kv
                 memos = {i: {} for i in seg.layers if seg.share_kv and self.spec.block_at(i).shares_kv}
             for i in seg.layers:
-                state = cache.layers[self.state_key(step, i)] if cache else None
+                state = cache.layers.get(self.state_key(step, i)) if cache else None
                 x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i)), aux)
         return x
 

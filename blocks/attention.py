@@ -99,39 +99,83 @@ class SelfAttention(nn.Module):
         batch, n, _ = x.shape
         q = self.rope(self.q_proj(x).view(batch, n, self.heads, self.head_dim), inp.positions)
         if inp.kv_memo is not None and "kv" in inp.kv_memo:
-            k, v, mask = inp.kv_memo["kv"]
+            k, v, k_pos = inp.kv_memo["kv"]
         else:
-            k, v, mask = self.keys(x, inp)
+            k, v, k_pos = self.keys(x, inp)
             if inp.kv_memo is not None:
-                inp.kv_memo["kv"] = (k, v, mask)
-        out = attend(q, k, v, mask)
+                inp.kv_memo["kv"] = (k, v, k_pos)
+        prefix = None
+        if hasattr(self, "prefix_k"):
+            copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
+            prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
+        if self.window is None:
+            out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, None), prefix))
+        else:
+            out = local_attend(q, k, v, inp.positions, k_pos, self.window, prefix)
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))
 
     def keys(self, x: torch.Tensor, inp: MixerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V the queries attend to and the mask; writes the new tokens into the state, if any."""
+        """K, V [B, M, Hkv, Dh] the queries may attend to and their positions [B or 1, M], in
+        position order; writes the new tokens into the state, if any."""
         batch, n, _ = x.shape
         k = self.rope(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim), inp.positions)
         v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim)
-        k_pos, state = inp.positions, inp.state
-        if state is not None and self.window is None:  # the cache row of a token is its position
+        state = inp.state
+        if state is None:
+            return k, v, inp.positions
+        if self.window is None:  # the cache row of a token is its position
             write_rows(state["k"], inp.positions, k)
             write_rows(state["v"], inp.positions, v)
-            k, v = state["k"], state["v"]
-            k_pos = torch.arange(k.shape[1], device=x.device)[None]
-        elif state is not None:  # ring: slot s holds the latest earlier position p with p % R == s
-            ring = state["k"].shape[1]
-            first = inp.positions[:, :1] - 1
-            slot = torch.arange(ring, device=x.device)[None]
-            ring_pos = first - (first - slot) % ring  # negative where nothing was written yet
-            keep = min(n, ring)
-            k_all, v_all = torch.cat((state["k"], k.to(state["k"].dtype)), 1), torch.cat((state["v"], v.to(state["v"].dtype)), 1)
-            write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
-            write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
-            k, v, k_pos = k_all, v_all, torch.cat((ring_pos, inp.positions), 1)
-        mask = band_mask(inp.positions, k_pos, self.window)
-        if hasattr(self, "prefix_k"):
-            copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
-            k = torch.cat((self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), k), dim=1)
-            v = torch.cat((self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype), v), dim=1)
-            mask = torch.cat((mask.new_ones(*mask.shape[:3], self.prefix_k.shape[1]), mask), dim=-1)
-        return k, v, mask
+            return state["k"], state["v"], torch.arange(state["k"].shape[1], device=x.device)[None]
+        # a ring of R rows: slot s holds the latest earlier position p with p % R == s
+        ring = state["k"].shape[1]
+        first = inp.positions[:, :1] - 1
+        ring_pos = first - (first - torch.arange(ring, device=x.device)[None]) % ring  # < 0: never written
+        order = ring_pos.argsort(dim=1)
+        gather = order[:, :, None, None].expand(-1, -1, self.kv_heads, self.head_dim)
+        k_all = torch.cat((state["k"].gather(1, gather), k.to(state["k"].dtype)), 1)
+        v_all = torch.cat((state["v"].gather(1, gather), v.to(state["v"].dtype)), 1)
+        keep = min(n, ring)
+        write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
+        write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
+        return k_all, v_all, torch.cat((ring_pos.gather(1, order), inp.positions), 1)
+
+
+def with_prefix(q, k, v, mask, prefix):
+    """Prepend ParScale's per-stream prefix K,V, visible to every query."""
+    if prefix is None:
+        return q, k, v, mask
+    pk, pv = prefix
+    mask = torch.cat((mask.new_ones(*mask.shape[:-1], pk.shape[1]), mask), dim=-1)
+    return q, torch.cat((pk, k), 1), torch.cat((pv, v), 1), mask
+
+
+def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block=64):
+    """Sliding-window attention in blocks, linear in the number of queries.
+
+    Keys must be the contiguous positions that end at the last query (history first, then the
+    queries' own, as ``keys`` returns them). Each block of ``b`` queries attends to the
+    ``b + W - 1`` keys that can fall inside its windows, plus the prefix.
+    """
+    batch, n, heads, dim = q.shape
+    b = max(window, block)
+    blocks = -(-n // b)
+    front = window - (k.shape[1] - n)  # left-pad so the keys start W positions before the queries
+    back = blocks * b - n
+    k = F.pad(k, (0, 0, 0, 0, front, back))[:, 1:]
+    v = F.pad(v, (0, 0, 0, 0, front, back))[:, 1:]
+    k_pos = F.pad(k_pos.expand(batch, -1), (front, back), value=-1)[:, 1:]
+    q = F.pad(q, (0, 0, 0, 0, 0, back)).view(batch * blocks, b, heads, dim)
+    q_pos = F.pad(q_pos, (0, back), mode="replicate").view(batch, blocks, b)
+    span = b + window - 1
+
+    def windows(t):
+        return t.unfold(1, span, b).movedim(-1, 2).flatten(0, 1)  # [B * blocks, span, ...]
+
+    k_win, v_win = windows(k), windows(v)
+    k_pos_win = k_pos.unfold(1, span, b).flatten(0, 1)  # [B * blocks, span]
+    mask = band_mask(q_pos.flatten(0, 1), k_pos_win, window)
+    if prefix is not None:
+        prefix = tuple(p.repeat_interleave(blocks, dim=0) for p in prefix)
+    out = attend(*with_prefix(q, k_win, v_win, mask, prefix))
+    return out.view(batch, blocks * b, heads, dim)[:, :n]

@@ -94,3 +94,19 @@ def test_gated_deltanet_block_matches_fla_recurrent_reference(monkeypatch):
 
     monkeypatch.setattr(gdn, "chunk_gated_delta_rule", reference_op)
     torch.testing.assert_close(got, module(x, MixerInput(torch.arange(29).expand(2, 29))), rtol=1e-5, atol=1e-6)
+
+
+def test_windowed_attention_with_parscale_prefix_matches_dense():
+    """Blockwise local attention with per-stream prefix K,V equals one dense masked SDPA."""
+    from blocks.attention import attend, band_mask, with_prefix
+
+    ctx = BuildContext(d_model=32, rope_theta=10_000.0, streams=2, prefix_len=3)
+    module = SlidingWindowSpec(type="swa", window=5, n_heads=4, n_kv_heads=2).build(ctx).double()
+    x = torch.randn(4, 70, 32, dtype=torch.float64)  # 2 sequences x 2 streams
+    positions = torch.arange(70).expand(4, 70)
+    got = module(x, MixerInput(positions))
+    q = module.rope(module.q_proj(x).view(4, 70, 4, 8), positions)
+    k, v, _ = module.keys(x, MixerInput(positions))
+    prefix = (module.prefix_k.repeat(2, 1, 1, 1), module.prefix_v.repeat(2, 1, 1, 1))
+    dense = attend(*with_prefix(q, k, v, band_mask(positions, positions, 5), prefix))
+    torch.testing.assert_close(got, module.o_proj(dense.reshape(4, 70, 32)), rtol=1e-10, atol=1e-12)

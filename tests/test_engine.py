@@ -1,0 +1,135 @@
+"""The engine decodes exactly what a full recompute decodes, and its cache is laid out as the
+architecture says: one global K,V written once, local state per (iteration, layer)."""
+
+import pytest
+import torch
+
+import archlab
+from archlab.engine import Engine, Sampling
+from conftest import ROOT, TINY, ids, tiny_model
+
+PROMPT_LENGTHS = (37, 21, 37)  # ragged, and longer than the tiny window (16)
+
+
+def prompts_for(spec, lengths=PROMPT_LENGTHS):
+    return [torch.randint(0, spec.vocab_size, (n,)) for n in lengths]
+
+
+def recompute_greedy(model, prompt, steps):
+    """Greedy decoding that runs the full forward pass over the whole sequence at every step."""
+    seq, tokens, logits = prompt.clone(), [], []
+    for _ in range(steps):
+        last = model(seq[None])[0, -1]
+        tokens.append(int(last.argmax()))
+        logits.append(last)
+        seq = torch.cat([seq, last.argmax()[None]])
+    return tokens, logits
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+def test_cached_greedy_equals_full_recompute(path):
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec).eval()
+    prompts = prompts_for(spec)
+    steps = 6
+    gen = Engine(model, prefill_chunk=8).generate(prompts, steps, keep_logits=True)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            tokens, logits = recompute_greedy(model, prompt, steps)
+            assert gen.tokens[row] == tokens
+            for step, expected in enumerate(logits):
+                torch.testing.assert_close(gen.logits[step][row], expected, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+def test_chunked_prefill_equals_one_shot(path):
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec).eval()
+    prompts = prompts_for(spec, (45, 45))
+    results = []
+    for chunk in (1, 7, 16, 4096):
+        engine = Engine(model, prefill_chunk=chunk)
+        cache = engine.new_cache(2, 50)
+        results.append((engine.prefill(prompts, cache), cache))
+    logits, cache = results[-1]
+    for other_logits, other in results[:-1]:
+        torch.testing.assert_close(other_logits, logits, rtol=1e-4, atol=2e-5)
+        for mine, theirs in zip(cache._states(), other._states()):
+            for name in mine:
+                torch.testing.assert_close(theirs[name], mine[name], rtol=1e-4, atol=2e-5)
+
+
+def test_global_cache_is_written_once_whatever_t():
+    yoco_spec, yoco = tiny_model("yoco")
+    yoco_u_spec, yoco_u = tiny_model("yoco-u")
+    prompts, new = prompts_for(yoco_spec, (30, 19)), 7
+    caches = {}
+    for spec, model in ((yoco_spec, yoco), (yoco_u_spec, yoco_u)):
+        gen = Engine(model.eval()).generate(prompts, new)
+        caches[spec.name] = gen.cache
+        assert len(gen.cache.global_kv) == 1
+        (global_kv,) = gen.cache.global_kv.values()
+        written = global_kv["k"].abs().sum(dim=(2, 3)) > 0  # [B, rows]
+        assert written.sum(dim=1).tolist() == [30 + new, 19 + new]  # prompt + generated, whatever T is
+    a, b = caches["yoco"].bytes_per_sequence(), caches["yoco-u"].bytes_per_sequence()
+    assert a.global_ == b.global_ > 0
+    assert b.local == yoco_u_spec.loop.times * a.local > 0
+    assert len(caches["yoco-u"].layers) == yoco_u_spec.loop.times * len(caches["yoco"].layers)
+
+
+def test_cache_layout_follows_the_architecture():
+    layouts = {}
+    for name in ("transformer", "universal-transformer", "rins", "parscale", "upper-loop", "upper-loop-no-shared-kv"):
+        spec, model = tiny_model(name)
+        cache = Engine(model).new_cache(sequences=1, capacity=100)
+        layouts[name] = (len(cache.global_kv), len(cache.layers), cache.bytes_per_sequence())
+    per_layer = 100 * 2 * 2 * 16 * 4  # rows x (K, V) x kv heads x head dim x fp32
+    assert layouts["transformer"] == (0, 4, layouts["transformer"][2]) and layouts["transformer"][2].global_ == 4 * per_layer
+    assert layouts["universal-transformer"][2].global_ == 2 * 4 * per_layer  # a KV cache per (pass, layer)
+    assert layouts["rins"][2].global_ == (3 * 2 + 2) * per_layer
+    assert layouts["parscale"][2].global_ == 2 * 4 * per_layer  # the P streams' caches
+    assert layouts["upper-loop"][0] == 1 and layouts["upper-loop-no-shared-kv"][0] == 3
+
+
+def test_256k_token_prompt_on_the_cpu():
+    """Prefill works chunk by chunk: the only O(N) memory is the global K,V (64 MiB here)."""
+    spec, model = tiny_model("yoco-u")
+    engine = Engine(model.eval(), prefill_chunk=4096)
+    n = 256 * 1024
+    cache = engine.new_cache(1, n)
+    logits = engine.prefill([torch.randint(0, 256, (n,))], cache)
+    assert logits.isfinite().all()
+    (global_kv,) = cache.global_kv.values()
+    assert global_kv["k"].shape[1] == n and global_kv["k"][0, -1].abs().sum() > 0
+    assert {s["k"].shape[1] for s in cache.layers.values()} == {16}  # rings of W rows whatever N is
+    assert cache.bytes_per_sequence().local == 3 * 2 * (2 * 16 * 2 * 16 * 4)  # T x layers x ring
+
+
+def test_sampling_is_seeded_and_respects_top_k_and_stop_tokens():
+    spec, model = tiny_model("yoco-u")
+    prompts = prompts_for(spec, (12, 12))
+    engine = Engine(model.eval())
+    first = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=3), keep_logits=True)
+    again = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=3))
+    other = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=4))
+    assert first.tokens == again.tokens != other.tokens
+    for step, logits in enumerate(first.logits):
+        for row in range(2):
+            allowed = set(logits[row].topk(5).indices.tolist())
+            assert first.tokens[row][step] in allowed
+    stop = first.tokens[0][2]
+    stopped = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=3, stop_tokens=(stop,)))
+    assert stopped.tokens[0] == first.tokens[0][: first.tokens[0].index(stop) + 1]
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = {int(Sampling(temperature=1.0, top_p=0.7, seed=s).choose(logits, torch.Generator().manual_seed(s))) for s in range(200)}
+    assert seen == {0, 1}  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7: the nucleus is the top two
+
+
+def test_bad_sampling_arguments_are_named():
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(temperature=1.0, top_p=1.5)
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=-1)

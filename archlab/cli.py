@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import codecs
+import re
 import sys
 import time
 from pathlib import Path
@@ -12,9 +14,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from archlab.engine import Engine, Sampling
 from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
 from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
+from archlab.table import Format, parse_tokens, render
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -128,9 +132,131 @@ def build(
         raise typer.Exit(1)
 
 
+def _load_one(path: Path) -> ModelSpec:
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
+
+
+def _tokens(values: list[str]) -> list[int]:
+    try:
+        return [parse_tokens(v) for v in values]
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@app.command()
+def generate(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="a spec file (random weights)")],
+    prompt: Annotated[str, typer.Option(help="prompt text (byte-level tokens)")] = "Once upon a time",
+    max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(min=1)] = None,
+    top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop at this text (one byte)")] = None,
+    prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
+) -> None:
+    """Generate text, streaming it as it comes. A spec brings random weights, so the text is noise:
+    this shows the engine and its cache, not a language model."""
+    spec = _load_one(spec_path)
+    if spec.vocab_size < 256:
+        err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
+        raise typer.Exit(1)
+    stop_tokens = tuple(b for text in stop or () for b in text.encode())
+    err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
+    model = build_model(spec).eval()
+    engine = Engine(model, prefill_chunk)
+    sampling = Sampling(temperature, top_k, top_p, seed, stop_tokens)
+    ids = torch.tensor(list(prompt.encode()) or [0])
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(prompt)
+    start, count = time.perf_counter(), 0
+    cache = engine.new_cache(1, len(ids) + max_new_tokens)
+    for tokens, _, done in engine.stream([ids], max_new_tokens, sampling, cache):
+        if done[0]:
+            break
+        token = int(tokens[0])
+        sys.stdout.write(decoder.decode(bytes([token])) if token < 256 else f"<{token}>")
+        sys.stdout.flush()
+        count += 1
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    size = cache.bytes_per_sequence()
+    err.print(
+        f"{count} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
+        f" + {size.local:,} B local per sequence",
+        highlight=False,
+    )
+
+
+@app.command()
+def bench(
+    paths: SpecPaths,
+    seq_len: Annotated[list[str], typer.Option(help="prompt lengths, e.g. 2048 8K 32K")] = ["2048", "8192"],  # noqa: B006
+    batch: Annotated[int, typer.Option(min=1)] = 1,
+    gen: Annotated[int, typer.Option(min=1, help="new tokens per sequence")] = 128,
+    prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
+    dtype: Annotated[str, typer.Option(help="auto: the spec's inference_dtype")] = "auto",
+    device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
+) -> None:
+    """Prefill and decode throughput, peak memory and cache MB per sequence (global, local), per
+    spec and prompt length: the paper's inference tables and memory-vs-length figure."""
+    from rich.progress import Progress
+
+    from archlab.bench import bench as measure
+    from archlab.bench import plot
+
+    lengths = _tokens(seq_len)
+    if dtype not in ("auto", *DTYPES):
+        raise typer.BadParameter(f"--dtype must be auto or one of {list(DTYPES)}")
+    good, bad = _load_all(paths)
+    if bad or not good:
+        raise typer.Exit(1)
+    rows = []
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=len(good) * len(lengths))
+        for _, spec in good:
+            model_dtype = DTYPES[spec.inference_dtype if dtype == "auto" else dtype]
+            model = build_model(spec, device=device, dtype=model_dtype).eval()
+            for n in lengths:
+                progress.update(task, description=f"{spec.name} @ {n:,} tokens")
+                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk))
+                progress.advance(task)
+    sys.stdout.write(render([r.as_dict() for r in rows], fmt))
+    if plot_path is not None:
+        plot(rows, str(plot_path))
+        err.print(f"plot written to {plot_path}")
+
+
+LIST_OPTIONS = ("--seq-len",)
+
+
+def _expand_list_options(argv: list[str]) -> list[str]:
+    """Let ``--seq-len 2048 8K 32K`` stand for ``--seq-len 2048 --seq-len 8K --seq-len 32K``."""
+    out, option, seen = [], None, 0
+    for arg in argv:
+        if arg in LIST_OPTIONS:
+            option, seen = arg, 0
+        elif option and re.fullmatch(r"\d+[kKmM]?", arg):
+            if seen:
+                out.append(option)
+            seen += 1
+        else:
+            option = None
+        out.append(arg)
+    return out
+
+
 def main() -> None:
     try:
-        app()
+        app(args=_expand_list_options(sys.argv[1:]))
     except RegistryError as exc:
         err.print(f"[bold red]error[/]: {exc}", highlight=False)
         sys.exit(2)

@@ -1,5 +1,6 @@
 """The installed ``archlab`` command, run as a user would, and block plugins from another package."""
 
+import json
 import os
 import subprocess
 import sys
@@ -122,3 +123,34 @@ def test_broken_plugin_is_named(tmp_path):
     assert result.returncode == 2
     assert "block plugin 'mean'" in result.stderr and "Literal['mean']" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_streams_text_with_a_notice():
+    result = archlab("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "1",
+                     "--temperature", "0.8", "--top-k", "20")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Hello") and len(result.stdout.encode()) > len("Hello")
+    assert "random weights" in result.stderr
+    assert "12 tokens" in result.stderr and "B global" in result.stderr
+
+
+def test_bench_json_and_plot(tmp_path):
+    png = tmp_path / "bench.png"
+    result = archlab("bench", "specs/tiny/yoco.yaml", "specs/tiny/yoco-u.yaml", "--seq-len", "256", "1K",
+                     "--gen", "4", "--format", "json", "--plot", png)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["spec"], r["seq_len"]) for r in rows] == [("yoco", 256), ("yoco", 1024), ("yoco-u", 256), ("yoco-u", 1024)]
+    by = {(r["spec"], r["seq_len"]): r for r in rows}
+    for n in (256, 1024):
+        assert by["yoco", n]["kv_global_mb"] == by["yoco-u", n]["kv_global_mb"]
+        assert by["yoco-u", n]["kv_local_mb"] == 3 * by["yoco", n]["kv_local_mb"]
+        assert by["yoco", n]["prefill_tok_s"] > 0 and by["yoco", n]["decode_tok_s"] > 0
+    assert by["yoco", 1024]["kv_global_mb"] == (1024 + 4) * 2 * 2 * 16 * 4 / 2**20
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_rejects_a_bad_length():
+    result = archlab("bench", "specs/tiny/yoco.yaml", "--seq-len", "lots")
+    assert result.returncode != 0
+    assert "not a token count" in result.stderr and "Traceback" not in result.stderr

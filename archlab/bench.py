@@ -1,0 +1,154 @@
+"""Inference measurements: prefill and decode throughput, peak memory, cache bytes per sequence.
+
+The same function backs ``archlab bench`` and the scripts under ``benchmarks/``. Times are wall
+clock on whatever device the model is on; on the CPU, peak memory is the process's resident set
+(sampled during the run), on CUDA the allocator's peak.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from archlab.engine import Engine
+from archlab.model import Model
+
+MB = 1024 * 1024
+
+
+@dataclass
+class BenchRow:
+    spec: str
+    seq_len: int
+    batch: int
+    gen: int
+    prefill_tok_s: float
+    decode_tok_s: float
+    peak_mb: float
+    kv_global_mb: float
+    kv_local_mb: float
+    device: str
+
+    @property
+    def kv_total_mb(self) -> float:
+        return self.kv_global_mb + self.kv_local_mb
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "kv_total_mb": self.kv_total_mb}
+
+
+class PeakMemory:
+    """Peak memory over a ``with`` block, relative to its start (MB)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, 0.0
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            self.start, self.high, self.running = self._rss(), self._rss(), True
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while self.running:
+            self.high = max(self.high, self._rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = (torch.cuda.max_memory_allocated(self.device) - self.start) / MB
+        else:
+            self.running = False
+            self.thread.join()
+            self.peak = (max(self.high, self._rss()) - self.start) / MB
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_chunk: int = 2048, seed: int = 0) -> BenchRow:
+    """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily."""
+    engine = Engine(model, prefill_chunk)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = list(torch.randint(0, model.spec.vocab_size, (batch, seq_len), generator=generator).to(engine.device))
+    with PeakMemory(engine.device) as peak:
+        cache = engine.new_cache(batch, seq_len + gen)
+        _sync(engine.device)
+        start = time.perf_counter()
+        logits = engine.prefill(prompts, cache)
+        _sync(engine.device)
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(gen):
+            tokens = logits.argmax(dim=-1)
+            logits = engine.feed(tokens[:, None], torch.full((batch,), seq_len + i, device=engine.device), cache, full=True)
+        _sync(engine.device)
+        decode_s = time.perf_counter() - start
+    size = cache.bytes_per_sequence()
+    return BenchRow(
+        spec=name,
+        seq_len=seq_len,
+        batch=batch,
+        gen=gen,
+        prefill_tok_s=batch * seq_len / prefill_s,
+        decode_tok_s=batch * gen / decode_s,
+        peak_mb=peak.peak,
+        kv_global_mb=size.global_ / MB,
+        kv_local_mb=size.local / MB,
+        device=device_name(engine.device),
+    )
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def plot(rows: list[BenchRow], path: str) -> None:
+    """Prefill and decode throughput and cache memory against length, one line per spec."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = [
+        ("prefill_tok_s", "prefill tokens/s"),
+        ("decode_tok_s", "decode tokens/s"),
+        ("kv_total_mb", "cache MB per sequence"),
+    ]
+    for ax, (field, label) in zip(axes, panels):
+        for name in dict.fromkeys(r.spec for r in rows):
+            mine = sorted((r for r in rows if r.spec == name), key=lambda r: r.seq_len)
+            ax.plot([r.seq_len for r in mine], [getattr(r, field) for r in mine], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_title(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    batch, gen = rows[0].batch, rows[0].gen
+    fig.suptitle(f"archlab bench: batch {batch}, {gen} new tokens, {rows[0].device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+

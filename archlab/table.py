@@ -1,0 +1,46 @@
+"""Rows of results as markdown, CSV or JSON, the three formats every report command offers."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from enum import Enum
+
+
+class Format(str, Enum):
+    md = "md"
+    csv = "csv"
+    json = "json"
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def render(rows: list[dict], fmt: Format) -> str:
+    if fmt is Format.json:
+        return json.dumps(rows, indent=2) + "\n"
+    columns = list(rows[0]) if rows else []
+    if fmt is Format.csv:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        return out.getvalue()
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def parse_tokens(text: str) -> int:
+    """'16384', '16K' or '1M' as a token count (K = 1024)."""
+    scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    if not number.isdigit() or int(number) < 1:
+        raise ValueError(f"{text!r} is not a token count (examples: 2048, 16K, 256K)")
+    return int(number) * scale

@@ -38,14 +38,10 @@ class Cache:
         rows = sequences * model.streams
         with torch.device(device):
             self.global_kv: dict[Step, State] = {
-                step: model.global_kv.new_state(rows, capacity, dtype) for step in model.plan if step.project
+                step: model.global_kv.new_state(rows, capacity, dtype) for step in model.plan.steps if step.project
             }
-            self.layers: dict[tuple[int, int, int], State] = {}
-            for step in model.plan:
-                for i in [] if step.project else model.segments[step.segment].layers:
-                    key = model.state_key(step, i)
-                    if key not in self.layers and (state := model.layers[i].mixer.new_state(rows, capacity, dtype)):
-                        self.layers[key] = state
+            states = {key: model.layers[key[2]].mixer.new_state(rows, capacity, dtype) for key in model.plan.state_keys()}
+        self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
 
     def bytes_per_sequence(self) -> CacheBytes:

@@ -94,7 +94,7 @@ def blocks() -> None:
 
 def _describe_structure(model) -> str:
     parts = []
-    for seg in model.segments:
+    for seg in model.plan.segments:
         half = ("self", "cross")[seg.half] if model.global_kv is not None else "layers"
         span = f"{seg.start}-{seg.end - 1}" if seg.end - seg.start > 1 else f"{seg.start}"
         loop = f" x{seg.times}{' shared-kv' if seg.share_kv else ''}" if seg.times > 1 else ""

@@ -80,8 +80,8 @@ class Engine:
         """Run tokens [B, n] at positions start[b]..start[b]+n-1 into the cache: through the whole
         model (``full``; returns the last position's logits [B, V]) or only the prefill steps."""
         x = self.model.embed_streams(tokens)
-        plan = self.model.plan if full else self.model.prefill_steps
-        x = self.model.run(x, self._positions(start, tokens.shape[1]), plan, cache)
+        steps = self.model.plan.steps if full else self.model.plan.prefill_steps
+        x = self.model.run(x, self._positions(start, tokens.shape[1]), steps, cache)
         return self.model.logits(x[:, -1:])[:, -1] if full else None
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ from torch import nn
 from archlab.block import MixerInput
 from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
-from archlab.plan import Segment, Step, prefill_end, segments, steps
+from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
 from blocks.attention import write_rows
@@ -75,14 +75,11 @@ class Model(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
-        self.segments: tuple[Segment, ...] = segments(spec)
-        self.plan: tuple[Step, ...] = steps(self.segments)
-        self.prefill_steps = self.plan[: prefill_end(spec, self.segments, self.plan)]
+        self.plan = Plan.of(spec)
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
         contexts = [spec.build_context(h) for h in range(len(spec.halves))]
-        half_of = [seg.half for seg in self.segments for _ in seg.layers]
         self.layers = nn.ModuleList(
-            Layer(spec, spec.block_at(i).build(contexts[half_of[i]])) for i in range(spec.n_layers)
+            Layer(spec, spec.block_at(i).build(contexts[self.plan.half_of(i)])) for i in range(spec.n_layers)
         )
         self.global_kv = GlobalKV(spec) if isinstance(spec.layout, YocoLayout) else None
         self.streams = spec.parscale.streams if spec.parscale else 1
@@ -106,7 +103,7 @@ class Model(nn.Module):
         batch, n = input_ids.shape
         positions = torch.arange(n, device=input_ids.device).expand(batch, n)
         aux: list[torch.Tensor] = []
-        x = self.run(self.embed_streams(input_ids), self.streams_of(positions), self.plan, aux=aux)
+        x = self.run(self.embed_streams(input_ids), self.streams_of(positions), self.plan.steps, aux=aux)
         logits = self.logits(x)
         return logits, torch.stack(aux).sum() if aux else logits.new_zeros(())
 
@@ -124,35 +121,30 @@ class Model(nn.Module):
             x = self._mix_streams(x.view(-1, self.streams, *x.shape[1:]))
         return self.head(self.norm(x))
 
-    def state_key(self, step: Step, layer: int) -> tuple[int, int, int]:
-        """The cache slot of a layer at a step: loops that share K,V keep the first iteration's."""
-        shared = self.segments[step.segment].share_kv and self.spec.block_at(layer).shares_kv
-        return (step.segment, 0 if shared else step.iteration, layer)
-
     def run(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        plan: tuple[Step, ...],
+        steps: tuple[Step, ...],
         cache: Cache | None = None,
         aux: list | None = None,
     ) -> torch.Tensor:
-        """Apply ``plan`` (all of ``self.plan``, or the prefill's leading part) to hidden states
-        x [rows, N, D] at ``positions`` [rows, N]; with a cache, read and extend its state."""
+        """Apply ``steps`` (all the plan's, or the prefill's) to hidden states x [rows, N, D] at
+        ``positions`` [rows, N]; with a cache, read and extend its state."""
         aux = [] if aux is None else aux
         main_kv = loop_kv = None
         memos: dict[int, dict] = {}
-        for step in plan:
-            seg = self.segments[step.segment]
+        for step in steps:
+            seg = self.plan.segments[step.segment]
             if step.project:
                 loop_kv = self.global_kv(x, positions, cache.global_kv[step] if cache else None)
                 main_kv = main_kv or loop_kv
                 continue
             if step.iteration == 0:  # a new segment: the one global K,V, fresh K,V memos
                 loop_kv = main_kv
-                memos = {i: {} for i in seg.layers if seg.share_kv and self.spec.block_at(i).shares_kv}
+                memos = {i: {} for i in seg.layers if self.plan.shared(step, i)}
             for i in seg.layers:
-                state = cache.layers.get(self.state_key(step, i)) if cache else None
+                state = cache.layers.get(self.plan.state_key(step, i)) if cache else None
                 x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i)), aux)
         return x
 

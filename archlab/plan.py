@@ -1,8 +1,9 @@
-"""Spec -> segments: the one description of the model's structure.
+"""Spec -> plan: the one description of the model's structure.
 
 A segment is a contiguous run of layers within one half, applied ``times`` times with shared
-weights. The model's forward pass, and later its inference state and cost tables, all walk the
-same segments, so they cannot disagree about what runs how often.
+weights; the steps are the forward pass as a flat list. The model's forward pass, its inference
+cache and the cost tables all walk the same plan, so they cannot disagree about what runs how
+often or what state is kept.
 """
 
 from __future__ import annotations
@@ -79,3 +80,37 @@ def prefill_end(spec: ModelSpec, segs: tuple[Segment, ...], plan: tuple[Step, ..
         step.project or any(spec.block_at(i).keeps_state for i in segs[step.segment].layers) for step in plan
     ]
     return max((i + 1 for i, keeps in enumerate(stateful) if keeps), default=0)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    spec: ModelSpec
+    segments: tuple[Segment, ...]
+    steps: tuple[Step, ...]
+    prefill_steps: tuple[Step, ...]  # the leading steps a prefill runs
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> Plan:
+        segs = segments(spec)
+        plan = steps(segs)
+        return cls(spec, segs, plan, plan[: prefill_end(spec, segs, plan)])
+
+    def half_of(self, layer: int) -> int:
+        return next(seg.half for seg in self.segments if layer in seg.layers)
+
+    def shared(self, step: Step, layer: int) -> bool:
+        """Whether this layer's K,V at this step is the loop's one shared K,V."""
+        return self.segments[step.segment].share_kv and self.spec.block_at(layer).shares_kv
+
+    def reuses_kv(self, step: Step, layer: int) -> bool:
+        """An iteration after the first in a loop that shares K,V: it reads, never writes, K,V."""
+        return step.iteration > 0 and self.shared(step, layer)
+
+    def state_key(self, step: Step, layer: int) -> tuple[int, int, int]:
+        """The cache slot of a layer at a step: loops that share K,V keep the first iteration's."""
+        return (step.segment, 0 if self.shared(step, layer) else step.iteration, layer)
+
+    def state_keys(self) -> list[tuple[int, int, int]]:
+        """Every distinct layer state slot, in forward order."""
+        keys = (self.state_key(step, i) for step in self.steps if not step.project for i in self.segments[step.segment].layers)
+        return list(dict.fromkeys(keys))

@@ -9,6 +9,7 @@ it holds: it reads the capability flags below and calls ``build``.
 from __future__ import annotations
 
 from abc import abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -49,6 +50,17 @@ class MixerInput:
     kv_memo: dict | None = None  # set when loop iterations share this layer's K,V (first one writes it)
 
 
+Flops = Counter  # FLOPs by kind; the kinds:
+FLOP_KINDS = {
+    "matmul": "projections, FFN, router and head (2 x multiply-adds)",
+    "attention": "QK^T and AV, counting each query only against the keys it may see",
+    "mixer": "the chunked form of a linear-recurrent core (its matmuls, chunks padded as computed)",
+    "conv": "depthwise causal convolutions over a sequence",
+    "solve": "the triangular solve of the chunked delta rule",
+    "state_update": "a decoding step's recurrent state and conv-tail updates (elementwise)",
+}
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong with a spec: where (a dotted field path) and what."""
@@ -87,6 +99,21 @@ class BlockSpec(Strict):
         """Report combinations that are impossible for this block in this model."""
 
     @abstractmethod
+    def params(self, ctx: BuildContext) -> int:
+        """Parameters of the built module."""
+
+    @abstractmethod
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        """Forward FLOPs of ``n`` tokens at positions ``start``..``start + n - 1``, the state
+        holding the ``start`` tokens before them. ``n == 1`` is a decoding step (the recurrent
+        form); ``reuse_kv``: the K,V come from an earlier loop iteration."""
+
+    @abstractmethod
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        """Bytes of ``new_state`` for one sequence of ``context`` tokens, K,V rows at
+        ``kv_bytes`` each element (the cache dtype)."""
+
+    @abstractmethod
     def build(self, ctx: BuildContext) -> nn.Module:
         """Return the mixer module, which has
 
@@ -95,6 +122,11 @@ class BlockSpec(Strict):
           for sequences of up to ``capacity`` tokens (``{}`` for a stateless mixer). Every tensor
           in it counts towards the cache bytes, so keep bookkeeping out of it.
         """
+
+
+def chunked(n: int, chunk: int) -> int:
+    """Tokens a chunked op computes on: n padded up to whole chunks."""
+    return -(-n // chunk) * chunk
 
 
 def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:

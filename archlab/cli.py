@@ -235,6 +235,50 @@ def bench(
         err.print(f"plot written to {plot_path}")
 
 
+@app.command()
+def cost(
+    paths: SpecPaths,
+    seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 16K 64K 256K")] = ["16K", "64K", "256K"],  # noqa: B006
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    doc: Annotated[Path | None, typer.Option(help="write the markdown cost page here instead")] = None,
+) -> None:
+    """Parameters, FLOPs (training per token, prefill, decode) and cache bytes per sequence
+    (global, local), one row per spec and length."""
+    from archlab.cost import Cost, cost_doc, readable
+
+    lengths = _tokens(seq_len)
+    good, bad = _load_all(paths)
+    if bad or not good:
+        raise typer.Exit(1)
+    if doc is not None:
+        command = "archlab cost " + " ".join(str(p) for p in paths) + " --seq-len " + " ".join(seq_len) + f" --doc {doc}"
+        doc.write_text(cost_doc([(str(p), s) for p, s in good], lengths, command))
+        err.print(f"wrote {doc}")
+        return
+    rows = [Cost(spec).row(n) for _, spec in good for n in lengths]
+    sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
+
+
+@app.command("equal-flops")
+def equal_flops(
+    reference: Annotated[Path, typer.Argument(help="the spec whose training budget is matched")],
+    others: Annotated[list[Path], typer.Argument(help="specs to give the same training FLOPs")],
+    steps: Annotated[int, typer.Option(min=1, help="training steps of the reference")] = 20_000,
+    seq_len: Annotated[str, typer.Option(help="training sequence length")] = "8K",
+) -> None:
+    """Steps each spec may train for to spend the reference's training FLOPs (same tokens per step)."""
+    from archlab.cost import Cost, equal_flops_steps
+    from archlab.table import si
+
+    n = _tokens([seq_len])[0]
+    ref = _load_one(reference)
+    table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
+    for spec in [ref, *(_load_one(p) for p in others)]:
+        matched = equal_flops_steps(ref, steps, spec, n)
+        table.add_row(spec.name, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
+    out.print(table)
+
+
 LIST_OPTIONS = ("--seq-len",)
 
 

@@ -75,6 +75,15 @@ class SwiGLU(Strict):
     def hidden_for(self, d_model: int) -> int:
         return self.hidden or -(-8 * d_model // 3 // 64) * 64
 
+    def params(self, d_model: int) -> int:
+        return 3 * d_model * self.hidden_for(d_model)
+
+    def active_params(self, d_model: int) -> int:
+        return self.params(d_model)
+
+    def flops_per_token(self, d_model: int) -> int:
+        return 2 * self.params(d_model)
+
 
 class MoE(Strict):
     """Top-k routed SwiGLU experts plus always-on shared experts, with a load-balancing loss."""
@@ -85,6 +94,17 @@ class MoE(Strict):
     n_shared: int = Field(0, ge=0)
     expert_hidden: PositiveInt
     aux_loss_weight: float = Field(0.01, ge=0)
+
+    def params(self, d_model: int) -> int:
+        """Router, every routed expert and the shared experts."""
+        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.n_experts + self.n_shared)
+
+    def active_params(self, d_model: int) -> int:
+        """What one token uses: the router, its top-k experts and the shared ones."""
+        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.top_k + self.n_shared)
+
+    def flops_per_token(self, d_model: int) -> int:
+        return 2 * self.active_params(d_model)
 
 
 FFN = Annotated[Union[SwiGLU, MoE], Field(discriminator="type"), _tag_shorthand("type")]

@@ -37,6 +37,14 @@ def render(rows: list[dict], fmt: Format) -> str:
     return "\n".join(lines) + "\n"
 
 
+def si(value: float) -> str:
+    """1.29e9 -> '1.29G': three significant digits with an SI prefix."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{prefix}"
+    return f"{value:.3g}"
+
+
 def parse_tokens(text: str) -> int:
     """'16384', '16K' or '1M' as a token count (K = 1024)."""
     scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
 from archlab.rope import Rotary
 
 
@@ -24,6 +24,18 @@ def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> t
     offset = q_pos[:, :, None] - k_pos[:, None, :]
     allowed = (offset >= 0) & (k_pos[:, None, :] >= 0)
     return (allowed if window is None else allowed & (offset < window))[:, None]
+
+
+def attention_pairs(n: int, start: int, window: int | None) -> int:
+    """(query, key) pairs of queries at positions start..start+n-1, each seeing the keys at or
+    before it, the last ``window`` of them with a window."""
+
+    def upto(m: int) -> int:  # sum over positions 1..m of min(position, W)
+        if window is None or m <= window:
+            return m * (m + 1) // 2
+        return window * (window + 1) // 2 + (m - window) * window
+
+    return upto(start + n) - upto(start)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -71,6 +83,26 @@ class AttentionSpec(BlockSpec):
     def build(self, ctx: BuildContext) -> nn.Module:
         return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size())
 
+    def prefix_len(self, ctx: BuildContext) -> int:
+        return ctx.prefix_len if ctx.streams > 1 else 0
+
+    def params(self, ctx: BuildContext) -> int:
+        heads, kv_heads, head_dim = self.shape(ctx.d_model)
+        prefix = 2 * ctx.streams * self.prefix_len(ctx) * kv_heads * head_dim
+        return 2 * ctx.d_model * (heads + kv_heads) * head_dim + prefix
+
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        heads, kv_heads, head_dim = self.shape(ctx.d_model)
+        projected = 2 * heads + (0 if reuse_kv else 2 * kv_heads)  # q, o (+ k, v)
+        pairs = attention_pairs(n, start, self.window_size()) + n * self.prefix_len(ctx)
+        return Flops(matmul=2 * n * ctx.d_model * projected * head_dim, attention=4 * heads * head_dim * pairs)
+
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        _, kv_heads, head_dim = self.shape(ctx.d_model)
+        window = self.window_size()
+        rows = context if window is None else min(window, context)
+        return 2 * rows * kv_heads * head_dim * kv_bytes
+
 
 class SelfAttention(nn.Module):
     def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None):
@@ -108,8 +140,8 @@ class SelfAttention(nn.Module):
         if hasattr(self, "prefix_k"):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
-        if self.window is None:
-            out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, None), prefix))
+        if self.window is None or n == 1:
+            out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, self.window), prefix))
         else:
             out = local_attend(q, k, v, inp.positions, k_pos, self.window, prefix)
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))
@@ -127,18 +159,24 @@ class SelfAttention(nn.Module):
             write_rows(state["k"], inp.positions, k)
             write_rows(state["v"], inp.positions, v)
             return state["k"], state["v"], torch.arange(state["k"].shape[1], device=x.device)[None]
-        # a ring of R rows: slot s holds the latest earlier position p with p % R == s
-        ring = state["k"].shape[1]
-        first = inp.positions[:, :1] - 1
-        ring_pos = first - (first - torch.arange(ring, device=x.device)[None]) % ring  # < 0: never written
+        # a ring of R rows: slot s holds the latest written position p with p % R == s
+        ring, decoding = state["k"].shape[1], n == 1
+        if decoding:  # the new row replaces the oldest, so the ring is then exactly the window
+            write_rows(state["k"], inp.positions % ring, k)
+            write_rows(state["v"], inp.positions % ring, v)
+        last = inp.positions[:, :1] - (0 if decoding else 1)
+        ring_pos = last - (last - torch.arange(ring, device=x.device)[None]) % ring  # < 0: never written
         order = ring_pos.argsort(dim=1)
         gather = order[:, :, None, None].expand(-1, -1, self.kv_heads, self.head_dim)
-        k_all = torch.cat((state["k"].gather(1, gather), k.to(state["k"].dtype)), 1)
-        v_all = torch.cat((state["v"].gather(1, gather), v.to(state["v"].dtype)), 1)
+        k_ring, v_ring, ring_pos = state["k"].gather(1, gather), state["v"].gather(1, gather), ring_pos.gather(1, order)
+        if decoding:
+            return k_ring, v_ring, ring_pos
+        k_all = torch.cat((k_ring, k.to(k_ring.dtype)), 1)
+        v_all = torch.cat((v_ring, v.to(v_ring.dtype)), 1)
         keep = min(n, ring)
         write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
         write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
-        return k_all, v_all, torch.cat((ring_pos.gather(1, order), inp.positions), 1)
+        return k_all, v_all, torch.cat((ring_pos, inp.positions), 1)
 
 
 def with_prefix(q, k, v, mask, prefix):

@@ -8,9 +8,9 @@ import torch
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
-from blocks.attention import attend, band_mask
+from blocks.attention import attend, attention_pairs, band_mask
 
 
 class CrossAttentionSpec(BlockSpec):
@@ -35,6 +35,16 @@ class CrossAttentionSpec(BlockSpec):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return CrossAttention(ctx, self.heads(ctx))
+
+    def params(self, ctx: BuildContext) -> int:
+        return 2 * ctx.d_model * self.heads(ctx) * ctx.global_head_dim
+
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        width = self.heads(ctx) * ctx.global_head_dim
+        return Flops(matmul=4 * n * ctx.d_model * width, attention=4 * width * attention_pairs(n, start, None))
+
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        return 0  # the global K,V it reads is the model's
 
 
 class CrossAttention(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
 from archlab.ops.conv import short_conv
 from archlab.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -41,6 +41,28 @@ class GatedDeltaNetSpec(BlockSpec):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return GatedDeltaNet(ctx, self)
+
+    def params(self, ctx: BuildContext) -> int:
+        key, value = self.dims(ctx.d_model)
+        h, d = self.n_heads, ctx.d_model
+        conv_width = 2 * h * key + h * value
+        return d * h * (2 * key + 3 * value + 2) + conv_width * self.conv_size + 2 * h + value
+
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        key, value = self.dims(ctx.d_model)
+        h, d = self.n_heads, ctx.d_model
+        dense = 2 * n * d * h * (2 * key + 3 * value + 2)
+        conv = 2 * (2 * h * key + h * value) * n * self.conv_size
+        if n == 1:  # conv tails; decay, read k S, write k u^T, read q S
+            return Flops(matmul=dense, state_update=conv + 7 * h * key * value)
+        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        mixer = h * padded * (4 * c * key + 2 * c * value + 6 * key * value)
+        return Flops(matmul=dense, conv=conv, mixer=mixer, solve=h * padded * c * (key + value))
+
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        key, value = self.dims(ctx.d_model)
+        h = self.n_heads
+        return 4 * ((2 * h * key + h * value) * (self.conv_size - 1) + h * key * value)  # fp32
 
 
 def conv_weights(dim: int, size: int) -> nn.Conv1d:

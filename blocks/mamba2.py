@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
 from archlab.ops.conv import short_conv
 from archlab.ops.ssd import mamba_chunk_scan_combined, selective_state_update
 
@@ -43,6 +43,28 @@ class Mamba2Spec(BlockSpec):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return Mamba2(ctx, self)
+
+    def conv_dim(self, d_model: int) -> int:
+        return self.expand * d_model + 2 * self.n_groups * self.d_state
+
+    def params(self, ctx: BuildContext) -> int:
+        inner, heads = self.dims(ctx.d_model)
+        conv = self.conv_dim(ctx.d_model)
+        return ctx.d_model * (2 * inner + conv + heads) + conv * (self.d_conv + 1) + 3 * heads + inner
+
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        inner, heads = self.dims(ctx.d_model)
+        conv_dim, p, state = self.conv_dim(ctx.d_model), self.head_dim, self.d_state
+        dense = 2 * n * ctx.d_model * (2 * inner + conv_dim + heads)
+        conv = 2 * conv_dim * n * self.d_conv
+        if n == 1:  # conv tail; decay, write dt B x, read C S
+            return Flops(matmul=dense, state_update=conv + 5 * heads * p * state)
+        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        return Flops(matmul=dense, conv=conv, mixer=heads * (2 * padded * c * (state + p) + 4 * padded * state * p))
+
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        inner, heads = self.dims(ctx.d_model)
+        return 4 * (self.conv_dim(ctx.d_model) * (self.d_conv - 1) + heads * self.head_dim * self.d_state)  # fp32
 
 
 class Mamba2(nn.Module):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, MixerInput, Problems, check_heads
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
 from archlab.ops.retention import (
     chunk_retention,
     chunk_simple_gla,
@@ -31,7 +31,7 @@ class RetentionSpec(BlockSpec):
     head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
     value_dim: PositiveInt | None = None  # value head size; None: 2 * head_dim (as RetNet)
     gated: bool = False
-    chunk_size: PositiveInt = 64  # of the gated form's chunked op (fla's chunk_retention fixes its own)
+    chunk_size: PositiveInt = 64
 
     def dims(self, d_model: int) -> tuple[int, int]:
         head_dim = self.head_dim or d_model // self.n_heads
@@ -44,6 +44,24 @@ class RetentionSpec(BlockSpec):
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return Retention(ctx, self)
+
+    def params(self, ctx: BuildContext) -> int:
+        key, value = self.dims(ctx.d_model)
+        h, d = self.n_heads, ctx.d_model
+        return d * h * (2 * key + 3 * value + (1 if self.gated else 0)) + value
+
+    def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
+        key, value = self.dims(ctx.d_model)
+        h, d = self.n_heads, ctx.d_model
+        dense = 2 * n * d * h * (2 * key + 3 * value + (1 if self.gated else 0))
+        if n == 1:  # decay, write k v^T, read q S
+            return Flops(matmul=dense, state_update=4 * h * key * value)
+        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        return Flops(matmul=dense, mixer=h * (2 * padded * c * (key + value) + 4 * padded * key * value))
+
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+        key, value = self.dims(ctx.d_model)
+        return 4 * self.n_heads * key * value  # fp32
 
 
 class Retention(nn.Module):
@@ -75,7 +93,7 @@ class Retention(nn.Module):
             g = F.logsigmoid(self.decay_proj(x).float()) / 16
             chunked, recurrent = partial(chunk_simple_gla, g=g, chunk_size=self.chunk_size), partial(fused_recurrent_simple_gla, g=g)
         else:
-            chunked, recurrent = chunk_retention, fused_recurrent_retention
+            chunked, recurrent = partial(chunk_retention, chunk_size=self.chunk_size), fused_recurrent_retention
         state = inp.state
         if state is None:
             o, _ = chunked(q, k, v)

@@ -58,9 +58,11 @@ def _retention_g(q):
     return retention_log_decay(H, q.device).expand(B, T, H)
 
 
-def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False):
-    """Multi-scale retention (chunked): chunk_simple_gla with g = log(gamma_h). Returns (o, final_state)."""
-    return chunk_simple_gla(q, k, v, _retention_g(q), scale, initial_state, output_final_state)
+def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
+    """Multi-scale retention (chunked): chunk_simple_gla with g = log(gamma_h). Returns (o, final_state).
+
+    fla's kernel takes no chunk_size (it ignores unknown keywords), so pass it by keyword."""
+    return chunk_simple_gla(q, k, v, _retention_g(q), scale, initial_state, output_final_state, chunk_size)
 
 
 def fused_recurrent_retention(q, k, v, scale=None, initial_state=None, output_final_state=False):

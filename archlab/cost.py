@@ -1,0 +1,231 @@
+"""Analytic costs of a spec: parameters, FLOPs and cache bytes, summed over its plan.
+
+Each block owns its formulas (``BlockSpec.params / flops / state_bytes``) and each FFN its own;
+this module only walks the plan, the same plan the model runs and the cache is laid out by, and
+adds what the model itself owns: embeddings, norms, the global K,V projection, ParScale's stream
+mixing and the head. A loop counts its weights once and its FLOPs T times.
+
+FLOPs are 2 x multiply-adds of matmuls; norms, activations, softmax and other elementwise work
+are not counted. The kinds are listed in ``archlab.block.FLOP_KINDS``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+
+from archlab.block import Flops
+from archlab.cache import CacheBytes
+from archlab.plan import Plan, Step
+from archlab.spec import ModelSpec, YocoLayout
+from archlab.table import si
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity), for MFU.
+PEAK_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100": 989.4e12,  # SXM / NVL
+    "H200": 989.4e12,
+    "GH200": 989.4e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "MI300X": 1307.4e12,
+    "MI250X": 383e12,
+}
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name as torch reports it (longest match wins); an
+    unknown device gets a warning and None rather than a guess."""
+    matches = [key for key in PEAK_FLOPS if key.lower() in device_name.lower()]
+    if not matches:
+        warnings.warn(f"no peak FLOP/s known for {device_name!r}; MFU not reported", stacklevel=2)
+        return None
+    return PEAK_FLOPS[max(matches, key=len)]
+
+
+@dataclass
+class CostRow:
+    spec: str
+    seq_len: int
+    params_total: int
+    params_non_embedding: int
+    params_active: int
+    train_flops_per_token: int
+    prefill_flops: int
+    decode_flops: int
+    kv_global_bytes: int
+    kv_local_bytes: int
+
+    @property
+    def kv_total_bytes(self) -> int:
+        return self.kv_global_bytes + self.kv_local_bytes
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "kv_total_bytes": self.kv_total_bytes}
+
+
+class Cost:
+    """The costs of one spec."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec, self.plan = spec, Plan.of(spec)
+        self.contexts = [spec.build_context(h) for h in range(len(spec.halves))]
+        self.streams = spec.parscale.streams if spec.parscale else 1
+
+    def _ctx(self, layer: int):
+        return self.contexts[self.plan.half_of(layer)]
+
+    # -- parameters -------------------------------------------------------------------------
+
+    @cached_property
+    def embedding_params(self) -> int:
+        spec = self.spec
+        return spec.vocab_size * spec.d_model * (1 if spec.tie_embeddings else 2)
+
+    @cached_property
+    def params_total(self) -> int:
+        spec, d = self.spec, self.spec.d_model
+        layers = sum(
+            spec.block_at(i).params(self._ctx(i)) + spec.ffn.params(d) + 2 * d for i in range(spec.n_layers)
+        )
+        total = self.embedding_params + layers + d  # + the final norm
+        if isinstance(spec.layout, YocoLayout):
+            kv = spec.layout.global_kv
+            total += d + 2 * d * kv.n_kv_heads * kv.head_dim
+        if self.streams > 1:
+            total += self.streams * d * self.streams
+        return total
+
+    @cached_property
+    def params_active(self) -> int:
+        """Parameters one token uses: an MoE counts its router, top-k and shared experts."""
+        d = self.spec.d_model
+        unused = self.spec.ffn.params(d) - self.spec.ffn.active_params(d)
+        return self.params_total - self.spec.n_layers * unused
+
+    # -- FLOPs ------------------------------------------------------------------------------
+
+    def flops(self, steps: tuple[Step, ...], n: int, start: int = 0, logits: int | None = None) -> Flops:
+        """FLOPs of ``steps`` for ``n`` tokens at positions start.., and of the head for the
+        last ``logits`` of them (all ``n`` by default)."""
+        spec, d = self.spec, self.spec.d_model
+        total = Flops()
+        for step in steps:
+            if step.project:
+                kv = spec.layout.global_kv
+                total["matmul"] += 2 * n * d * 2 * kv.n_kv_heads * kv.head_dim
+                continue
+            for i in self.plan.segments[step.segment].layers:
+                total += spec.block_at(i).flops(self._ctx(i), n, start, self.plan.reuses_kv(step, i))
+                total["matmul"] += n * spec.ffn.flops_per_token(d)
+        total = Flops({kind: value * self.streams for kind, value in total.items()})
+        logits = n if logits is None else logits
+        total["matmul"] += 2 * logits * d * (spec.vocab_size + (self.streams * self.streams if self.streams > 1 else 0))
+        return total
+
+    def forward_flops(self, n: int) -> Flops:
+        """A training forward pass over n tokens."""
+        return self.flops(self.plan.steps, n)
+
+    def train_flops_per_token(self, seq_len: int) -> int:
+        """Forward and backward (3 x forward) per token at training length ``seq_len``."""
+        return 3 * sum(self.forward_flops(seq_len).values()) // seq_len
+
+    def prefill_flops(self, n: int) -> Flops:
+        """Prefill of an n-token prompt: the prefill steps over the first n - 1 tokens (in YOCO
+        the self-decoder and the global K,V, not the cross-decoder), then the last token through
+        the whole model, as the engine runs it. Chunked cores count the prompt as one chunk run."""
+        head = self.flops(self.plan.prefill_steps, n - 1, logits=0) if n > 1 else Flops()
+        return head + self.decode_flops(n)
+
+    def decode_flops(self, context: int) -> Flops:
+        """One decoding step whose token is the ``context``-th of the sequence."""
+        return self.flops(self.plan.steps, 1, start=context - 1)
+
+    # -- cache ------------------------------------------------------------------------------
+
+    def cache_bytes(self, context: int, dtype: str | None = None) -> CacheBytes:
+        """Per sequence at ``context`` tokens, in ``dtype`` (default: the spec's inference dtype).
+        Global: what grows with the context (the global K,V, full-attention K,V); local: window
+        rings, recurrent and conv states. Every loop-dependent slot is counted per iteration."""
+        spec = self.spec
+        kv_bytes = DTYPE_BYTES[dtype or spec.inference_dtype]
+        grows = local = 0
+        if isinstance(spec.layout, YocoLayout):
+            kv = spec.layout.global_kv
+            projections = sum(step.project for step in self.plan.steps)
+            grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
+        for _, _, layer in self.plan.state_keys():
+            block = spec.block_at(layer)
+            size = block.state_bytes(self._ctx(layer), context, kv_bytes)
+            grows, local = (grows + size, local) if block.grows_kv_cache else (grows, local + size)
+        return CacheBytes(grows * self.streams, local * self.streams)
+
+    def row(self, seq_len: int) -> CostRow:
+        size = self.cache_bytes(seq_len)
+        return CostRow(
+            spec=self.spec.name,
+            seq_len=seq_len,
+            params_total=self.params_total,
+            params_non_embedding=self.params_total - self.embedding_params,
+            params_active=self.params_active,
+            train_flops_per_token=self.train_flops_per_token(seq_len),
+            prefill_flops=sum(self.prefill_flops(seq_len).values()),
+            decode_flops=sum(self.decode_flops(seq_len).values()),
+            kv_global_bytes=size.global_,
+            kv_local_bytes=size.local,
+        )
+
+
+def equal_flops_steps(reference: ModelSpec, steps: int, other: ModelSpec, seq_len: int) -> int:
+    """Training steps of ``other`` that spend the training FLOPs of ``reference`` trained for
+    ``steps`` steps, at the same tokens per step and sequence length (rounded down)."""
+    return steps * Cost(reference).train_flops_per_token(seq_len) // Cost(other).train_flops_per_token(seq_len)
+
+
+MIB = 2**20
+
+
+def readable(row: CostRow) -> dict:
+    """A row for people: SI prefixes for counts, MiB for cache memory."""
+    return {
+        "spec": row.spec,
+        "seq_len": row.seq_len,
+        "params total": si(row.params_total),
+        "params active": si(row.params_active),
+        "train FLOPs/token": si(row.train_flops_per_token),
+        "prefill FLOPs": si(row.prefill_flops),
+        "decode FLOPs": si(row.decode_flops),
+        "KV global MiB": round(row.kv_global_bytes / MIB, 1),
+        "KV local MiB": round(row.kv_local_bytes / MIB, 1),
+        "KV total MiB": round(row.kv_total_bytes / MIB, 1),
+    }
+
+
+def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: str) -> str:
+    """The generated cost page: one table over specs and lengths, and how to read it."""
+    from archlab.table import Format, render
+
+    rows = [readable(Cost(spec).row(n)) for _, spec in specs for n in lengths]
+    sources = ", ".join(f"`{path}`" for path, _ in specs)
+    return (
+        "# Costs of the paper-scale specs\n\n"
+        f"Generated by `{command}` from {sources}; a test fails when this page is out of date.\n\n"
+        + render(rows, Format.md)
+        + "\n- **params**: a loop counts its weights once; *active* counts what one token uses (MoE: router,"
+        " top-k and shared experts).\n"
+        "- **FLOPs**: 2 x multiply-adds of matmuls; norms, activations and softmax are not counted. Attention"
+        " counts each query against the keys it may see (causal, or its window). *train*: 3 x the forward"
+        " pass at that sequence length, per token. *prefill*: the prefill steps over the prompt (in the YOCO"
+        " family the self-decoder and the global K,V, not the cross-decoder) plus the last token through the"
+        " whole model. *decode*: one step whose token is the seq_len-th. A loop multiplies its layers' FLOPs"
+        " by T.\n"
+        "- **KV**: cache bytes per sequence at seq_len tokens in the spec's inference dtype. *global* grows with"
+        " the context (the global K,V, full-attention K,V); *local* does not (window rings, recurrent and conv"
+        " states, kept in float32). Every loop-dependent part is counted per iteration.\n"
+    )

@@ -1,0 +1,184 @@
+"""Analytic costs against the built model, torch's FLOP counter, the engine's cache and the paper."""
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import archlab
+import blocks.attention
+import blocks.cross_attention
+from archlab.cost import Cost, equal_flops_steps, peak_flops
+from archlab.engine import Engine
+from conftest import PAPER, ROOT, TINY, ids, tiny_model
+
+MIB = 2**20
+
+
+def paper(name):
+    return archlab.load_spec(ROOT / "specs" / "paper" / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("path", TINY + PAPER, ids=ids(TINY + PAPER))
+def test_analytic_params_equal_the_built_model(path):
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec, device="meta")
+    assert Cost(spec).params_total == sum(p.numel() for p in model.parameters())
+
+
+def test_active_params_are_what_one_token_touches():
+    """Route one token through an MoE model: the weights it gives a gradient are the active ones."""
+    spec = archlab.load_spec(ROOT / "specs/tiny/yoco-u-moe.yaml")
+    data = spec.model_dump(mode="json")
+    data["loop"]["times"] = 1  # one pass, so each MoE layer routes the token once
+    spec = archlab.validate_spec(data)
+    model = archlab.build_model(spec)
+    logits, _ = model.forward_with_aux(torch.tensor([[7]]))
+    logits.sum().backward()
+    touched = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("ffn.gate_up", "ffn.down")):  # [experts, ...]: count the experts used
+            touched += int((p.grad.flatten(1).abs().sum(1) > 0).sum()) * p[0].numel()
+        else:
+            touched += p.numel()
+    cost = Cost(spec)
+    assert touched == cost.params_active < cost.params_total
+
+
+COUNTED_IN_TRAINING = ("matmul", "mixer", "conv")  # SDPA on the CPU and solve_triangular have no FLOP formula in torch
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+def test_forward_flops_match_torch_flop_counter(path):
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec)
+    n = 40  # crosses the window (16) and the chunk sizes (16)
+    with FlopCounterMode(display=False) as counter:
+        model.forward_with_aux(torch.randint(0, spec.vocab_size, (2, n)))
+    analytic = Cost(spec).forward_flops(n)
+    expected = 2 * sum(analytic[kind] for kind in COUNTED_IN_TRAINING)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
+
+
+def einsum_attend(q, k, v, mask):
+    """Attention as two einsums that torch's FLOP counter sees (the CPU SDPA kernel it does not)."""
+    repeat = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+    scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / q.shape[-1] ** 0.5
+    return torch.einsum("bhnm,bmhd->bnhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+@pytest.mark.parametrize("context", [5, 30])
+def test_decode_flops_match_torch_flop_counter(path, context, monkeypatch):
+    """A decoding step reads exactly the keys it may see, so attention is counted too; the
+    recurrent state updates are elementwise and stay out of both sides."""
+    monkeypatch.setattr(blocks.attention, "attend", einsum_attend)
+    monkeypatch.setattr(blocks.cross_attention, "attend", einsum_attend)
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec).eval()
+    engine = Engine(model)
+    cache = engine.new_cache(1, context)
+    with torch.no_grad():
+        if context > 1:
+            engine.prefill([torch.randint(0, spec.vocab_size, (context - 1,))], cache)
+        with FlopCounterMode(display=False) as counter:
+            engine.feed(torch.tensor([[3]]), torch.tensor([context - 1]), cache, full=True)
+    analytic = Cost(spec).decode_flops(context)
+    expected = sum(v for kind, v in analytic.items() if kind != "state_update")
+    assert analytic["attention"] > 0
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["transformer", "yoco", "rins", "parscale", "upper-loop-no-shared-kv"])
+def test_forward_attention_is_the_sum_of_decode_steps(name):
+    cost = Cost(archlab.load_spec(ROOT / "specs/tiny" / f"{name}.yaml"))
+    n = 45
+    assert cost.forward_flops(n)["attention"] == sum(cost.decode_flops(c)["attention"] for c in range(1, n + 1))
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+def test_cache_bytes_equal_the_engine(path):
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec).eval()
+    engine, cost = Engine(model), Cost(spec)
+    for context in (1, 7, 16, 17, 40, 300):
+        assert engine.new_cache(2, context).bytes_per_sequence() == cost.cache_bytes(context)
+    generated = engine.generate([torch.randint(0, 256, (20,))], 12).cache  # 32 tokens held
+    assert generated.bytes_per_sequence() == cost.cache_bytes(32)
+
+
+def test_complexity_classes_of_the_paper():
+    n = 16 * 1024
+    yoco, yoco_u, transformer = Cost(paper("yoco")), Cost(paper("yoco-u")), Cost(paper("transformer"))
+    ut, rins = Cost(paper("universal-transformer")), Cost(paper("rins"))
+
+    def total(flops):
+        return sum(flops.values())
+
+    # prefill: linear for yoco-u (equal increments), quadratic for the transformer
+    f = [total(yoco_u.prefill_flops(k * n)) for k in (1, 2, 4)]
+    assert f[2] - f[1] == 2 * (f[1] - f[0])
+    g = [total(transformer.prefill_flops(k * n)) for k in (1, 2, 4)]
+    assert g[2] - g[1] > 3 * (g[1] - g[0])
+    # global cache O(N) with no T factor; the local part carries T
+    for k in (1, 4):
+        assert yoco_u.cache_bytes(k * n).global_ == yoco.cache_bytes(k * n).global_ == k * yoco.cache_bytes(n).global_
+        assert yoco_u.cache_bytes(k * n).local == 3 * yoco.cache_bytes(k * n).local
+    # looped transformers carry their loop factor in the cache
+    assert ut.cache_bytes(n).total == 2 * transformer.cache_bytes(n).total
+    assert rins.cache_bytes(n).total == (3 * 10 + 10) * transformer.cache_bytes(n).total // 20
+    # decode: the self-decoder's part does not grow with the context
+    per_step = [total(yoco_u.decode_flops(k * n)) for k in (1, 2, 4)]
+    assert per_step[2] - per_step[1] == 2 * (per_step[1] - per_step[0])  # only the cross-decoder's reads grow
+
+
+@pytest.mark.parametrize(
+    "name,mib",
+    [
+        ("transformer", {16: 640, 64: 2560, 256: 10240}),
+        ("yoco", {256: 522}),
+        ("yoco-u", {16: 62, 64: 158, 256: 542}),
+        ("rins", {16: 1280, 64: 5120, 256: 20480}),
+    ],
+)
+def test_kv_memory_matches_the_paper(name, mib):
+    cost = Cost(paper(name))
+    for k, expected in mib.items():
+        assert cost.cache_bytes(k * 1024).total / MIB == expected
+
+
+def test_equal_flops_steps():
+    yoco, yoco_u = paper("yoco"), paper("yoco-u")
+    steps = equal_flops_steps(yoco_u, 20_000, yoco, 8192)
+    ref = 20_000 * Cost(yoco_u).train_flops_per_token(8192)
+    per_step = Cost(yoco).train_flops_per_token(8192)
+    assert steps * per_step <= ref < (steps + 1) * per_step
+    assert steps > 20_000
+    assert equal_flops_steps(yoco, 1234, yoco, 8192) == 1234
+
+
+def test_peak_flops_by_device_name():
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("AMD Instinct MI300X") == 1307.4e12
+    with pytest.warns(UserWarning, match="no peak FLOP/s known"):
+        assert peak_flops("Some Future Accelerator") is None
+
+
+def test_cost_docs_are_up_to_date():
+    from archlab.cost import cost_doc
+
+    page = ROOT / "docs" / "costs.md"
+    specs = [(f"specs/paper/{p.name}", archlab.load_spec(p)) for p in PAPER]
+    lengths = [16 * 1024, 64 * 1024, 256 * 1024]
+    command = "archlab cost specs/paper --seq-len 16K 64K 256K --doc docs/costs.md"
+    assert page.read_text() == cost_doc(specs, lengths, command), "run: " + command
+
+
+def test_tiny_model_costs_run():
+    spec, _ = tiny_model("yoco-u")
+    row = Cost(spec).row(1024)
+    assert row.kv_total_bytes == row.kv_global_bytes + row.kv_local_bytes
+    assert row.prefill_flops > row.decode_flops > 0

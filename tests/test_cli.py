@@ -66,6 +66,7 @@ import torch
 from torch import nn
 
 from archlab import BlockSpec
+from archlab.block import Flops
 
 
 class CausalMeanSpec(BlockSpec):
@@ -76,15 +77,30 @@ class CausalMeanSpec(BlockSpec):
     def build(self, ctx):
         return CausalMean(ctx.d_model)
 
+    def params(self, ctx):
+        return ctx.d_model ** 2
+
+    def flops(self, ctx, n, start=0, reuse_kv=False):
+        return Flops(matmul=2 * n * ctx.d_model ** 2)
+
+    def state_bytes(self, ctx, context, kv_bytes):
+        return 4 * ctx.d_model  # the running sum, fp32
+
 
 class CausalMean(nn.Module):
     def __init__(self, d_model):
         super().__init__()
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
+    def new_state(self, batch, capacity, dtype):
+        return {"sum": torch.zeros(batch, self.proj.in_features)}
+
     def forward(self, x, inp):
-        counts = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :, None]
-        return self.proj(x.cumsum(1) / counts)
+        sums = x.float().cumsum(1)
+        if inp.state is not None:
+            sums = sums + inp.state["sum"][:, None]
+            inp.state["sum"].copy_(sums[:, -1])
+        return self.proj((sums / (inp.positions + 1)[..., None]).to(x.dtype))
 '''
 
 
@@ -113,6 +129,12 @@ def test_block_from_another_installed_package(tmp_path):
     built = archlab("build", spec, "--seq-len", "24", env=env)
     assert built.returncode == 0, built.stderr
     assert "yoco-u-causal-mean" in built.stdout and "ok" in built.stdout
+    generated = archlab("generate", spec, "--prompt", "abc", "--max-new-tokens", "5", env=env)
+    assert generated.returncode == 0, generated.stderr
+    costed = archlab("cost", spec, "--seq-len", "1K", "--format", "json", env=env)
+    assert costed.returncode == 0, costed.stderr
+    (row,) = json.loads(costed.stdout)
+    assert row["kv_local_bytes"] == 3 * (4 * 64 + 2 * 8 * 4 * 16 * 4)  # T x (running sum + a ring of 8 rows x 4 heads)
     without = archlab("validate", spec)
     assert without.returncode == 1 and "unknown type 'causal_mean'" in without.stderr
 

@@ -138,7 +138,8 @@ class Model(nn.Module):
             seg = self.plan.segments[step.segment]
             if step.project:
                 loop_kv = self.global_kv(x, positions, cache.global_kv[step] if cache else None)
-                main_kv = main_kv or loop_kv
+                if main_kv is None:  # the first projection is the one global K,V
+                    main_kv = loop_kv
                 continue
             if step.iteration == 0:  # a new segment: the one global K,V, fresh K,V memos
                 loop_kv = main_kv

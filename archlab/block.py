@@ -44,10 +44,11 @@ class MixerInput:
     ``new_state`` made), which the mixer reads and updates in place for the N new tokens.
     """
 
-    positions: torch.Tensor  # [B, N] absolute positions of the tokens in x
+    positions: torch.Tensor  # [B or 1, N] absolute positions of the tokens in x
     state: dict[str, torch.Tensor] | None = None
-    global_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # K, V [B, M, Hkv, Dh], their positions [M]
+    global_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # K, V [B, M, Hkv, Dh], their positions [B or 1, M]
     kv_memo: dict | None = None  # set when loop iterations share this layer's K,V (first one writes it)
+    causal: bool = False  # x is a whole sequence from position 0 and keys are its own: a plain causal mask
 
 
 Flops = Counter  # FLOPs by kind; the kinds:

@@ -120,7 +120,7 @@ def build(
             model = build_model(spec)
             tokens = torch.randint(0, spec.vocab_size, (2, seq_len))
             start = time.perf_counter()
-            logits, aux = model.forward_with_aux(tokens)
+            logits, aux = model(tokens, return_aux=True)
             (logits.float().logsumexp(-1).mean() + aux).backward()
             grads_ok = all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
             ok = bool(logits.isfinite().all()) and grads_ok
@@ -277,6 +277,59 @@ def equal_flops(
         matched = equal_flops_steps(ref, steps, spec, n)
         table.add_row(spec.name, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
     out.print(table)
+
+
+@app.command()
+def train(
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec")],
+    out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
+    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME | mqar | copy")] = None,
+    config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps")] = None,
+    tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M)")] = None,
+    flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
+    resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
+) -> None:
+    """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
+    from archlab.cost import Cost
+    from archlab.train.checkpoint import CheckpointError
+    from archlab.train.config import load_config
+    from archlab.train.data import DataError
+    from archlab.train.trainer import Trainer, TrainError
+
+    if sum(x is not None for x in (steps, tokens, flops)) > 1:
+        raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
+    try:
+        spec = load_spec(spec_path)
+        if resume:
+            saved = out / "config.yaml"
+            if config or set_ or data:
+                raise TrainError("a resumed run keeps the config it started with; drop --config, --set and --data")
+            if not saved.is_file():
+                raise TrainError(f"nothing to resume in {out}: no config.yaml")
+            if load_spec(out / "spec.yaml") != spec:
+                raise TrainError(f"{out} was trained with a different spec than {spec_path}")
+            cfg = load_config(str(saved))
+        else:
+            cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
+        per_step = cfg.batch_size * cfg.seq_len
+        if tokens is not None:
+            steps = -(-_tokens([tokens])[0] // per_step)
+        elif flops is not None:
+            steps = max(1, int(flops // (Cost(spec).train_flops_per_token(cfg.seq_len) * per_step)))
+        cfg = cfg.model_copy(update={"steps": steps or cfg.steps})
+        Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
+    except (DataError, CheckpointError, TrainError) as exc:
+        err.print(f"[bold red]error[/]: {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print("interrupted; the checkpoints already written are intact (continue with --resume)")
+        raise typer.Exit(130) from None
+    err.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
 LIST_OPTIONS = ("--seq-len",)

@@ -94,17 +94,16 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.spec.init_std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, length, vocab]."""
-        return self.forward_with_aux(input_ids)[0]
-
-    def forward_with_aux(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits and the summed auxiliary losses (MoE load balancing; 0 without MoE)."""
+    def forward(self, input_ids: torch.Tensor, return_aux: bool = False):
+        """Logits [batch, length, vocab]; with ``return_aux``, also the summed auxiliary losses
+        (MoE load balancing; 0 without MoE)."""
         batch, n = input_ids.shape
-        positions = torch.arange(n, device=input_ids.device).expand(batch, n)
+        positions = torch.arange(n, device=input_ids.device)[None]  # the same for every row
         aux: list[torch.Tensor] = []
-        x = self.run(self.embed_streams(input_ids), self.streams_of(positions), self.plan.steps, aux=aux)
+        x = self.run(self.embed_streams(input_ids), positions, self.plan.steps, aux=aux, causal=True)
         logits = self.logits(x)
+        if not return_aux:
+            return logits
         return logits, torch.stack(aux).sum() if aux else logits.new_zeros(())
 
     # -- one walker for training and inference -----------------------------------------------
@@ -128,9 +127,11 @@ class Model(nn.Module):
         steps: tuple[Step, ...],
         cache: Cache | None = None,
         aux: list | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Apply ``steps`` (all the plan's, or the prefill's) to hidden states x [rows, N, D] at
-        ``positions`` [rows, N]; with a cache, read and extend its state."""
+        ``positions`` [rows or 1, N]; with a cache, read and extend its state. ``causal``: the
+        tokens are a whole sequence from position 0, so attention may use a plain causal mask."""
         aux = [] if aux is None else aux
         main_kv = loop_kv = None
         memos: dict[int, dict] = {}
@@ -146,7 +147,7 @@ class Model(nn.Module):
                 memos = {i: {} for i in seg.layers if self.plan.shared(step, i)}
             for i in seg.layers:
                 state = cache.layers.get(self.plan.state_key(step, i)) if cache else None
-                x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i)), aux)
+                x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i), causal), aux)
         return x
 
     def _mix_streams(self, x: torch.Tensor) -> torch.Tensor:

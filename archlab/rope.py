@@ -1,4 +1,5 @@
-"""Rotary position embedding (RoPE), half-split layout."""
+"""Rotary position embedding (RoPE), interleaved layout (as YOCO's): dimensions (2i, 2i+1) form
+a pair rotated by ``position * theta^(-2i/d)``, computed as one complex multiplication."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from torch import nn
 
 
 class Rotary(nn.Module):
-    """Rotates the last dimension of q or k by angles ``position * theta^(-2i/d)``."""
-
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         if head_dim % 2:
@@ -17,11 +16,8 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [B, N, H, D]; positions: [N] or [B, N]."""
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [..., N, D/2]
-        if angles.dim() == 2:
-            angles = angles[None]
-        cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return rotated.to(x.dtype)
+        """x: [B, N, H, D]; positions: [B or 1, N]."""
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B or 1, N, D/2]
+        turn = torch.polar(torch.ones_like(angles), angles)[:, :, None]  # e^(i angle), broadcast over heads
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)

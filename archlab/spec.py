@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
-from pydantic import BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
 
 from archlab.block import BlockSpec, BuildContext, Problem, Problems, Strict
 from archlab.registry import block_specs
@@ -460,23 +460,36 @@ def _describe(err: dict) -> str:
     return msg
 
 
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_as(cls: type[M], data: dict, source: str) -> M:
+    """Validate a mapping as ``cls``; every problem (and those of its ``problems()``, if it has
+    one) is raised as one SpecError naming ``source``."""
+    try:
+        obj = cls.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(source, [Problem(_loc(e["loc"], data), _describe(e)) for e in exc.errors()]) from None
+    found = obj.problems() if hasattr(obj, "problems") else []
+    if found:
+        raise SpecError(source, found)
+    return obj
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML file of archlab's (spec, training config, study) with its ``extends`` merged."""
+    return _read_yaml(Path(path), ())
+
+
 def validate_spec(data: dict, source: str = "<spec>") -> ModelSpec:
     """Validate an already-merged mapping (e.g. a study's override of a spec)."""
     _resolve_blocks()
-    try:
-        spec = ModelSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(source, [Problem(_loc(e["loc"], data), _describe(e)) for e in exc.errors()]) from None
-    found = spec.problems()
-    if found:
-        raise SpecError(source, found)
-    return spec
+    return validate_as(ModelSpec, data, source)
 
 
 def load_spec(path: str | Path) -> ModelSpec:
     """Read, merge (``extends``) and validate a spec file."""
-    path = Path(path)
-    return validate_spec(_read_yaml(path, ()), str(path))
+    return validate_spec(load_yaml(path), str(path))
 
 
 def spec_to_yaml(spec: ModelSpec) -> str:

@@ -38,10 +38,11 @@ def attention_pairs(n: int, start: int, window: int | None) -> int:
     return upto(start + n) - upto(start)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """SDPA on sequence-first tensors [B, N, H, D]; K,V may have fewer heads (GQA)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA on sequence-first tensors [B, N, H, D]; K,V may have fewer heads (GQA). A mask of
+    None means plain causal attention over the same positions (the fast kernel)."""
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None, enable_gqa=True
     )
     return out.transpose(1, 2)
 
@@ -108,9 +109,7 @@ class SelfAttention(nn.Module):
     def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.q_proj = nn.Linear(ctx.d_model, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(ctx.d_model, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(ctx.d_model, kv_heads * head_dim, bias=False)
+        self.qkv_proj = nn.Linear(ctx.d_model, (heads + 2 * kv_heads) * head_dim, bias=False)  # one matmul for q, k, v
         self.o_proj = nn.Linear(heads * head_dim, ctx.d_model, bias=False)
         self.rotary = Rotary(head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
         if ctx.streams > 1:
@@ -127,45 +126,55 @@ class SelfAttention(nn.Module):
         shape = (batch, rows, self.kv_heads, self.head_dim)
         return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor, queries_only: bool = False):
+        """q [B, N, H, Dh] (and k, v [B, N, Hkv, Dh]) with RoPE applied to q and k."""
+        batch, n, _ = x.shape
+        if queries_only:  # K,V come from an earlier loop iteration: project q alone
+            weight = self.qkv_proj.weight[: self.heads * self.head_dim]
+            return self.rope(F.linear(x, weight).view(batch, n, self.heads, self.head_dim), positions)
+        qkv = self.qkv_proj(x).view(batch, n, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk = self.rope(qkv[:, :, : self.heads + self.kv_heads], positions)
+        return qk[:, :, : self.heads], qk[:, :, self.heads :], qkv[:, :, self.heads + self.kv_heads :]
+
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
-        q = self.rope(self.q_proj(x).view(batch, n, self.heads, self.head_dim), inp.positions)
         if inp.kv_memo is not None and "kv" in inp.kv_memo:
+            q = self.project(x, inp.positions, queries_only=True)
             k, v, k_pos = inp.kv_memo["kv"]
         else:
-            k, v, k_pos = self.keys(x, inp)
+            q, k, v = self.project(x, inp.positions)
+            k, v, k_pos = self.keys(k, v, inp)
             if inp.kv_memo is not None:
                 inp.kv_memo["kv"] = (k, v, k_pos)
         prefix = None
         if hasattr(self, "prefix_k"):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
-        if self.window is None or n == 1:
+        if self.window is None and inp.causal and prefix is None:
+            out = attend(q, k, v, None)
+        elif self.window is None or n == 1:
             out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, self.window), prefix))
         else:
             out = local_attend(q, k, v, inp.positions, k_pos, self.window, prefix)
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))
 
-    def keys(self, x: torch.Tensor, inp: MixerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V [B, M, Hkv, Dh] the queries may attend to and their positions [B or 1, M], in
-        position order; writes the new tokens into the state, if any."""
-        batch, n, _ = x.shape
-        k = self.rope(self.k_proj(x).view(batch, n, self.kv_heads, self.head_dim), inp.positions)
-        v = self.v_proj(x).view(batch, n, self.kv_heads, self.head_dim)
-        state = inp.state
+    def keys(self, k: torch.Tensor, v: torch.Tensor, inp: MixerInput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [B, M, Hkv, Dh] the new tokens' queries may attend to and their positions
+        [B or 1, M], in position order; writes the new k, v into the state, if any."""
+        n, state = k.shape[1], inp.state
         if state is None:
             return k, v, inp.positions
         if self.window is None:  # the cache row of a token is its position
             write_rows(state["k"], inp.positions, k)
             write_rows(state["v"], inp.positions, v)
-            return state["k"], state["v"], torch.arange(state["k"].shape[1], device=x.device)[None]
+            return state["k"], state["v"], torch.arange(state["k"].shape[1], device=k.device)[None]
         # a ring of R rows: slot s holds the latest written position p with p % R == s
         ring, decoding = state["k"].shape[1], n == 1
         if decoding:  # the new row replaces the oldest, so the ring is then exactly the window
             write_rows(state["k"], inp.positions % ring, k)
             write_rows(state["v"], inp.positions % ring, v)
         last = inp.positions[:, :1] - (0 if decoding else 1)
-        ring_pos = last - (last - torch.arange(ring, device=x.device)[None]) % ring  # < 0: never written
+        ring_pos = last - (last - torch.arange(ring, device=k.device)[None]) % ring  # < 0: never written
         order = ring_pos.argsort(dim=1)
         gather = order[:, :, None, None].expand(-1, -1, self.kv_heads, self.head_dim)
         k_ring, v_ring, ring_pos = state["k"].gather(1, gather), state["v"].gather(1, gather), ring_pos.gather(1, order)
@@ -196,6 +205,7 @@ def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block=64):
     ``b + W - 1`` keys that can fall inside its windows, plus the prefix.
     """
     batch, n, heads, dim = q.shape
+    q_pos = q_pos.expand(batch, -1)
     b = max(window, block)
     blocks = -(-n // b)
     front = window - (k.shape[1] - n)  # left-pad so the keys start W positions before the queries

@@ -64,5 +64,5 @@ class CrossAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, inp.positions)
         k, v, k_pos = inp.global_kv
-        out = attend(q, k, v, band_mask(inp.positions, k_pos, None))
+        out = attend(q, k, v, None if inp.causal else band_mask(inp.positions, k_pos, None))
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

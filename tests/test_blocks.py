@@ -33,9 +33,7 @@ def test_sliding_window_attention_matches_naive_and_fla(window, n):
     positions = torch.arange(n).expand(2, n)
     got = module(x, MixerInput(positions))
 
-    q = module.rope(module.q_proj(x).view(2, n, 4, 8), positions)
-    k = module.rope(module.k_proj(x).view(2, n, 2, 8), positions)
-    v = module.v_proj(x).view(2, n, 2, 8)
+    q, k, v = module.project(x, positions)
     expected = naive_window_attention(q, k, v, window)
     torch.testing.assert_close(got, module.o_proj(expected.reshape(2, n, 32)), rtol=1e-10, atol=1e-12)
 
@@ -105,8 +103,7 @@ def test_windowed_attention_with_parscale_prefix_matches_dense():
     x = torch.randn(4, 70, 32, dtype=torch.float64)  # 2 sequences x 2 streams
     positions = torch.arange(70).expand(4, 70)
     got = module(x, MixerInput(positions))
-    q = module.rope(module.q_proj(x).view(4, 70, 4, 8), positions)
-    k, v, _ = module.keys(x, MixerInput(positions))
+    q, k, v = module.project(x, positions)
     prefix = (module.prefix_k.repeat(2, 1, 1, 1), module.prefix_v.repeat(2, 1, 1, 1))
     dense = attend(*with_prefix(q, k, v, band_mask(positions, positions, 5), prefix))
     torch.testing.assert_close(got, module.o_proj(dense.reshape(4, 70, 32)), rtol=1e-10, atol=1e-12)

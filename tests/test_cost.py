@@ -32,7 +32,7 @@ def test_active_params_are_what_one_token_touches():
     data["loop"]["times"] = 1  # one pass, so each MoE layer routes the token once
     spec = archlab.validate_spec(data)
     model = archlab.build_model(spec)
-    logits, _ = model.forward_with_aux(torch.tensor([[7]]))
+    logits, _ = model(torch.tensor([[7]]), return_aux=True)
     logits.sum().backward()
     touched = 0
     for name, p in model.named_parameters():
@@ -53,10 +53,23 @@ def test_forward_flops_match_torch_flop_counter(path):
     model = archlab.build_model(spec)
     n = 40  # crosses the window (16) and the chunk sizes (16)
     with FlopCounterMode(display=False) as counter:
-        model.forward_with_aux(torch.randint(0, spec.vocab_size, (2, n)))
+        model(torch.randint(0, spec.vocab_size, (2, n)), return_aux=True)
     analytic = Cost(spec).forward_flops(n)
     expected = 2 * sum(analytic[kind] for kind in COUNTED_IN_TRAINING)
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.02)
+
+
+def test_forward_flops_of_a_loop_that_shares_k_v():
+    """Iterations after the first project queries only: the analytic count says so, and so does torch."""
+    rins = archlab.load_spec(ROOT / "specs/tiny/rins.yaml")
+    data = rins.model_dump(mode="json")
+    data["loop"]["kv_cache"] = "shared"
+    shared = archlab.validate_spec(data)
+    with FlopCounterMode(display=False) as counter:
+        archlab.build_model(shared)(torch.randint(0, 256, (2, 40)))
+    analytic = Cost(shared).forward_flops(40)
+    assert counter.get_total_flops() == pytest.approx(2 * sum(analytic[k] for k in COUNTED_IN_TRAINING), rel=0.02)
+    assert analytic["matmul"] < Cost(rins).forward_flops(40)["matmul"]
 
 
 def einsum_attend(q, k, v, mask):
@@ -64,6 +77,8 @@ def einsum_attend(q, k, v, mask):
     repeat = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
     scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / q.shape[-1] ** 0.5
+    if mask is None:  # plain causal
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
     return torch.einsum("bhnm,bmhd->bnhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 

@@ -49,7 +49,7 @@ def test_tiny_forward_backward_finite(path):
     params = sum(p.numel() for p in model.parameters())
     assert 100_000 <= params <= 1_000_000, "tiny specs are a few hundred thousand parameters"
     tokens = torch.randint(0, spec.vocab_size, (2, SEQ))
-    logits, aux = model.forward_with_aux(tokens)
+    logits, aux = model(tokens, return_aux=True)
     assert logits.shape == (2, SEQ, spec.vocab_size)
     assert logits.isfinite().all()
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()) + aux

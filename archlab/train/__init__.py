@@ -1,0 +1,1 @@
+"""Training: configs, data, checkpoints and the trainer behind ``archlab train``."""

@@ -1,0 +1,69 @@
+"""Checkpoints that survive a kill at any moment and load without running pickled code.
+
+A checkpoint is a folder ``checkpoints/step-XXXXXXXX`` holding ``model.safetensors`` (weights),
+``trainer.pt`` (optimizer and RNG state; tensors, numbers and lists only, loaded with
+``weights_only=True``) and ``state.json``. It is written under a temporary name and renamed into
+place, so a folder with the final name is always complete; older ones beyond ``keep`` are
+removed only after a newer one is in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used, said in words."""
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = run_dir / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+
+
+def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, info: dict, keep: int) -> Path:
+    root = run_dir / "checkpoints"
+    final = root / f"step-{step:08d}"
+    tmp = root / f".tmp-step-{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(trainer_state, tmp / "trainer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, **info}, indent=2))
+    for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
+    """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+        if missing or unexpected:
+            raise CheckpointError(
+                f"checkpoint {path} does not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+            )
+        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+        info = json.loads((path / "state.json").read_text())
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged ({type(exc).__name__}: {exc}); remove it to resume from the one before"
+        ) from None
+    return trainer_state, info

@@ -1,0 +1,90 @@
+"""The training config: YAML validated like a spec, with dotted ``--set key=value`` overrides."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import yaml
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from archlab.block import Problem, Problems, Strict
+from archlab.spec import SpecError, _deep_merge, load_yaml, validate_as
+
+
+class Optimizer(Strict):
+    """AdamW; weight decay applies to matrices only (not norms, biases or 1-D gates)."""
+
+    lr: PositiveFloat = 3e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: PositiveFloat = 1e-8
+    weight_decay: float = Field(0.1, ge=0)
+
+
+class Schedule(Strict):
+    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class Data(Strict):
+    """Where tokens come from.
+
+    ``source``: ``stdlib`` (the Python standard library's source, on every machine), a text file
+    or folder of text files, a token file (``.bin`` of uint16/uint32 or ``.npy``), ``hf:NAME``
+    (a Hugging Face dataset, streamed; needs network), or a synthetic task ``mqar`` / ``copy``.
+    """
+
+    source: str = "stdlib"
+    tokenizer: str | None = None  # a tokenizer.json; None: train a byte-level BPE on the corpus
+    max_bytes: PositiveInt = 16_000_000  # of text read from a corpus to tokenize
+    val_fraction: float = Field(0.05, gt=0, lt=0.5)
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a raw .bin token file
+    hf_text_field: str = "text"
+
+
+class TrainConfig(Strict):
+    schema_version: Literal[1] = 1
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
+    micro_batch_size: PositiveInt = 16  # sequences per forward pass per process
+    seq_len: PositiveInt = 128
+    optimizer: Optimizer = Optimizer()
+    schedule: Schedule = Schedule()
+    grad_clip: float = Field(1.0, ge=0)  # 0: off
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    compile: bool = False
+    seed: int = 0
+    eval_interval: PositiveInt = 50
+    eval_batches: PositiveInt = 4
+    log_interval: PositiveInt = 10
+    checkpoint_interval: PositiveInt = 100
+    keep_checkpoints: PositiveInt = 3
+    data: Data = Data()
+
+    def problems(self) -> list[Problem]:
+        root = Problems()
+        if self.batch_size % self.micro_batch_size:
+            root.at("micro_batch_size").add(
+                f"{self.micro_batch_size} does not divide batch_size={self.batch_size}; the gradient is"
+                " accumulated over whole micro-batches"
+            )
+        return root.found
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``optimizer.lr=1e-3`` style overrides, values parsed as YAML."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
+        nested: object = yaml.safe_load(value)
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        data = _deep_merge(data, nested)
+    return data
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
+    data = load_yaml(path) if path else {}
+    return validate_as(TrainConfig, apply_overrides(data, list(overrides)), path or "--set")

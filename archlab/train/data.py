@@ -1,0 +1,231 @@
+"""Training data: a real corpus tokenized once into the run directory, or a synthetic recall task.
+
+Every batch is a pure function of (seed, split, step): sampling needs no state, so resuming at
+step s replays exactly the batches an uninterrupted run would have drawn, and the processes of a
+distributed run each take their slice of the same global batch.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from archlab.train.config import Data
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
+SPLITS = {"train": 0, "val": 1}
+
+
+class DataError(Exception):
+    """Unusable training data, said in words."""
+
+
+@dataclass
+class Batch:
+    inputs: torch.Tensor  # [B, T] token ids
+    targets: torch.Tensor  # [B, T] next tokens
+    mask: torch.Tensor | None = None  # [B, T] bool: positions that count (synthetic tasks)
+
+
+def _rows(seed: int, split: str, step: int, batch: int, rank: int, world: int) -> np.random.Generator:
+    """The generator of one global batch; this process's rows come out at ``rank``'s offset."""
+    if batch % world:
+        raise DataError(f"the batch of {batch} sequences does not split evenly over {world} processes")
+    return np.random.default_rng([seed, SPLITS[split], step])
+
+
+class TokenSource:
+    """Train and validation token arrays, sampled at random offsets."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, describe: str):
+        for name, tokens in (("training", train), ("validation", val)):
+            if len(tokens) < seq_len + 1:
+                raise DataError(
+                    f"sequence length {seq_len} needs at least {seq_len + 1} tokens, but the {name} split of"
+                    f" {describe} has {len(tokens)}; use a shorter seq_len or more data"
+                )
+        self.splits, self.seq_len, self.seed, self.describe = {"train": train, "val": val}, seq_len, seed, describe
+
+    def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
+        tokens = self.splits[split]
+        rng = _rows(self.seed, split, step, batch, rank, world)
+        starts = rng.integers(0, len(tokens) - self.seq_len, size=batch)
+        mine = starts[rank * batch // world : (rank + 1) * batch // world]
+        rows = torch.from_numpy(np.stack([np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in mine]))
+        return Batch(rows[:, :-1], rows[:, 1:])
+
+
+class RecallTask:
+    """Synthetic probes of what a mixer can retrieve; only the answer positions count.
+
+    - ``mqar`` (multi-query associative recall, as in Zoology): key-value pairs, then the keys
+      again in random order among blanks; each key must be answered with its value.
+    - ``copy`` (selective copying): tokens scattered among blanks, then a marker; the tokens must
+      be repeated in order.
+    """
+
+    def __init__(self, kind: str, vocab_size: int, seq_len: int, seed: int):
+        if vocab_size < 16:
+            raise DataError(f"synthetic task {kind!r} needs a vocabulary of at least 16, the spec has {vocab_size}")
+        if seq_len < 16:
+            raise DataError(f"synthetic task {kind!r} needs seq_len >= 16, got {seq_len}")
+        self.kind, self.vocab, self.seq_len, self.seed = kind, vocab_size, seq_len, seed
+        self.describe = f"the synthetic {kind} task"
+
+    def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
+        rng = _rows(self.seed, split, step, batch, rank, world)
+        rows = [self._mqar(rng) if self.kind == "mqar" else self._copy(rng) for _ in range(batch)]
+        rows = rows[rank * batch // world : (rank + 1) * batch // world]
+        seq = torch.tensor(np.stack([r[0] for r in rows]), dtype=torch.long)
+        answer = torch.tensor(np.stack([r[1] for r in rows]), dtype=torch.bool)
+        return Batch(seq[:, :-1], seq[:, 1:], answer[:, 1:])
+
+    def _mqar(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        n, half = self.seq_len + 1, (self.vocab - 1) // 2
+        pairs = max(1, min(half, n // 8))
+        keys = rng.choice(np.arange(1, half + 1), pairs, replace=False)
+        values = rng.choice(np.arange(half + 1, 2 * half + 1), pairs)
+        seq, answer = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        seq[: 2 * pairs : 2], seq[1 : 2 * pairs : 2] = keys, values
+        slots = 2 * pairs + 2 * rng.choice((n - 2 * pairs) // 2, pairs, replace=False)  # query at a slot, answer after
+        order = rng.permutation(pairs)
+        seq[slots], seq[slots + 1], answer[slots + 1] = keys[order], values[order], True
+        return seq, answer
+
+    def _copy(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        n = self.seq_len + 1
+        count = max(1, n // 8)
+        marker = self.vocab - 1
+        tokens = rng.integers(1, marker, count)
+        seq, answer = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
+        spots = np.sort(rng.choice(n - count - 1, count, replace=False))
+        seq[spots], seq[n - count - 1] = tokens, marker
+        seq[n - count :], answer[n - count :] = tokens, True
+        return seq, answer
+
+
+# --- corpora --------------------------------------------------------------------------------
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+
+
+def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[str]:
+    """Documents of a text corpus, in a fixed order, up to ``max_bytes`` in all."""
+    if source == "stdlib":
+        files = _stdlib_files()
+    elif source.startswith("hf:"):
+        return _hf_texts(source[3:], max_bytes, text_field)
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise DataError(f"data source {source!r}: no such file or folder")
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) if path.is_dir() else [path]
+    texts, total = [], 0
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # not text
+        if text.strip():
+            texts.append(text[: max_bytes - total])
+            total += len(texts[-1])
+        if total >= max_bytes:
+            break
+    if not texts:
+        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s))")
+    return texts
+
+
+def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("hf: sources need the `datasets` package (pip install datasets)") from None
+    dataset, _, split = name.partition(":")
+    try:
+        stream = datasets.load_dataset(dataset, split=split or "train", streaming=True)
+        texts, total = [], 0
+        for row in stream:
+            texts.append(str(row[field]))
+            total += len(texts[-1])
+            if total >= max_bytes:
+                break
+    except Exception as exc:  # network, missing dataset, missing field: all end the same way
+        raise DataError(f"could not stream Hugging Face dataset {dataset!r}: {exc}") from None
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` tokens (the 256 bytes, then learned merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256:
+        raise DataError(f"a byte-level tokenizer needs a vocabulary of at least 256; the spec has {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[], show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    from tokenizers import Tokenizer
+
+    if not Path(path).is_file():
+        raise DataError(f"tokenizer {path!r}: no such file")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as exc:
+        raise DataError(f"tokenizer {path!r} could not be read: {exc}") from None
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise DataError(f"tokenizer {path!r} has {tokenizer.get_vocab_size()} tokens; the spec's vocab_size is {vocab_size}")
+    return tokenizer
+
+
+def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=cfg.token_dtype, mode="r")
+    except (ValueError, OSError) as exc:
+        raise DataError(f"token file {str(path)!r} could not be read: {exc}") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise DataError(f"token file {str(path)!r} must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}")
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        raise DataError(f"token file {str(path)!r} has token id {int(tokens.max())} >= vocab_size {vocab_size}")
+    return tokens
+
+
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, run_dir: Path):
+    """Build the data source, tokenizing a corpus into ``run_dir/data`` the first time (a
+    resumed run reads those files back, so it trains on exactly the same tokens)."""
+    if cfg.source in ("mqar", "copy"):
+        return RecallTask(cfg.source, vocab_size, seq_len, seed)
+    path = Path(cfg.source)
+    if path.suffix in (".bin", ".npy") and path.is_file():
+        tokens = _token_file(path, cfg, vocab_size)
+        cut = int(len(tokens) * (1 - cfg.val_fraction))
+        return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
+    cache = run_dir / "data"
+    if not (cache / "train.npy").is_file():
+        texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+        tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer else train_tokenizer(texts, vocab_size)
+        ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts)])
+        if len(ids) == 0:
+            raise DataError(f"data source {cfg.source!r} tokenized to nothing")
+        cut = int(len(ids) * (1 - cfg.val_fraction))
+        cache.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(run_dir / "tokenizer.json"))
+        np.save(cache / "val.npy", ids[cut:])
+        np.save(cache / "train.npy", ids[:cut])  # last: its presence marks the cache complete
+    train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
+    return TokenSource(train, val, seq_len, seed, repr(cfg.source))

@@ -1,0 +1,246 @@
+"""The training loop: AdamW, warmup + cosine, accumulation, clipping, eval, checkpoints, DDP.
+
+Launched as one process, or by torchrun (``torchrun --nproc-per-node N -m archlab train ...``):
+with WORLD_SIZE > 1 each process joins the group (gloo on CPU, NCCL on CUDA), takes its slice of
+every global batch and DDP averages the gradients; rank 0 alone writes the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from archlab.cost import Cost, peak_flops
+from archlab.ffn import MoEFFN
+from archlab.model import Model, build_model
+from archlab.spec import ModelSpec, spec_to_yaml
+from archlab.train import checkpoint
+from archlab.train.config import TrainConfig
+from archlab.train.data import Batch, prepare
+
+
+class TrainError(Exception):
+    """Training cannot go on; the message says why and what was kept."""
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        world = cls(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
+        if size > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return world
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            value = value.clone()
+            dist.all_reduce(value)
+            value /= self.size
+        return value
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from 1 to ``min_lr_ratio`` at ``total``."""
+    warmup = cfg.schedule.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    floor = cfg.schedule.min_lr_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def scored(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [M, V] and targets [M] of the positions that count."""
+    logits, targets = logits.float().flatten(0, 1), batch.targets.flatten().to(logits.device)
+    if batch.mask is None:
+        return logits, targets
+    keep = batch.mask.flatten().to(logits.device)
+    return logits[keep], targets[keep]
+
+
+def _param_groups(model: Model, weight_decay: float) -> list[dict]:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, spec: ModelSpec, cfg: TrainConfig, run_dir: Path, console: Console):
+        self.spec, self.cfg, self.run_dir, self.console = spec, cfg, run_dir, console
+        self.world = World.from_env()
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{self.world.local_rank}" if cuda else "cpu")
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        per_process = cfg.batch_size // self.world.size
+        if cfg.batch_size % self.world.size or per_process % cfg.micro_batch_size:
+            raise TrainError(
+                f"batch_size {cfg.batch_size} must split into {self.world.size} process(es) x whole micro-batches"
+                f" of {cfg.micro_batch_size}"
+            )
+        self.accumulation = per_process // cfg.micro_batch_size
+        torch.manual_seed(cfg.seed)
+        self.model = build_model(spec, device=self.device)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.model, cfg.optimizer.weight_decay),
+            lr=cfg.optimizer.lr,
+            betas=cfg.optimizer.betas,
+            eps=cfg.optimizer.eps,
+            fused=True,  # one kernel for the whole update, on the CPU as on CUDA
+        )
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_step = Cost(spec).train_flops_per_token(cfg.seq_len) * self.tokens_per_step
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
+        self.peak = peak * self.world.size if peak else None
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
+
+    # -- the run directory --------------------------------------------------------------------
+
+    def _start_run_dir(self, resume: bool) -> int:
+        """Create or reopen the run directory; return the step to start from."""
+        spec_file, metrics = self.run_dir / "spec.yaml", self.run_dir / "metrics.jsonl"
+        found = checkpoint.checkpoints(self.run_dir)
+        if not resume:
+            if found or spec_file.exists():
+                raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
+            if self.world.main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                spec_file.write_text(spec_to_yaml(self.spec))
+                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            return 0
+        if not found:
+            raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint")
+        trainer_state, info = checkpoint.load(found[-1], self.model)
+        try:
+            self.optimizer.load_state_dict(trainer_state["optimizer"])
+            torch.set_rng_state(trainer_state["rng"])
+        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+            raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
+        step = int(info["step"])
+        if self.world.main and metrics.exists():  # drop what was logged after the checkpoint
+            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        self.console.print(f"resuming from {found[-1]} (step {step})", highlight=False)
+        return step
+
+    def _log(self, record: dict) -> None:
+        if self.world.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def _save(self, step: int) -> Path | None:
+        path = None
+        if self.world.main:
+            state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+            path = checkpoint.save(self.run_dir, step, self.model, state, {"tokens": step * self.tokens_per_step}, self.cfg.keep_checkpoints)
+        self.world.barrier()
+        return path
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, data, forward) -> dict:
+        self.model.eval()
+        totals = torch.zeros(3, device=self.device)  # loss x count, correct, count
+        for i in range(self.cfg.eval_batches):
+            batch = data.batch("val", i, self.cfg.batch_size, self.world.rank, self.world.size)
+            with self.autocast:
+                logits, targets = scored(forward(batch.inputs.to(self.device)), batch)
+            loss = F.cross_entropy(logits, targets, reduction="sum")
+            totals += torch.stack([loss, (logits.argmax(-1) == targets).sum(), torch.tensor(len(targets))]).float()
+        totals = self.world.mean(totals)
+        self.model.train()
+        loss = (totals[0] / totals[2]).item()
+        record = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        if getattr(data, "kind", None):  # synthetic tasks report accuracy on their answers
+            record["eval_acc"] = (totals[1] / totals[2]).item()
+        return record
+
+    def fit(self, steps: int, resume: bool = False) -> None:
+        start = self._start_run_dir(resume)
+        if self.world.main:
+            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, self.run_dir)
+        self.world.barrier()
+        if not self.world.main:
+            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, self.run_dir)
+        model = self.model
+        if self.world.size > 1:
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        forward = torch.compile(model) if self.cfg.compile else model
+        last_saved = checkpoint.checkpoints(self.run_dir)[-1] if resume else None
+        columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
+        with Progress(*columns, console=self.console, disable=not self.world.main) as progress:
+            task = progress.add_task("train", total=steps, completed=start, status="")
+            for step in range(start, steps):
+                began = time.perf_counter()
+                record = self._step(step, steps, data, model, forward)
+                if not math.isfinite(record["loss"]):
+                    kept = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint had been written"
+                    raise TrainError(f"loss became {record['loss']} at step {step + 1}; training stopped, {kept}")
+                elapsed = time.perf_counter() - began
+                record["tok_s"] = self.tokens_per_step / elapsed
+                if self.peak:
+                    record["mfu"] = self.flops_per_step / elapsed / self.peak
+                done = step + 1
+                if done % self.cfg.eval_interval == 0 or done == steps:
+                    record.update(self.evaluate(data, forward))
+                if done % self.cfg.log_interval == 0 or "eval_loss" in record:
+                    self._log(record)
+                if done % self.cfg.checkpoint_interval == 0 or done == steps:
+                    last_saved = self._save(done) or last_saved
+                status = f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {record['tok_s']:,.0f} tok/s"
+                status += f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""
+                status += f"  eval {record['eval_loss']:.3f}" if "eval_loss" in record else ""
+                progress.update(task, completed=done, status=status)
+
+    def _step(self, step: int, steps: int, data, model, forward) -> dict:
+        cfg = self.cfg
+        lr = cfg.optimizer.lr * lr_factor(step, steps, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = data.batch("train", step, cfg.batch_size, self.world.rank, self.world.size)
+        micro = cfg.micro_batch_size
+        total = torch.zeros((), device=self.device)
+        for i in range(self.accumulation):
+            part = Batch(*(t[i * micro : (i + 1) * micro] if t is not None else None for t in (batch.inputs, batch.targets, batch.mask)))
+            sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
+            with sync, self.autocast:
+                logits, aux = forward(part.inputs.to(self.device), return_aux=True)
+                loss = F.cross_entropy(*scored(logits, part))
+                ((loss + aux) / self.accumulation).backward()
+            total += loss.detach() / self.accumulation
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+        loss = self.world.mean(total).item()
+        if math.isfinite(loss):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": (step + 1) * self.tokens_per_step}
+        if self.moe_layers:  # 1.0 is perfect balance; E is every token on one expert
+            record["moe_max_load"] = max(float(m.last_load.max()) * m.last_load.numel() for m in self.moe_layers)
+        return record

@@ -1,0 +1,207 @@
+"""Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from archlab.train.config import TrainConfig
+from archlab.train.data import RecallTask, TokenSource
+from archlab.train.trainer import lr_factor
+from conftest import ROOT
+
+SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
+         "--set", "eval_batches=2", "--set", "log_interval=1"]
+
+
+def archlab(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200"}, **kwargs)
+
+
+def losses(run_dir):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def clean_failure(result, *fragments):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+
+
+def test_killed_run_resumes_bitwise(tmp_path):
+    spec = "specs/tiny/transformer.yaml"
+    common = [*SMALL, "--set", "checkpoint_interval=5", "--set", "eval_interval=1000", "--steps", "120"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "archlab", "train", spec, "--out", killed, *common], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = killed / "checkpoints" / "step-00000010"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    resumed = archlab("train", spec, "--out", killed, "--resume", "--steps", "120")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr
+
+    reference = tmp_path / "reference"
+    straight = archlab("train", spec, "--out", reference, *common)
+    assert straight.returncode == 0, straight.stderr
+    assert len(losses(reference)) == 120
+    assert losses(killed) == losses(reference)  # bitwise: the same floats, step for step
+    assert len(list((killed / "checkpoints").glob("step-*"))) == 3  # keep_checkpoints
+
+
+def test_distributed_gloo_matches_one_process(tmp_path):
+    spec = "specs/tiny/yoco-u.yaml"
+    common = [*SMALL, "--set", "eval_interval=1000", "--steps", "6"]
+    one = archlab("train", spec, "--out", tmp_path / "one", *common)
+    assert one.returncode == 0, one.stderr
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "archlab", "train",
+         spec, "--out", str(tmp_path / "two"), *common],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert two.returncode == 0, two.stderr
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
+    for (_, x), (_, y) in zip(a, b):
+        assert y == pytest.approx(x, rel=1e-4)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--set", "checkpoint_interval=2",
+                     "--set", "grad_clip=0", "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e6", "--steps", "50")
+    clean_failure(result, "loss became", "training stopped")
+    kept = sorted((run / "checkpoints").glob("step-*"))
+    assert kept, "a good checkpoint was written before the loss diverged"
+    assert str(kept[-1]) in result.stderr
+    assert all(np.isfinite(loss) for _, loss in losses(run)[:-1])
+
+
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--data", "no/such/place"], ["no such file or folder"]),
+        (["--set", "micro_batch_size=3"], ["micro_batch_size", "does not divide batch_size=8"]),
+        (["--set", "optimizer.learning_rate=1"], ["optimizer.learning_rate", "unknown key"]),
+        (["--set", "seq_len=5000000"], ["sequence length 5000000 needs at least 5000001 tokens"]),
+        (["--set", "lr"], ["expected KEY=VALUE"]),
+    ],
+)
+def test_bad_input_is_a_clear_error(tmp_path, args, fragments):
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", *SMALL, "--steps", "2", *args)
+    clean_failure(result, *fragments)
+
+
+def test_empty_corpus_and_bad_token_file(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   \n")
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r1", "--data", empty, *SMALL),
+                  "holds no text")
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.arange(5000) % 300)  # ids beyond the vocabulary of 256
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r2", "--data", tokens, *SMALL),
+                  "token id 299 >= vocab_size 256")
+
+
+def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
+    run = tmp_path / "run"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
+                   "--set", "checkpoint_interval=2").returncode == 0
+    again = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4")
+    clean_failure(again, "already holds a run", "--resume")
+    latest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    weights = latest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+    clean_failure(resumed, "is damaged", "remove it to resume from the one before")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    other = archlab("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
+    clean_failure(other, "different spec")
+
+
+def test_token_files_tokenizer_and_budgets(tmp_path):
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16).tofile(tokens)
+    run = tmp_path / "bin"
+    result = archlab("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--data", tokens, *SMALL, "--tokens", "2K")
+    assert result.returncode == 0, result.stderr
+    records = losses(run)
+    assert len(records) == 4  # 2048 tokens / (8 x 64) per step
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert "moe_max_load" in first and first["moe_max_load"] >= 1.0
+
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    run = tmp_path / "text"
+    from archlab.cost import Cost
+    import archlab as lab
+
+    per_step = Cost(lab.load_spec(ROOT / "specs/tiny/transformer.yaml")).train_flops_per_token(64) * 8 * 64
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--flops", str(3.5 * per_step))
+    assert result.returncode == 0, result.stderr
+    assert len(losses(run)) == 3
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(run / "tokenizer.json"))
+    assert tokenizer.decode(tokenizer.encode("the lazy dog").ids) == "the lazy dog"
+    reuse = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "reuse", "--data", text, *SMALL,
+                    "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
+    assert reuse.returncode == 0, reuse.stderr
+    assert (tmp_path / "reuse" / "data" / "train.npy").is_file()
+
+
+def test_mqar_reports_accuracy(tmp_path):
+    run = tmp_path / "mqar"
+    result = archlab("train", "specs/tiny/yoco-u.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3",
+                     "--set", "eval_interval=3")
+    assert result.returncode == 0, result.stderr
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 0.0 <= last["eval_acc"] <= 1.0 and last["eval_loss"] > 0
+
+
+def test_mqar_answers_are_the_values_of_earlier_keys():
+    task = RecallTask("mqar", 256, 64, seed=0)
+    batch = task.batch("train", 3, 4)
+    for row in range(4):
+        seq = torch.cat([batch.inputs[row, :1], batch.targets[row]])
+        pairs = {}
+        for i in range(0, len(seq) - 1, 2):
+            if not batch.mask[row, i]:  # a key-value pair of the prompt
+                pairs.setdefault(int(seq[i]), int(seq[i + 1]))
+        answers = batch.mask[row].nonzero()[:, 0]
+        assert len(answers) > 0
+        for t in answers.tolist():
+            assert pairs[int(batch.inputs[row, t])] == int(batch.targets[row, t])
+    again = task.batch("train", 3, 4)
+    assert torch.equal(again.inputs, batch.inputs)  # a pure function of (seed, split, step)
+
+
+def test_batches_split_across_processes_exactly():
+    tokens = np.arange(10_000, dtype=np.uint32)
+    source = TokenSource(tokens[:9000], tokens[9000:], 32, seed=1, describe="t")
+    whole = source.batch("train", 7, 8)
+    halves = [source.batch("train", 7, 8, rank, 2) for rank in (0, 1)]
+    assert torch.equal(torch.cat([h.inputs for h in halves]), whole.inputs)
+    assert torch.equal(whole.targets[:, :-1], whole.inputs[:, 1:])
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    cfg = TrainConfig.model_validate({"schedule": {"warmup_steps": 10, "min_lr_ratio": 0.1}})
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert lr_factor(100, 100, cfg) == pytest.approx(0.1)

@@ -31,8 +31,8 @@ class Batch:
     mask: torch.Tensor | None = None  # [B, T] bool: positions that count (synthetic tasks)
 
 
-def _rows(seed: int, split: str, step: int, batch: int, rank: int, world: int) -> np.random.Generator:
-    """The generator of one global batch; this process's rows come out at ``rank``'s offset."""
+def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) -> np.random.Generator:
+    """The generator of one global batch: every process draws the whole batch and keeps its rows."""
     if batch % world:
         raise DataError(f"the batch of {batch} sequences does not split evenly over {world} processes")
     return np.random.default_rng([seed, SPLITS[split], step])
@@ -52,7 +52,7 @@ class TokenSource:
 
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         tokens = self.splits[split]
-        rng = _rows(self.seed, split, step, batch, rank, world)
+        rng = _global_batch_rng(self.seed, split, step, batch, world)
         starts = rng.integers(0, len(tokens) - self.seq_len, size=batch)
         mine = starts[rank * batch // world : (rank + 1) * batch // world]
         rows = torch.from_numpy(np.stack([np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in mine]))
@@ -77,7 +77,7 @@ class RecallTask:
         self.describe = f"the synthetic {kind} task"
 
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
-        rng = _rows(self.seed, split, step, batch, rank, world)
+        rng = _global_batch_rng(self.seed, split, step, batch, world)
         rows = [self._mqar(rng) if self.kind == "mqar" else self._copy(rng) for _ in range(batch)]
         rows = rows[rank * batch // world : (rank + 1) * batch // world]
         seq = torch.tensor(np.stack([r[0] for r in rows]), dtype=torch.long)

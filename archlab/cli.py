@@ -12,11 +12,13 @@ from typing import Annotated
 import torch
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from archlab.engine import Engine, Sampling
 from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
+from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
 from archlab.table import Format, parse_tokens, render
 
@@ -41,9 +43,9 @@ def _expand(paths: list[Path]) -> list[Path]:
 
 
 def _report(exc: SpecError) -> None:
-    err.print(f"[bold red]error[/] in [bold]{exc.source}[/]:", highlight=False)
+    err.print(f"[bold red]error[/] in [bold]{escape(exc.source)}[/]:", highlight=False)
     for problem in exc.problems:
-        err.print(f"  [cyan]{problem.loc}[/]: {problem.msg}", highlight=False, soft_wrap=True)
+        err.print(f"  [cyan]{escape(problem.loc)}[/]: {escape(problem.msg)}", highlight=False, soft_wrap=True)
 
 
 def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
@@ -324,12 +326,114 @@ def train(
         _report(exc)
         raise typer.Exit(1) from None
     except (DataError, CheckpointError, TrainError) as exc:
-        err.print(f"[bold red]error[/]: {exc}", highlight=False)
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         err.print("interrupted; the checkpoints already written are intact (continue with --resume)")
         raise typer.Exit(130) from None
     err.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
+
+
+study_app = typer.Typer(help="Studies on Optuna: controlled architecture experiments.", no_args_is_help=True)
+app.add_typer(study_app, name="study")
+
+Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
+Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
+StudyOut = Annotated[Path | None, typer.Option("--out", help="study directory; default runs/studies/NAME-SCALE")]
+
+
+def _study_errors(action):
+    """Run a study action, turning bad input into one clear message."""
+    from archlab.study.runner import StorageError
+    from archlab.train.data import DataError
+
+    try:
+        return action()
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
+    except (DataError, StorageError) as exc:
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def _run_study(name: str, scale: str, storage: str | None, out: Path | None, grace_period: int, data: str | None) -> None:
+    from archlab.study.definition import load_study
+    from archlab.study.report import report
+    from archlab.study.runner import default_dir, storage_url, work
+
+    def action():
+        study = load_study(name, scale)
+        if data:
+            study.config = study.config.model_copy(update={"data": study.config.data.model_copy(update={"source": data})})
+        where = out or default_dir(study)
+        optuna_study = work(study, where, storage, err, grace_period)
+        sys.stdout.write(report(study, optuna_study, where, storage_url(study, where, storage)))
+        err.print(f"report and plots in {where}", highlight=False)
+
+    _study_errors(action)
+
+
+@study_app.command("run")
+def study_run(
+    study: Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")],
+    scale: Scale = "tiny",
+    storage: Storage = None,
+    out: StudyOut = None,
+    grace_period: Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")] = 60,
+    data: Annotated[str | None, typer.Option(help="override the study's data source")] = None,
+) -> None:
+    """Run (or join, or resume) a study as one worker, then print its report."""
+    _run_study(study, scale, storage, out, grace_period, data)
+
+
+@study_app.command("report")
+def study_report(
+    study: Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")],
+    scale: Scale = "tiny",
+    storage: Storage = None,
+    out: StudyOut = None,
+) -> None:
+    """The study's table (markdown) and plots (PNG), from its storage."""
+    from archlab.study.definition import load_study
+    from archlab.study.report import report
+    from archlab.study.runner import default_dir, open_study, storage_url
+
+    def action():
+        loaded = load_study(study, scale)
+        where = out or default_dir(loaded)
+        url = storage_url(loaded, where, storage)
+        if url.startswith("sqlite") and not (where / "optuna.db").is_file():
+            raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first")])
+        sys.stdout.write(report(loaded, open_study(loaded, url), where, url))
+
+    _study_errors(action)
+
+
+def _shipped_study_command(name: str, description: str):
+    def command(
+        scale: Scale = "tiny",
+        storage: Storage = None,
+        out: StudyOut = None,
+        grace_period: Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")] = 60,
+        data: Annotated[str | None, typer.Option(help="override the study's data source")] = None,
+    ) -> None:
+        _run_study(name, scale, storage, out, grace_period, data)
+
+    command.__doc__ = f"{description} (shorthand for: archlab study run {name})"
+    study_app.command(name)(command)
+
+
+def _register_shipped_studies() -> None:
+    from archlab.study.definition import STUDIES
+
+    for path in sorted(STUDIES.glob("*.yaml")):
+        text = path.read_text()
+        description = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("description:")), "")
+        _shipped_study_command(path.stem, description)
+
+
+_register_shipped_studies()
 
 
 LIST_OPTIONS = ("--seq-len",)
@@ -355,7 +459,7 @@ def main() -> None:
     try:
         app(args=_expand_list_options(sys.argv[1:]))
     except RegistryError as exc:
-        err.print(f"[bold red]error[/]: {exc}", highlight=False)
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 

@@ -45,6 +45,14 @@ def si(value: float) -> str:
     return f"{value:.3g}"
 
 
+def tokens_label(n: int) -> str:
+    """16384 -> '16K', the way token counts are written on the command line."""
+    for suffix, scale in (("M", 1024**2), ("K", 1024)):
+        if n % scale == 0:
+            return f"{n // scale}{suffix}"
+    return str(n)
+
+
 def parse_tokens(text: str) -> int:
     """'16384', '16K' or '1M' as a token count (K = 1024)."""
     scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.spec import SpecError, _deep_merge, load_yaml, validate_as
+from archlab.spec import SpecError, load_yaml, validate_as
 
 
 class Optimizer(Strict):
@@ -41,6 +42,7 @@ class Data(Strict):
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a raw .bin token file
     hf_text_field: str = "text"
+    cache: str | None = None  # folder for the tokenized corpus and tokenizer; None: the run directory
 
 
 class TrainConfig(Strict):
@@ -72,16 +74,36 @@ class TrainConfig(Strict):
         return root.found
 
 
+def set_dotted(data: dict, key: str, value: Any) -> dict:
+    """A copy of ``data`` with ``value`` at the dotted path ``key``; a number indexes a list
+    (``layout.self_decoder.blocks.0.window``). Missing mappings on the way are created."""
+    data = copy.deepcopy(data)
+    node: Any = data
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
+            part = int(part)
+        elif not isinstance(node, dict):
+            raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
+        if last:
+            node[part] = value
+        else:
+            if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+                node[part] = {}
+            node = node[part]
+    return data
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """``optimizer.lr=1e-3`` style overrides, values parsed as YAML."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
-        nested: object = yaml.safe_load(value)
-        for part in reversed(key.split(".")):
-            nested = {part: nested}
-        data = _deep_merge(data, nested)
+        data = set_dotted(data, key, yaml.safe_load(value))
     return data
 
 

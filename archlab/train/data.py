@@ -205,9 +205,10 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
     return tokens
 
 
-def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, run_dir: Path):
-    """Build the data source, tokenizing a corpus into ``run_dir/data`` the first time (a
-    resumed run reads those files back, so it trains on exactly the same tokens)."""
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path):
+    """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
+    ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
+    the same tokens."""
     if cfg.source in ("mqar", "copy"):
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
@@ -215,7 +216,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, run_dir: Path):
         tokens = _token_file(path, cfg, vocab_size)
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
-    cache = run_dir / "data"
+    cache = data_dir / "data"
     if not (cache / "train.npy").is_file():
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
         tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer else train_tokenizer(texts, vocab_size)
@@ -224,7 +225,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, run_dir: Path):
             raise DataError(f"data source {cfg.source!r} tokenized to nothing")
         cut = int(len(ids) * (1 - cfg.val_fraction))
         cache.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(str(run_dir / "tokenizer.json"))
+        tokenizer.save(str(data_dir / "tokenizer.json"))
         np.save(cache / "val.npy", ids[cut:])
         np.save(cache / "train.npy", ids[:cut])  # last: its presence marks the cache complete
     train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))

@@ -12,6 +12,7 @@ import math
 import os
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,18 +183,22 @@ class Trainer:
             record["eval_acc"] = (totals[1] / totals[2]).item()
         return record
 
-    def fit(self, steps: int, resume: bool = False) -> None:
+    def fit(self, steps: int, resume: bool = False, on_eval: Callable[[int, dict], None] | None = None) -> list[dict]:
+        """Train to ``steps``; return the logged records. ``on_eval(step, record)`` sees every
+        evaluation (a study reports it to its pruner, which may stop the run by raising)."""
         start = self._start_run_dir(resume)
+        data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
         if self.world.main:
-            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, self.run_dir)
+            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
         self.world.barrier()
         if not self.world.main:
-            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, self.run_dir)
+            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
         model = self.model
         if self.world.size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         forward = torch.compile(model) if self.cfg.compile else model
         last_saved = checkpoint.checkpoints(self.run_dir)[-1] if resume else None
+        records: list[dict] = []
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
         with Progress(*columns, console=self.console, disable=not self.world.main) as progress:
             task = progress.add_task("train", total=steps, completed=start, status="")
@@ -212,12 +217,16 @@ class Trainer:
                     record.update(self.evaluate(data, forward))
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:
                     self._log(record)
+                    records.append(record)
+                if on_eval is not None and "eval_loss" in record:
+                    on_eval(done, record)
                 if done % self.cfg.checkpoint_interval == 0 or done == steps:
                     last_saved = self._save(done) or last_saved
                 status = f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {record['tok_s']:,.0f} tok/s"
                 status += f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""
                 status += f"  eval {record['eval_loss']:.3f}" if "eval_loss" in record else ""
                 progress.update(task, completed=done, status=status)
+        return records
 
     def _step(self, step: int, steps: int, data, model, forward) -> dict:
         cfg = self.cfg

@@ -1,0 +1,1 @@
+"""Studies: controlled architecture experiments on Optuna (``archlab study``)."""

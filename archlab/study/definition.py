@@ -1,0 +1,127 @@
+"""Study definitions (studies/*.yaml): a controlled architecture experiment, validated like a spec.
+
+A study names its variants (a spec of the scale's spec folder, plus dotted overrides), the seeds,
+the learning rates to try per variant, how the training budget is matched across variants, and
+the baseline the report compares with. Each (variant, seed, lr slot) is one planned trial.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt
+
+from archlab.block import Problem, Problems, Strict
+from archlab.cost import equal_flops_steps
+from archlab.spec import ModelSpec, SpecError, load_yaml, validate_as, validate_spec
+from archlab.train.config import TrainConfig, set_dotted
+
+STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
+
+
+class Variant(Strict):
+    spec: str  # a file in the scale's spec folder
+    set: dict[str, Any] = {}  # dotted overrides, e.g. {"loop.times": 5, "layout.self_decoder.blocks.0.window": 8}
+    scale_set: dict[str, dict[str, Any]] = {}  # overrides for one scale only, applied after ``set``
+
+
+class Scale(Strict):
+    specs: str  # spec folder, relative to the study file
+    train: dict[str, Any] = {}  # training config fields (validated as a TrainConfig)
+
+
+class LearningRates(Strict):
+    """Log-spaced grid ``points`` values from ``low`` to ``high`` (sampler grid), or the range
+    TPE samples ``points`` times per (variant, seed) from."""
+
+    low: PositiveFloat = 1e-3
+    high: PositiveFloat = 1e-2
+    points: PositiveInt = 2
+
+    def grid(self) -> list[float]:
+        if self.points == 1:
+            return [math.sqrt(self.low * self.high)]
+        ratio = (self.high / self.low) ** (1 / (self.points - 1))
+        return [self.low * ratio**i for i in range(self.points)]
+
+
+class StudySpec(Strict):
+    schema_version: Literal[1]
+    name: str
+    description: str = ""
+    question: str = ""  # what the study answers, for the report
+    baseline: str
+    variants: dict[str, Variant] = Field(min_length=1)
+    budget: Literal["steps", "flops"] = "steps"  # flops: every variant gets the baseline's training FLOPs
+    seeds: list[int] = Field([0], min_length=1)
+    lr: LearningRates = LearningRates()
+    sampler: Literal["grid", "tpe"] = "grid"
+    pruner: Literal["none", "median", "hyperband"] = "none"
+    metric: Literal["val_loss", "accuracy"] = "val_loss"  # accuracy: for the synthetic recall tasks
+    report_seq_len: PositiveInt = 16384  # context at which the report gives cache memory
+    scales: dict[str, Scale] = Field(min_length=1)
+
+    def problems(self) -> list[Problem]:
+        root = Problems()
+        if self.baseline not in self.variants:
+            root.at("baseline").add(f"{self.baseline!r} is not one of the variants {sorted(self.variants)}")
+        if self.lr.low > self.lr.high:
+            root.at("lr").add(f"low={self.lr.low} is above high={self.lr.high}")
+        return root.found
+
+
+class Study:
+    """A validated study at one scale: the specs and training configs of its variants."""
+
+    def __init__(self, definition: StudySpec, source: Path, scale: str):
+        if scale not in definition.scales:
+            raise SpecError(str(source), [Problem("scales", f"no scale {scale!r}; this study has {sorted(definition.scales)}")])
+        self.definition, self.source, self.scale = definition, source, scale
+        at = definition.scales[scale]
+        self.spec_dir = (source.parent / at.specs).resolve()
+        self.config = validate_as(TrainConfig, at.train, f"{source} (scales.{scale}.train)")
+        self.specs: dict[str, ModelSpec] = {name: self._variant(name, v) for name, v in definition.variants.items()}
+
+    def _variant(self, name: str, variant: Variant) -> ModelSpec:
+        path = self.spec_dir / variant.spec
+        data = set_dotted(load_yaml(path), "name", name)
+        for key, value in {**variant.set, **variant.scale_set.get(self.scale, {})}.items():
+            data = set_dotted(data, key, value)
+        return validate_spec(data, f"{self.source} (variants.{name} from {path.name})")
+
+    @property
+    def name(self) -> str:
+        return self.definition.name
+
+    def steps(self, variant: str) -> int:
+        """Training steps of a variant: the config's, or those with the baseline's FLOPs."""
+        steps = self.config.steps
+        if self.definition.budget == "steps":
+            return steps
+        return equal_flops_steps(self.specs[self.definition.baseline], steps, self.specs[variant], self.config.seq_len)
+
+    def plan(self) -> list[dict]:
+        """Every planned trial's fixed parameters."""
+        slots = range(self.definition.lr.points)
+        return [
+            {"variant": v, "seed": s, "slot": i} for v in self.definition.variants for s in self.definition.seeds for i in slots
+        ]
+
+
+def find_study(name_or_path: str) -> Path:
+    """A study file, or the name of a shipped one (studies/NAME.yaml)."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        return path
+    shipped = STUDIES / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        names = sorted(p.stem for p in STUDIES.glob("*.yaml"))
+        raise SpecError(name_or_path, [Problem("<study>", f"no shipped study of that name; shipped: {names}")])
+    return shipped
+
+
+def load_study(name_or_path: str, scale: str = "tiny") -> Study:
+    path = find_study(name_or_path)
+    return Study(validate_as(StudySpec, load_yaml(path), str(path)), path, scale)

@@ -1,0 +1,123 @@
+"""The study's answer: a table per variant and two plots, from the Optuna storage alone (so a
+study run across machines reports the same way)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from archlab.cost import Cost
+from archlab.study.definition import Study
+from archlab.study.runner import settled
+from archlab.table import Format, render, si, tokens_label
+
+MIB = 2**20
+
+
+def _best_lr(trials: list[optuna.trial.FrozenTrial], maximize: bool) -> tuple[float, list[optuna.trial.FrozenTrial]]:
+    """The learning rate whose completed seeds score best on average, and those trials."""
+    by_lr: dict[float, list] = {}
+    for t in trials:
+        by_lr.setdefault(t.user_attrs.get("lr", t.params.get("lr")), []).append(t)
+    choose = max if maximize else min
+    lr = choose(by_lr, key=lambda k: statistics.mean(t.value for t in by_lr[k]))
+    return lr, by_lr[lr]
+
+
+def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
+    definition = study.definition
+    maximize = definition.metric != "val_loss"
+    done = settled(optuna_study.get_trials(deepcopy=False))
+    rows, baseline = [], None
+    for variant, spec in study.specs.items():
+        mine = [t for (v, _, _), t in done.items() if v == variant]
+        complete = [t for t in mine if t.state == TrialState.COMPLETE]
+        cost = Cost(spec)
+        steps = study.steps(variant)
+        row = {
+            "variant": variant,
+            "params": si(cost.params_total),
+            "train FLOPs": si(cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len * steps),
+            f"KV MiB @ {tokens_label(definition.report_seq_len)}": round(cost.cache_bytes(definition.report_seq_len).total / MIB, 2),
+            "steps": steps,
+        }
+        metric = "val loss" if not maximize else "accuracy"
+        if complete:
+            lr, best = _best_lr(complete, maximize)
+            values = [t.value for t in best]
+            mean = statistics.mean(values)
+            row.update({metric: round(mean, 4), "spread (sd)": round(statistics.stdev(values), 4) if len(values) > 1 else "-",
+                        "seeds": len(values), "best lr": f"{lr:.2g}"})
+            if variant == definition.baseline:
+                baseline = mean
+        else:
+            row.update({metric: "-", "spread (sd)": "-", "seeds": 0, "best lr": "-"})
+        row["pruned/failed"] = f"{sum(t.state == TrialState.PRUNED for t in mine)}/{sum(t.state == TrialState.FAIL for t in mine)}"
+        rows.append(row)
+    for row in rows:
+        value = row["val loss" if not maximize else "accuracy"]
+        row["vs baseline"] = f"{value - baseline:+.4f}" if baseline is not None and value != "-" else "-"
+    return rows
+
+
+def plot(study: Study, optuna_study: optuna.Study, out: Path) -> list[Path]:
+    """Validation curves of each variant's best learning rate (mean over seeds): against steps,
+    and against training FLOPs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    maximize = study.definition.metric != "val_loss"
+    done = settled(optuna_study.get_trials(deepcopy=False))
+    figures = {"curves": plt.subplots(figsize=(7, 4.5)), "loss_vs_flops": plt.subplots(figsize=(7, 4.5))}
+    for variant in study.specs:
+        complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
+        if not complete:
+            continue
+        _, best = _best_lr(complete, maximize)
+        steps = sorted(set.intersection(*(set(t.intermediate_values) for t in best)))
+        mean = [statistics.mean(t.intermediate_values[s] for t in best) for s in steps]
+        per_step = best[0].user_attrs["flops_per_step"]
+        figures["curves"][1].plot(steps, mean, marker="o", label=variant)
+        figures["loss_vs_flops"][1].plot([s * per_step for s in steps], mean, marker="o", label=variant)
+    label = "validation accuracy" if maximize else "validation loss"
+    paths = []
+    for name, (fig, ax) in figures.items():
+        ax.set_xlabel("training FLOPs" if name == "loss_vs_flops" else "step")
+        ax.set_ylabel(label)
+        ax.set_title(f"{study.name} ({study.scale}): {label}, best lr per variant, mean over seeds")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out / f"{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) -> str:
+    """Write report.md and the plots into ``out``; return the markdown."""
+    definition = study.definition
+    trials = optuna_study.get_trials(deepcopy=False)
+    counts = {state.name.lower(): sum(t.state == state for t in trials) for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    plots = plot(study, optuna_study, out)
+    text = [
+        f"# Study `{study.name}` ({study.scale} scale)\n",
+        f"{definition.question or definition.description}\n",
+        f"- budget: {'equal steps' if definition.budget == 'steps' else 'equal training FLOPs (the baseline' + chr(39) + 's)'};"
+        f" {study.config.batch_size} x {study.config.seq_len} tokens per step; data: {study.config.data.source};"
+        f" seeds {definition.seeds}; lr {definition.sampler} over [{definition.lr.low:g}, {definition.lr.high:g}]",
+        f"- trials: {counts['complete']} complete, {counts['pruned']} pruned, {counts['fail']} failed;"
+        f" storage `{storage}` (open it with `optuna-dashboard {storage}`)",
+        f"- baseline: `{definition.baseline}`; lower val loss is better\n" if definition.metric == "val_loss" else f"- baseline: `{definition.baseline}`; higher accuracy is better\n",
+        render(summarize(study, optuna_study), Format.md),
+        *(f"![{p.stem}]({p.name})" for p in plots),
+        "",
+    ]
+    markdown = "\n".join(text)
+    (out / "report.md").write_text(markdown)
+    return markdown

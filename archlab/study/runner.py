@@ -1,0 +1,198 @@
+"""Running a study on Optuna: plan every trial once, let any number of workers take them.
+
+The first worker to arrive enqueues the planned trials (variant, seed, lr slot) under a lock (a
+PostgreSQL advisory lock, or a file lock next to a local storage), skipping any already there.
+Workers then claim waiting trials one at a time (Optuna moves a trial from WAITING to RUNNING for
+exactly one of them) and train them, reporting each evaluation so the pruner can stop a poor run.
+A running trial sends heartbeats; when a worker dies its trial goes stale, is marked failed and
+re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once nothing is waiting or running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import warnings
+import socket
+import time
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages._heartbeat import fail_stale_trials, get_heartbeat_thread
+from optuna.trial import TrialState
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from archlab.cost import Cost
+from archlab.study.definition import Study
+from archlab.train.data import prepare
+from archlab.train.trainer import Trainer
+
+def heartbeat_interval(grace_period: int) -> int:
+    """Beat often enough that a live trial is never taken for dead."""
+    return max(1, min(5, grace_period // 3))
+
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def default_dir(study: Study) -> Path:
+    return Path("runs") / "studies" / f"{study.name}-{study.scale}"
+
+
+def storage_url(study: Study, out: Path, url: str | None) -> str:
+    """The given storage, or a SQLite file in the study directory (one machine, no server)."""
+    return url or f"sqlite:///{(out / 'optuna.db').resolve()}"
+
+
+class StorageError(Exception):
+    """The study's storage cannot be opened, said in words."""
+
+
+def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
+    try:
+        storage = RDBStorage(
+            url,
+            heartbeat_interval=heartbeat_interval(grace_period),
+            grace_period=grace_period,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+            engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
+        )
+    except ImportError:
+        raise StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'") from None
+    except Exception as exc:  # unreachable server, bad URL, wrong credentials
+        raise StorageError(f"cannot open the study storage {url}: {exc}") from None
+    pruners = {
+        "none": optuna.pruners.NopPruner(),
+        "median": optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
+        "hyperband": optuna.pruners.HyperbandPruner(),
+    }
+    return optuna.create_study(
+        study_name=f"{study.name}-{study.scale}",
+        storage=storage,
+        direction="minimize" if study.definition.metric == "val_loss" else "maximize",
+        sampler=optuna.samplers.TPESampler(seed=0),  # fills lr under sampler: tpe; grid trials fix every parameter
+        pruner=pruners[study.definition.pruner],
+        load_if_exists=True,
+    )
+
+
+@contextmanager
+def planning_lock(url: str, out: Path, key: str):
+    """One worker at a time plans the study and prepares its data."""
+    if url.startswith("postgresql"):
+        import sqlalchemy
+
+        engine = sqlalchemy.create_engine(url)
+        lock = zlib.crc32(key.encode()) & 0x7FFFFFFF
+        with engine.connect() as conn:
+            conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": lock})
+            try:
+                yield
+            finally:
+                conn.execute(sqlalchemy.text("SELECT pg_advisory_unlock(:k)"), {"k": lock})
+                conn.commit()
+        engine.dispose()
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".plan.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
+    """Open the study, plan its trials and prepare its data, one worker at a time (the first one
+    also creates the storage's tables)."""
+    with planning_lock(url, out, f"{study.name}-{study.scale}"):
+        optuna_study = open_study(study, url, grace_period)
+        for params in study.plan():
+            optuna_study.enqueue_trial(params, skip_if_exists=True)
+        cfg = study.config
+        vocab = next(iter(study.specs.values())).vocab_size
+        prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+    return optuna_study
+
+
+def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path) -> None:
+    definition = study.definition
+    trial = optuna.Trial(optuna_study, trial_id)
+    variant = trial.suggest_categorical("variant", list(definition.variants))
+    seed = trial.suggest_categorical("seed", definition.seeds)
+    slot = trial.suggest_int("slot", 0, definition.lr.points - 1)
+    if definition.sampler == "grid":
+        lr = definition.lr.grid()[slot]
+        trial.set_user_attr("lr", lr)
+    else:
+        lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
+    spec, cfg, steps = study.specs[variant], study.config, study.steps(variant)
+    cfg = cfg.model_copy(
+        update={
+            "seed": seed,
+            "optimizer": cfg.optimizer.model_copy(update={"lr": lr}),
+            "data": cfg.data.model_copy(update={"cache": str(out.resolve())}),
+        }
+    )
+    trial.set_user_attr("steps", steps)
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+    trial.set_user_attr("flops_per_step", Cost(spec).train_flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len)
+    metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
+
+    def on_eval(step: int, record: dict) -> None:
+        trial.report(record[metric], step)
+        if trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at step {step}")
+
+    run_dir = out / "trials" / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}"
+    with get_heartbeat_thread(trial_id, optuna_study._storage):
+        try:
+            records = Trainer(spec, cfg, run_dir, Console(quiet=True)).fit(steps, on_eval=on_eval)
+            optuna_study.tell(trial, records[-1][metric])
+        except optuna.TrialPruned:
+            optuna_study.tell(trial, state=TrialState.PRUNED)
+        except Exception as exc:  # a failed trial is a result: record why, and go on with the study
+            trial.set_user_attr("failure", f"{type(exc).__name__}: {exc}")
+            optuna_study.tell(trial, state=TrialState.FAIL)
+
+
+def settled(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
+    """The finished trial of each planned (variant, seed, slot), leaving out trials that went
+    stale and were run again."""
+    retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
+    out = {}
+    for t in trials:
+        if t.state.is_finished() and t.number not in retried:
+            fixed = t.system_attrs.get("fixed_params", t.params)
+            out[(fixed["variant"], fixed["seed"], fixed["slot"])] = t
+    return out
+
+
+def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:
+    """Be one worker of the study until every planned trial has finished."""
+    url = storage_url(study, out, url)
+    out.mkdir(parents=True, exist_ok=True)
+    optuna_study = join(study, out, url, grace_period)
+    planned = len(study.plan())
+    columns = [TextColumn(f"[bold]{optuna_study.study_name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[now]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("study", total=planned, now="")
+        while True:
+            fail_stale_trials(optuna_study)  # a dead worker's trial: failed, and queued again
+            progress.update(task, completed=len(settled(optuna_study.get_trials(deepcopy=False))))
+            trial_id = optuna_study._pop_waiting_trial_id()
+            if trial_id is None:
+                if not optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+                    break
+                progress.update(task, now="waiting for other workers' trials")
+                time.sleep(heartbeat_interval(grace_period))
+                continue
+            params = optuna_study._storage.get_trial(trial_id).system_attrs.get("fixed_params", {})
+            progress.update(task, now=f"{params.get('variant')} seed {params.get('seed')} lr slot {params.get('slot')}")
+            run_trial(study, optuna_study, trial_id, out)
+    return optuna_study

@@ -1,0 +1,151 @@
+"""Studies: shipped definitions, one worker end to end, failures, dead workers, PostgreSQL workers."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import optuna
+import pytest
+import yaml
+
+from archlab.spec import SpecError
+from archlab.study.definition import STUDIES, load_study
+from archlab.study.runner import settled
+from conftest import ROOT
+
+SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("scale", ["tiny", "gpu"])
+def test_shipped_studies_validate(name, scale):
+    study = load_study(name, scale)
+    assert study.definition.baseline in study.specs
+    assert len(study.plan()) == len(study.specs) * len(study.definition.seeds) * study.definition.lr.points
+
+
+def test_the_shipped_studies_are_the_papers():
+    assert set(SHIPPED) == {"loop-position", "loop-count", "esa-kind", "architectures", "window"}
+    positions = {v: s.loop.position for v, s in load_study("loop-position").specs.items()}
+    assert positions == {"yoco": "none", "yoco-u": "lower", "upper-loop": "upper", "upper-loop-no-shared-kv": "upper", "deeper": "none"}
+    assert [s.loop.times for s in load_study("loop-count").specs.values()] == [1, 2, 3, 5]
+    assert [s.layout.self_decoder.blocks[0].window for s in load_study("window", "gpu").specs.values()] == [128, 256, 512, 1024]
+
+
+def mini(tmp_path, name="mini", variants=None, steps=4, **extra):
+    definition = {
+        "schema_version": 1, "name": name, "baseline": "yoco",
+        "variants": variants or {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}},
+        "seeds": [0], "lr": {"low": 0.002, "high": 0.004, "points": 2}, **extra,
+        "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
+            "steps": steps, "batch_size": 4, "micro_batch_size": 4, "seq_len": 32, "eval_interval": 2, "eval_batches": 1,
+            "log_interval": 1, "checkpoint_interval": 1000, "keep_checkpoints": 1,
+            "data": {"source": "stdlib", "max_bytes": 200_000}}}},
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(definition))
+    return path
+
+
+def archlab(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "COLUMNS": "200"}, **kwargs)
+
+
+def trials_of(url, name):
+    return optuna.load_study(study_name=f"{name}-tiny", storage=url).get_trials()
+
+
+def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path):
+    out = tmp_path / "out"
+    result = archlab("study", "run", mini(tmp_path), "--out", out)
+    assert result.returncode == 0, result.stderr
+    trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")
+    assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
+    assert sorted(settled(trials)) == [("yoco", 0, 0), ("yoco", 0, 1), ("yoco-u", 0, 0), ("yoco-u", 0, 1)]
+    assert all(sorted(t.intermediate_values) == [2, 4] for t in trials)  # reported for the pruner
+    assert "| yoco-u |" in result.stdout and "vs baseline" in result.stdout and "4 complete" in result.stdout
+    for png in ("curves.png", "loss_vs_flops.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    again = archlab("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
+    assert again.returncode == 0 and again.stdout == result.stdout
+    rerun = archlab("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
+    assert rerun.returncode == 0 and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
+    variants = {"yoco": {"spec": "yoco.yaml"}, "exploding": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
+    path = mini(tmp_path, "failing", variants, steps=6)
+    out = tmp_path / "out"
+    result = archlab("study", "run", path, "--out", out)
+    assert result.returncode == 0, result.stderr
+    trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "failing")
+    failed = [t for t in trials if t.state.name == "FAIL"]
+    assert failed and all("loss became" in t.user_attrs["failure"] for t in failed)
+    assert sum(t.state.name == "COMPLETE" for t in trials) == 2  # the other variant still ran
+    assert "0/2" in result.stdout  # pruned/failed column of the failing variant
+
+
+def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
+    path, out = mini(tmp_path, "killed", steps=150), tmp_path / "out"
+    url = f"sqlite:///{out / 'optuna.db'}"
+    worker = subprocess.Popen([sys.executable, "-m", "archlab", "study", "run", str(path), "--out", str(out), "--grace-period", "4"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and worker.poll() is None:
+        try:
+            running = [t for t in trials_of(url, "killed") if t.state.name == "RUNNING" and t.intermediate_values]
+        except Exception:  # the storage is still being created
+            running = []
+        if running:
+            break
+        time.sleep(0.1)
+    worker.send_signal(signal.SIGKILL)
+    assert worker.wait() == -signal.SIGKILL
+    result = archlab("study", "run", path, "--out", out, "--grace-period", "4")
+    assert result.returncode == 0, result.stderr
+    trials = trials_of(url, "killed")
+    stale = [t for t in trials if t.state.name == "FAIL"]
+    assert len(stale) == 1
+    done = settled(trials)
+    assert len(done) == 4 and all(t.state.name == "COMPLETE" for t in done.values())
+    retry = [t for t in done.values() if t.system_attrs.get("failed_trial") == stale[0].number]
+    assert len(retry) == 1
+
+
+def test_two_workers_share_a_postgresql_study(tmp_path):
+    url = os.environ.get("ARCHLAB_TEST_POSTGRES")
+    if not url:
+        pytest.skip("ARCHLAB_TEST_POSTGRES is not set (.ci/run starts a PostgreSQL server and sets it)")
+    name = f"pg{uuid.uuid4().hex[:8]}"
+    variants = {v: {"spec": f"{v}.yaml"} for v in ("yoco", "yoco-u", "upper-loop", "deeper")}
+    path = mini(tmp_path, name, variants, steps=8)
+    command = [sys.executable, "-m", "archlab", "study", "run", str(path), "--storage", url]
+    workers = [subprocess.Popen([*command, "--out", str(tmp_path / f"w{i}")], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
+    for worker in workers:
+        _, stderr = worker.communicate(timeout=600)
+        assert worker.returncode == 0, stderr
+    trials = trials_of(url, name)
+    keys = [(t.params["variant"], t.params["seed"], t.params["slot"]) for t in trials]
+    assert len(trials) == 8 and len(set(keys)) == 8  # every planned trial once: none lost, none duplicated
+    assert all(t.state.name == "COMPLETE" for t in trials)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2  # both workers took trials
+
+
+def test_bad_study_definitions_are_named(tmp_path):
+    path = mini(tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["baseline"] = "gpt"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(SpecError, match="'gpt' is not one of the variants"):
+        load_study(str(path))
+    with pytest.raises(SpecError, match="no scale 'huge'"):
+        load_study("loop-position", "huge")
+    with pytest.raises(SpecError, match="no shipped study of that name"):
+        load_study("loop-placement")
+    result = archlab("study", "run", "loop-placement")
+    assert result.returncode == 1 and "shipped:" in result.stderr and "Traceback" not in result.stderr

@@ -340,6 +340,8 @@ app.add_typer(study_app, name="study")
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", help="study directory; default runs/studies/NAME-SCALE")]
+GracePeriod = Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")]
+StudyData = Annotated[str | None, typer.Option(help="override the study's data source")]
 
 
 def _study_errors(action):
@@ -380,8 +382,8 @@ def study_run(
     scale: Scale = "tiny",
     storage: Storage = None,
     out: StudyOut = None,
-    grace_period: Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")] = 60,
-    data: Annotated[str | None, typer.Option(help="override the study's data source")] = None,
+    grace_period: GracePeriod = 60,
+    data: StudyData = None,
 ) -> None:
     """Run (or join, or resume) a study as one worker, then print its report."""
     _run_study(study, scale, storage, out, grace_period, data)
@@ -415,8 +417,8 @@ def _shipped_study_command(name: str, description: str):
         scale: Scale = "tiny",
         storage: Storage = None,
         out: StudyOut = None,
-        grace_period: Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")] = 60,
-        data: Annotated[str | None, typer.Option(help="override the study's data source")] = None,
+        grace_period: GracePeriod = 60,
+        data: StudyData = None,
     ) -> None:
         _run_study(name, scale, storage, out, grace_period, data)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import codecs
 import re
 import sys
 import time
@@ -152,45 +151,82 @@ def _tokens(values: list[str]) -> list[int]:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class TextCodec:
+    """Text <-> token ids: a trained run's tokenizer, or raw UTF-8 bytes for a bare spec."""
+
+    def __init__(self, tokenizer_file: Path | None):
+        self.tokenizer = None
+        if tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer:
+            return self.tokenizer.decode(ids)
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
 @app.command()
 def generate(
-    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="a spec file (random weights)")],
-    prompt: Annotated[str, typer.Option(help="prompt text (byte-level tokens)")] = "Once upon a time",
+    source: Annotated[Path, typer.Argument(metavar="SPEC_OR_RUN", help="a spec (random weights), or a training run / checkpoint")],
+    prompt: Annotated[str, typer.Option(help="prompt text")] = "Once upon a time",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
     seed: int | None = None,
-    stop: Annotated[list[str] | None, typer.Option(help="stop at this text (one byte)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
 ) -> None:
-    """Generate text, streaming it as it comes. A spec brings random weights, so the text is noise:
-    this shows the engine and its cache, not a language model."""
-    spec = _load_one(spec_path)
-    if spec.vocab_size < 256:
+    """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
+    folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
+    from archlab.train.checkpoint import CheckpointError, load_trained
+
+    if source.is_dir():
+        try:
+            spec, model, checkpoint, tokenizer = load_trained(source)
+        except (CheckpointError, SpecError) as exc:
+            _report(exc) if isinstance(exc, SpecError) else err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+            raise typer.Exit(1) from None
+        err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
+    else:
+        spec, tokenizer = _load_one(source), None
+        model = build_model(spec)
+        err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
+    if tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
-    stop_tokens = tuple(b for text in stop or () for b in text.encode())
-    err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
-    model = build_model(spec).eval()
-    engine = Engine(model, prefill_chunk)
-    sampling = Sampling(temperature, top_k, top_p, seed, stop_tokens)
-    ids = torch.tensor(list(prompt.encode()) or [0])
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    codec = TextCodec(tokenizer)
+    stop_tokens = []
+    for text in stop or ():
+        ids = codec.encode(text)
+        if len(ids) != 1:
+            raise typer.BadParameter(f"--stop {text!r} is {len(ids)} tokens; give text that is one token")
+        stop_tokens += ids
+    engine = Engine(model.eval(), prefill_chunk)
+    sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
+    ids = torch.tensor(codec.encode(prompt) or [0])
     sys.stdout.write(prompt)
-    start, count = time.perf_counter(), 0
+    start, new = time.perf_counter(), []
     cache = engine.new_cache(1, len(ids) + max_new_tokens)
+    shown = ""
     for tokens, _, done in engine.stream([ids], max_new_tokens, sampling, cache):
         if done[0]:
             break
-        token = int(tokens[0])
-        sys.stdout.write(decoder.decode(bytes([token])) if token < 256 else f"<{token}>")
-        sys.stdout.flush()
-        count += 1
-    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        new.append(int(tokens[0]))
+        text = codec.decode(new)
+        if not text.endswith("\ufffd"):  # hold back a partly decoded character
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write(codec.decode(new)[len(shown) :] + "\n")
     size = cache.bytes_per_sequence()
     err.print(
-        f"{count} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
+        f"{len(new)} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
         f" + {size.local:,} B local per sequence",
         highlight=False,
     )

@@ -158,6 +158,10 @@ def test_token_files_tokenizer_and_budgets(tmp_path):
 
     tokenizer = Tokenizer.from_file(str(run / "tokenizer.json"))
     assert tokenizer.decode(tokenizer.encode("the lazy dog").ids) == "the lazy dog"
+    generated = archlab("generate", run, "--prompt", "the lazy", "--max-new-tokens", "6")
+    assert generated.returncode == 0, generated.stderr
+    assert "weights from" in generated.stderr and "tokenizer" in generated.stderr
+    assert generated.stdout.startswith("the lazy")
     reuse = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "reuse", "--data", text, *SMALL,
                     "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
     assert reuse.returncode == 0, reuse.stderr

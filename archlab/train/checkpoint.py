@@ -50,14 +50,18 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
     return final
 
 
+def _load_weights(path: Path, model: torch.nn.Module) -> None:
+    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
+        )
+
+
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
     try:
-        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
-            )
+        _load_weights(path, model)
         trainer_state = torch.load(path / "trainer.pt", weights_only=True)
         info = json.loads((path / "state.json").read_text())
     except CheckpointError:
@@ -67,3 +71,27 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
             f"checkpoint {path} is damaged ({type(exc).__name__}: {exc}); remove it to resume from the one before"
         ) from None
     return trainer_state, info
+
+
+def load_trained(path: Path):
+    """(spec, model with the latest weights, the checkpoint used, tokenizer.json or None) of a
+    run directory or one of its checkpoint folders."""
+    import yaml
+
+    from archlab.model import build_model
+    from archlab.spec import load_spec
+
+    run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
+    found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
+    if not (run_dir / "spec.yaml").is_file() or not found:
+        raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
+    spec = load_spec(run_dir / "spec.yaml")
+    model = build_model(spec)
+    try:
+        _load_weights(found[-1], model)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {found[-1]} is damaged ({type(exc).__name__}: {exc})") from None
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
+    data_dir = Path((config.get("data") or {}).get("cache") or run_dir)
+    tokenizer = data_dir / "tokenizer.json"
+    return spec, model, found[-1], (tokenizer if tokenizer.is_file() else None)

@@ -494,9 +494,11 @@ def _expand_list_options(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    from archlab.ops.dispatch import BackendError
+
     try:
         app(args=_expand_list_options(sys.argv[1:]))
-    except RegistryError as exc:
+    except (RegistryError, BackendError) as exc:
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         sys.exit(2)
 

@@ -15,7 +15,10 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
+from archlab.ops.dispatch import choose
 from archlab.rope import Rotary
+
+ATTENTION_KERNELS = ("flash_attn", "flex")  # backends for whole-sequence (training) attention
 
 
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -47,6 +50,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2)
 
 
+def causal_attention(q, k, v, positions, window: int | None, backend: str) -> torch.Tensor:
+    """Attention of a whole sequence from position 0 over itself (training), on a backend."""
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_func
+
+        return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    if backend == "flex":
+        return flex_causal(q, k, v, window)
+    return attend(q, k, v, None) if window is None else local_attend(q, k, v, positions, positions, window)
+
+
+def flex_causal(q, k, v, window: int | None) -> torch.Tensor:
+    """The same with PyTorch's FlexAttention: the band is a block mask, so empty blocks are skipped
+    (compiled on CUDA; eager elsewhere, where only the forward pass is supported)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def allowed(b, h, query, key):
+        return (query >= key) & (query - key < window) if window else query >= key
+
+    n = q.shape[1]
+    mask = create_block_mask(allowed, None, None, n, n, device=q.device.type)
+    run = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
+    out = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """cache[b, slots[b, i]] = values[b, i] for every row b (in place)."""
     rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
@@ -60,6 +89,7 @@ class AttentionSpec(BlockSpec):
     n_heads: PositiveInt = 8
     n_kv_heads: PositiveInt | None = None  # None: as many as n_heads (no GQA)
     head_dim: PositiveInt | None = None  # None: d_model // n_heads
+    backend: Literal["auto", "torch", "flash_attn", "flex"] = "auto"  # of whole-sequence (training) attention
 
     grows_kv_cache: ClassVar[bool] = True
     shares_kv: ClassVar[bool] = True
@@ -82,7 +112,7 @@ class AttentionSpec(BlockSpec):
             problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}")
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size())
+        return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size(), backend=self.backend)
 
     def prefix_len(self, ctx: BuildContext) -> int:
         return ctx.prefix_len if ctx.streams > 1 else 0
@@ -106,9 +136,10 @@ class AttentionSpec(BlockSpec):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None):
+    def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None, backend: str):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
+        self.backend = backend
         self.qkv_proj = nn.Linear(ctx.d_model, (heads + 2 * kv_heads) * head_dim, bias=False)  # one matmul for q, k, v
         self.o_proj = nn.Linear(heads * head_dim, ctx.d_model, bias=False)
         self.rotary = Rotary(head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
@@ -150,8 +181,9 @@ class SelfAttention(nn.Module):
         if hasattr(self, "prefix_k"):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
-        if self.window is None and inp.causal and prefix is None:
-            out = attend(q, k, v, None)
+        if inp.causal and prefix is None:
+            backend = choose("attention", self.backend, ATTENTION_KERNELS, x.device.type)
+            out = causal_attention(q, k, v, inp.positions, self.window, backend)
         elif self.window is None or n == 1:
             out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, self.window), prefix))
         else:

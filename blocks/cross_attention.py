@@ -10,12 +10,14 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
-from blocks.attention import attend, attention_pairs, band_mask
+from archlab.ops.dispatch import choose
+from blocks.attention import ATTENTION_KERNELS, attend, attention_pairs, band_mask, causal_attention
 
 
 class CrossAttentionSpec(BlockSpec):
     type: Literal["cross_attention"]
     n_heads: PositiveInt | None = None  # None: d_model // the global head_dim
+    backend: Literal["auto", "torch", "flash_attn", "flex"] = "auto"  # of whole-sequence (training) attention
 
     reads_global_kv: ClassVar[bool] = True
     keeps_state: ClassVar[bool] = False
@@ -34,7 +36,7 @@ class CrossAttentionSpec(BlockSpec):
             )
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        return CrossAttention(ctx, self.heads(ctx))
+        return CrossAttention(ctx, self.heads(ctx), self.backend)
 
     def params(self, ctx: BuildContext) -> int:
         return 2 * ctx.d_model * self.heads(ctx) * ctx.global_head_dim
@@ -48,8 +50,9 @@ class CrossAttentionSpec(BlockSpec):
 
 
 class CrossAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, heads: int):
+    def __init__(self, ctx: BuildContext, heads: int, backend: str):
         super().__init__()
+        self.backend = backend
         self.heads, self.head_dim = heads, ctx.global_head_dim
         self.q_proj = nn.Linear(ctx.d_model, heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.head_dim, ctx.d_model, bias=False)
@@ -64,5 +67,9 @@ class CrossAttention(nn.Module):
         if self.rotary is not None:
             q = self.rotary(q, inp.positions)
         k, v, k_pos = inp.global_kv
-        out = attend(q, k, v, None if inp.causal else band_mask(inp.positions, k_pos, None))
+        if inp.causal:
+            backend = choose("cross_attention", self.backend, ATTENTION_KERNELS, x.device.type)
+            out = causal_attention(q, k, v, inp.positions, None, backend)
+        else:
+            out = attend(q, k, v, band_mask(inp.positions, k_pos, None))
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

@@ -18,7 +18,7 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
 from archlab.ops.conv import short_conv
-from archlab.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from archlab.ops.dispatch import Kernels
 
 
 class GatedDeltaNetSpec(BlockSpec):
@@ -28,6 +28,7 @@ class GatedDeltaNetSpec(BlockSpec):
     expand_v: PositiveFloat = 2.0  # value head size = expand_v * head_dim
     conv_size: PositiveInt = 4
     chunk_size: PositiveInt = 64
+    backend: Literal["auto", "torch", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
         head_dim = self.head_dim or d_model // self.n_heads
@@ -75,6 +76,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.heads, self.chunk_size = spec.n_heads, spec.chunk_size
         self.head_dim, self.value_dim = spec.dims(ctx.d_model)
+        self.kernels = Kernels("gdn", spec.backend, ("fla",), ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"))
         d, h = ctx.d_model, self.heads
         key_width, value_width = h * self.head_dim, h * self.value_dim
         self.q_proj = nn.Linear(d, key_width, bias=False)
@@ -115,11 +117,13 @@ class GatedDeltaNet(nn.Module):
         v = conv("v_conv", self.v_proj)
         beta = self.b_proj(x).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        ops = self.kernels(x.device)
+        chunked = partial(ops["chunk_gated_delta_rule"], chunk_size=self.chunk_size)
         if inp.state is None:
-            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size)
+            o, _ = chunked(q, k, v, g=g, beta=beta)
         else:  # a decoding step uses the recurrent form
-            op = fused_recurrent_gated_delta_rule if n == 1 else partial(chunk_gated_delta_rule, chunk_size=self.chunk_size)
-            o, final = op(q, k, v, g, beta, initial_state=state["S"], output_final_state=True)
+            op = ops["fused_recurrent_gated_delta_rule"] if n == 1 else chunked
+            o, final = op(q, k, v, g=g, beta=beta, initial_state=state["S"], output_final_state=True)
             state["S"].copy_(final)
         o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
         return self.o_proj(o.reshape(batch, n, -1))

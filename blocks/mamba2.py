@@ -17,7 +17,7 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
 from archlab.ops.conv import short_conv
-from archlab.ops.ssd import mamba_chunk_scan_combined, selective_state_update
+from archlab.ops.dispatch import Kernels
 
 
 class Mamba2Spec(BlockSpec):
@@ -28,6 +28,7 @@ class Mamba2Spec(BlockSpec):
     head_dim: PositiveInt = 64
     n_groups: PositiveInt = 1
     chunk_size: PositiveInt = 256
+    backend: Literal["auto", "torch", "mamba_ssm"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
         """(inner width, heads)."""
@@ -73,6 +74,7 @@ class Mamba2(nn.Module):
         self.inner, self.heads = spec.dims(ctx.d_model)
         self.head_dim, self.groups, self.d_state, self.chunk_size = spec.head_dim, spec.n_groups, spec.d_state, spec.chunk_size
         self.conv_dim = self.inner + 2 * self.groups * self.d_state
+        self.kernels = Kernels("mamba2", spec.backend, ("mamba_ssm",), ("mamba_chunk_scan_combined", "selective_state_update"))
         self.in_proj = nn.Linear(ctx.d_model, self.inner + self.conv_dim + self.heads, bias=False)
         self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, spec.d_conv, groups=self.conv_dim, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
@@ -98,13 +100,14 @@ class Mamba2(nn.Module):
         xs = xs.reshape(batch, n, self.heads, self.head_dim)
         B, C = B.reshape(batch, n, self.groups, self.d_state), C.reshape(batch, n, self.groups, self.d_state)
         A = -self.A_log.float().exp()
+        ops = self.kernels(x.device)
         if ssm_state is not None and n == 1:  # a decoding step uses the recurrent form
-            y, new_ssm = selective_state_update(
+            y, new_ssm = ops["selective_state_update"](
                 ssm_state, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, dt_bias=self.dt_bias, dt_softplus=True
             )
             y = y[:, None]
         else:
-            y = mamba_chunk_scan_combined(
+            y = ops["mamba_chunk_scan_combined"](
                 xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                 initial_states=ssm_state, return_final_states=ssm_state is not None,
             )

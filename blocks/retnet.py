@@ -16,12 +16,7 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
-from archlab.ops.retention import (
-    chunk_retention,
-    chunk_simple_gla,
-    fused_recurrent_retention,
-    fused_recurrent_simple_gla,
-)
+from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
 
 
@@ -32,6 +27,7 @@ class RetentionSpec(BlockSpec):
     value_dim: PositiveInt | None = None  # value head size; None: 2 * head_dim (as RetNet)
     gated: bool = False
     chunk_size: PositiveInt = 64
+    backend: Literal["auto", "torch", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
         head_dim = self.head_dim or d_model // self.n_heads
@@ -68,6 +64,8 @@ class Retention(nn.Module):
     def __init__(self, ctx: BuildContext, spec: RetentionSpec):
         super().__init__()
         self.heads, self.chunk_size, self.gated = spec.n_heads, spec.chunk_size, spec.gated
+        kinds = ("chunk_simple_gla", "fused_recurrent_simple_gla") if spec.gated else ("chunk_retention", "fused_recurrent_retention")
+        self.kernels = Kernels("retnet", spec.backend, ("fla",), kinds)
         self.head_dim, self.value_dim = spec.dims(ctx.d_model)
         d, h = ctx.d_model, self.heads
         self.q_proj = nn.Linear(d, h * self.head_dim, bias=False)
@@ -89,11 +87,11 @@ class Retention(nn.Module):
         v = self.v_proj(x).view(batch, n, self.heads, self.value_dim)
         if self.rotary is not None:
             q, k = self.rotary(q, inp.positions), self.rotary(k, inp.positions)
-        if self.gated:
+        chunk_op, step_op = self.kernels(x.device).values()
+        chunked, recurrent = partial(chunk_op, chunk_size=self.chunk_size), step_op
+        if self.gated:  # decay per token and head
             g = F.logsigmoid(self.decay_proj(x).float()) / 16
-            chunked, recurrent = partial(chunk_simple_gla, g=g, chunk_size=self.chunk_size), partial(fused_recurrent_simple_gla, g=g)
-        else:
-            chunked, recurrent = partial(chunk_retention, chunk_size=self.chunk_size), fused_recurrent_retention
+            chunked, recurrent = partial(chunked, g=g), partial(recurrent, g=g)
         state = inp.state
         if state is None:
             o, _ = chunked(q, k, v)

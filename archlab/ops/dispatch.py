@@ -1,0 +1,133 @@
+"""Which implementation a block's core op runs: the pure-PyTorch ops here, or a CUDA kernel.
+
+A block spec names a ``backend``: ``auto`` takes the first installed kernel package on a CUDA
+device and the pure-PyTorch ops elsewhere (with a notice when a CUDA run falls back); ``torch``
+forces the PyTorch ops; a package name (``fla``, ``mamba_ssm``, ``flash_attn``) or ``flex``
+(PyTorch's FlexAttention) insists on it and fails with a clear message where it cannot run.
+Because the PyTorch ops mirror the kernels' names, layouts and state arguments, and the blocks
+pass everything after the leading tensors by keyword, a kernel is a drop-in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from functools import cache
+from typing import Literal
+
+Backend = Literal["auto", "torch", "fla", "mamba_ssm", "flash_attn", "flex"]
+
+# backend -> (module to import, pip package)
+PACKAGES = {"fla": ("fla", "flash-linear-attention"), "mamba_ssm": ("mamba_ssm", "mamba-ssm"), "flash_attn": ("flash_attn", "flash-attn")}
+
+# (backend, op) -> "module:function" of the kernel; the torch backend uses archlab.ops
+KERNELS = {
+    ("torch", "chunk_gated_delta_rule"): "archlab.ops.gated_delta_rule:chunk_gated_delta_rule",
+    ("torch", "fused_recurrent_gated_delta_rule"): "archlab.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
+    ("torch", "chunk_retention"): "archlab.ops.retention:chunk_retention",
+    ("torch", "fused_recurrent_retention"): "archlab.ops.retention:fused_recurrent_retention",
+    ("torch", "chunk_simple_gla"): "archlab.ops.retention:chunk_simple_gla",
+    ("torch", "fused_recurrent_simple_gla"): "archlab.ops.retention:fused_recurrent_simple_gla",
+    ("torch", "mamba_chunk_scan_combined"): "archlab.ops.ssd:mamba_chunk_scan_combined",
+    ("torch", "selective_state_update"): "archlab.ops.ssd:selective_state_update",
+    ("fla", "chunk_gated_delta_rule"): "fla.ops.gated_delta_rule:chunk_gated_delta_rule",
+    ("fla", "fused_recurrent_gated_delta_rule"): "fla.ops.gated_delta_rule:fused_recurrent_gated_delta_rule",
+    ("fla", "chunk_retention"): "fla.ops.retention:chunk_retention",
+    ("fla", "fused_recurrent_retention"): "fla.ops.retention:fused_recurrent_retention",
+    ("fla", "chunk_simple_gla"): "fla.ops.simple_gla:chunk_simple_gla",
+    ("fla", "fused_recurrent_simple_gla"): "fla.ops.simple_gla:fused_recurrent_simple_gla",
+    ("mamba_ssm", "mamba_chunk_scan_combined"): "mamba_ssm.ops.triton.ssd_combined:mamba_chunk_scan_combined",
+    ("mamba_ssm", "selective_state_update"): "mamba_ssm.ops.triton.selective_state_update:selective_state_update",
+}
+
+
+class BackendError(Exception):
+    """A named backend that cannot run here, said in words."""
+
+
+def installed(backend: str) -> bool:
+    if backend in ("torch", "flex"):
+        return True
+    return importlib.util.find_spec(PACKAGES[backend][0]) is not None
+
+
+@cache
+def _notice(block: str, kernels: tuple[str, ...]) -> None:
+    packages = ", ".join(PACKAGES[k][1] for k in kernels if k in PACKAGES) or "none"
+    warnings.warn(
+        f"{block}: no CUDA kernel package installed ({packages}); using the PyTorch implementation."
+        " pip install 'archlab[cuda]' for the kernels, or set backend: torch to silence this",
+        stacklevel=3,
+    )
+
+
+def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: str) -> str:
+    """The backend a block runs on a device. ``kernels``: the block's kernel backends, in order
+    of preference for ``auto``."""
+    if requested == "torch":
+        return "torch"
+    if requested == "auto":
+        if device_type != "cuda":
+            return "torch"  # the kernels are CUDA-only; on the CPU the PyTorch ops are the implementation
+        for backend in kernels:
+            if backend != "flex" and installed(backend):
+                return backend
+        _notice(block, kernels)
+        return "torch"
+    if requested not in kernels:
+        raise BackendError(f"{block}: backend {requested!r} has no kernel for this block; allowed: auto, torch, {', '.join(kernels)}")
+    if not installed(requested):
+        module, package = PACKAGES[requested]
+        raise BackendError(
+            f"{block}: backend {requested!r} needs the {package} package ({module}), which is not installed;"
+            " pip install 'archlab[cuda]' on a CUDA machine, or use backend: auto"
+        )
+    if requested != "flex" and device_type != "cuda":
+        raise BackendError(f"{block}: backend {requested!r} runs on CUDA devices only; this model is on {device_type}")
+    return requested
+
+
+def kernel(backend: str, op: str):
+    """The function of ``op`` in ``backend`` (adapted to archlab's functional state updates)."""
+    module, _, name = KERNELS[(backend, op)].partition(":")
+    function = getattr(importlib.import_module(module), name)
+    if backend == "mamba_ssm" and op == "selective_state_update":
+        return _functional_state_update(function)
+    return function
+
+
+def _functional_state_update(in_place):
+    """mamba-ssm updates the state in place, returns only the output and wants per-head values
+    broadcast over the head dimension (as its Mamba2.step does); archlab's op returns both."""
+
+    def update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+        _, heads, head_dim, d_state = state.shape
+        state = state.clone()
+        per_dim = dict(
+            dt=dt if dt.dim() == 3 else dt[..., None].expand(-1, -1, head_dim),
+            A=A if A.dim() == 3 else A[:, None, None].expand(heads, head_dim, d_state),
+            D=D if D is None or D.dim() == 2 else D[:, None].expand(heads, head_dim),
+            dt_bias=dt_bias if dt_bias is None or dt_bias.dim() == 2 else dt_bias[:, None].expand(heads, head_dim),
+        )
+        out = in_place(state, x, per_dim["dt"], per_dim["A"], B, C, D=per_dim["D"], z=z, dt_bias=per_dim["dt_bias"], dt_softplus=dt_softplus)
+        return out, state
+
+    return update
+
+
+class Kernels:
+    """A block's core ops, chosen once per device type."""
+
+    def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...]):
+        self.block, self.requested, self.backends, self.ops = block, requested, backends, ops
+        self._chosen: dict[str, dict] = {}
+
+    def backend(self, device_type: str) -> str:
+        return choose(self.block, self.requested, self.backends, device_type)
+
+    def __call__(self, device) -> dict:
+        if device.type not in self._chosen:
+            backend = self.backend(device.type)
+            self._chosen[device.type] = {op: kernel(backend, op) for op in self.ops}
+        return self._chosen[device.type]

@@ -1,0 +1,124 @@
+"""Kernel dispatch, tested where the kernels cannot run: choices, fallbacks and messages."""
+
+import warnings
+
+import pytest
+import torch
+
+import archlab
+import archlab.ops.dispatch as dispatch
+from archlab.block import BuildContext, MixerInput
+from archlab.ops.dispatch import BackendError, Kernels, choose, kernel
+from archlab.ops.ssd import selective_state_update
+from blocks.attention import AttentionSpec
+from blocks.swa import SlidingWindowSpec
+from conftest import ROOT
+
+
+@pytest.fixture
+def packages(monkeypatch):
+    """Pretend which kernel packages are installed."""
+    present: set[str] = set()
+    monkeypatch.setattr(dispatch, "installed", lambda backend: backend in ("torch", "flex") or backend in present)
+    dispatch._notice.cache_clear()
+    return present
+
+
+def test_auto_uses_the_torch_ops_on_the_cpu_without_a_notice(packages):
+    packages.add("fla")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose("gdn", "auto", ("fla",), "cpu") == "torch"
+
+
+def test_auto_takes_an_installed_kernel_on_cuda(packages):
+    packages.add("mamba_ssm")
+    assert choose("mamba2", "auto", ("mamba_ssm",), "cuda") == "mamba_ssm"
+    with pytest.warns(UserWarning, match="flash-attn"):  # flex is there, but auto never picks it
+        assert choose("swa", "auto", ("flash_attn", "flex"), "cuda") == "torch"
+
+
+def test_auto_falls_back_on_cuda_with_a_notice(packages):
+    with pytest.warns(UserWarning, match=r"gdn: no CUDA kernel package installed \(flash-linear-attention\)"):
+        assert choose("gdn", "auto", ("fla",), "cuda") == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per block, not on every forward
+        assert choose("gdn", "auto", ("fla",), "cuda") == "torch"
+
+
+def test_a_named_backend_that_cannot_run_is_a_clear_error(packages):
+    with pytest.raises(BackendError, match=r"needs the mamba-ssm package \(mamba_ssm\), which is not installed"):
+        choose("mamba2", "mamba_ssm", ("mamba_ssm",), "cuda")
+    packages.add("fla")
+    with pytest.raises(BackendError, match="runs on CUDA devices only; this model is on cpu"):
+        choose("gdn", "fla", ("fla",), "cpu")
+    with pytest.raises(BackendError, match="has no kernel for this block"):
+        choose("gdn", "flash_attn", ("fla",), "cuda")
+    assert choose("swa", "flex", ("flash_attn", "flex"), "cpu") == "flex"  # FlexAttention runs anywhere
+
+
+def test_a_backend_a_block_does_not_have_is_a_spec_error(tmp_path):
+    text = (ROOT / "specs/tiny/yoco-u-gdn.yaml").read_text().replace("chunk_size: 16}", "chunk_size: 16, backend: flash_attn}")
+    (tmp_path / "s.yaml").write_text(f"extends: {ROOT / 'specs/tiny/yoco-u-gdn.yaml'}\n" + text.split("\n", 1)[1])
+    with pytest.raises(archlab.SpecError, match="backend.*'auto', 'torch' or 'fla'"):
+        archlab.load_spec(tmp_path / "s.yaml")
+
+
+def test_the_cli_names_a_missing_kernel_package(tmp_path, packages):
+    import subprocess
+    import sys
+
+    spec = tmp_path / "m.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco-u-mamba2.yaml'}\n"
+                    "layout: {self_decoder: {blocks: [{type: mamba2, d_state: 16, head_dim: 16, chunk_size: 16, backend: mamba_ssm}]}}\n")
+    result = subprocess.run([sys.executable, "-m", "archlab", "build", str(spec)], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert "mamba2: backend 'mamba_ssm' needs the mamba-ssm package" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_every_torch_op_and_installed_kernel_resolves():
+    for (backend, op), target in dispatch.KERNELS.items():
+        if backend == "torch" or dispatch.installed(backend):
+            assert callable(kernel(backend, op)), target
+
+
+def test_blocks_resolve_once_per_device(packages):
+    kernels = Kernels("gdn", "auto", ("fla",), ("chunk_gated_delta_rule",))
+    first = kernels(torch.device("cpu"))
+    assert first is kernels(torch.device("cpu"))
+    assert first["chunk_gated_delta_rule"].__module__ == "archlab.ops.gated_delta_rule"
+
+
+def test_mamba_state_update_adapter_matches_the_functional_op():
+    """mamba-ssm's kernel writes the state in place and wants per-dim tensors; the adapter
+    gives it that and returns (out, state) like archlab's op. Checked with an in-place stand-in."""
+
+    def in_place(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+        assert dt.shape == x.shape and A.shape == state.shape[1:] and D.shape == x.shape[1:] == dt_bias.shape
+        out, new = selective_state_update(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+        state.copy_(new)
+        return out
+
+    b, h, p, n = 2, 4, 8, 16
+    state, x = torch.randn(b, h, p, n), torch.randn(b, h, p)
+    dt, A, B, C = torch.randn(b, h), -torch.rand(h), torch.randn(b, 1, n), torch.randn(b, 1, n)
+    D, dt_bias = torch.randn(h), torch.randn(h)
+    adapted = dispatch._functional_state_update(in_place)
+    out, new = adapted(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+    ref_out, ref_new = selective_state_update(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(new, ref_new)
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(type="attention", n_heads=4, n_kv_heads=2), SlidingWindowSpec(type="swa", window=7, n_heads=4, n_kv_heads=2)])
+def test_flex_attention_backend_equals_the_torch_path(spec):
+    ctx = BuildContext(d_model=32, rope_theta=10_000.0)
+    torch.manual_seed(0)
+    reference = spec.build(ctx)
+    flex = spec.model_copy(update={"backend": "flex"}).build(ctx)
+    flex.load_state_dict(reference.state_dict())
+    x = torch.randn(2, 50, 32)
+    causal = MixerInput(torch.arange(50)[None], causal=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        torch.testing.assert_close(flex(x, causal), reference(x, causal), rtol=1e-5, atol=1e-5)

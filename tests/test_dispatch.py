@@ -122,3 +122,18 @@ def test_flex_attention_backend_equals_the_torch_path(spec):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
         torch.testing.assert_close(flex(x, causal), reference(x, causal), rtol=1e-5, atol=1e-5)
+
+
+def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
+    """The script a lent GPU runs, end to end on the CPU at tiny sizes, so it is ready when one is."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert {r["status"] for r in report["parity"] if r["backend"] == "flex"} == {"ok"}
+    assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
+    assert report["training"]["tok_s"] > 0

@@ -130,6 +130,7 @@ class Trainer:
         if not resume:
             if found or spec_file.exists():
                 raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
+            self.world.barrier()  # every process has looked before the first one writes
             if self.world.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 spec_file.write_text(spec_to_yaml(self.spec))

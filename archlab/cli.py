@@ -10,6 +10,7 @@ from typing import Annotated
 
 import torch
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -370,7 +371,27 @@ def train(
     err.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
-study_app = typer.Typer(help="Studies on Optuna: controlled architecture experiments.", no_args_is_help=True)
+def _shipped_studies() -> list[str]:
+    from archlab.study.definition import STUDIES
+
+    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
+
+
+class StudyGroup(TyperGroup):
+    """``archlab study NAME ...`` is ``archlab study run NAME ...`` for a shipped study."""
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] not in self.commands and args[0] in _shipped_studies():
+            args = ["run", *args]
+        return super().resolve_command(ctx, args)
+
+
+study_app = typer.Typer(
+    cls=StudyGroup,
+    help="Studies on Optuna: controlled architecture experiments. `archlab study NAME` runs a shipped"
+    f" study: {', '.join(_shipped_studies())}.",
+    no_args_is_help=True,
+)
 app.add_typer(study_app, name="study")
 
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
@@ -446,32 +467,6 @@ def study_report(
         sys.stdout.write(report(loaded, open_study(loaded, url), where, url))
 
     _study_errors(action)
-
-
-def _shipped_study_command(name: str, description: str):
-    def command(
-        scale: Scale = "tiny",
-        storage: Storage = None,
-        out: StudyOut = None,
-        grace_period: GracePeriod = 60,
-        data: StudyData = None,
-    ) -> None:
-        _run_study(name, scale, storage, out, grace_period, data)
-
-    command.__doc__ = f"{description} (shorthand for: archlab study run {name})"
-    study_app.command(name)(command)
-
-
-def _register_shipped_studies() -> None:
-    from archlab.study.definition import STUDIES
-
-    for path in sorted(STUDIES.glob("*.yaml")):
-        text = path.read_text()
-        description = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("description:")), "")
-        _shipped_study_command(path.stem, description)
-
-
-_register_shipped_studies()
 
 
 LIST_OPTIONS = ("--seq-len",)

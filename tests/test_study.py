@@ -149,3 +149,10 @@ def test_bad_study_definitions_are_named(tmp_path):
         load_study("loop-placement")
     result = archlab("study", "run", "loop-placement")
     assert result.returncode == 1 and "shipped:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_shipped_study_is_a_command():
+    result = archlab("study", "window", "--help")
+    assert result.returncode == 0 and "Run (or join, or resume) a study" in result.stdout
+    listed = archlab("study", "--help")
+    assert all(name in listed.stdout for name in SHIPPED)

@@ -1,6 +1,6 @@
 """Checkpoints that survive a kill at any moment and load without running pickled code.
 
-A checkpoint is a folder ``checkpoints/step-XXXXXXXX`` holding ``model.safetensors`` (weights),
+A checkpoint is a folder such as ``checkpoints/step-00000100`` holding ``model.safetensors`` (weights),
 ``trainer.pt`` (optimizer and RNG state; tensors, numbers and lists only, loaded with
 ``weights_only=True``) and ``state.json``. It is written under a temporary name and renamed into
 place, so a folder with the final name is always complete; older ones beyond ``keep`` are

@@ -394,6 +394,7 @@ study_app = typer.Typer(
 )
 app.add_typer(study_app, name="study")
 
+StudyName = Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")]
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", help="study directory; default runs/studies/NAME-SCALE")]
@@ -416,26 +417,9 @@ def _study_errors(action):
         raise typer.Exit(1) from None
 
 
-def _run_study(name: str, scale: str, storage: str | None, out: Path | None, grace_period: int, data: str | None) -> None:
-    from archlab.study.definition import load_study
-    from archlab.study.report import report
-    from archlab.study.runner import default_dir, storage_url, work
-
-    def action():
-        study = load_study(name, scale)
-        if data:
-            study.config = study.config.model_copy(update={"data": study.config.data.model_copy(update={"source": data})})
-        where = out or default_dir(study)
-        optuna_study = work(study, where, storage, err, grace_period)
-        sys.stdout.write(report(study, optuna_study, where, storage_url(study, where, storage)))
-        err.print(f"report and plots in {where}", highlight=False)
-
-    _study_errors(action)
-
-
 @study_app.command("run")
 def study_run(
-    study: Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")],
+    study: StudyName,
     scale: Scale = "tiny",
     storage: Storage = None,
     out: StudyOut = None,
@@ -443,12 +427,25 @@ def study_run(
     data: StudyData = None,
 ) -> None:
     """Run (or join, or resume) a study as one worker, then print its report."""
-    _run_study(study, scale, storage, out, grace_period, data)
+    from archlab.study.definition import load_study
+    from archlab.study.report import report
+    from archlab.study.runner import default_dir, storage_url, work
+
+    def action():
+        loaded = load_study(study, scale)
+        if data:
+            loaded.config = loaded.config.model_copy(update={"data": loaded.config.data.model_copy(update={"source": data})})
+        where = out or default_dir(loaded)
+        optuna_study = work(loaded, where, storage, err, grace_period)
+        sys.stdout.write(report(loaded, optuna_study, where, storage_url(loaded, where, storage)))
+        err.print(f"report and plots in {where}", highlight=False)
+
+    _study_errors(action)
 
 
 @study_app.command("report")
 def study_report(
-    study: Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")],
+    study: StudyName,
     scale: Scale = "tiny",
     storage: Storage = None,
     out: StudyOut = None,

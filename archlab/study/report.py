@@ -31,7 +31,7 @@ def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
     definition = study.definition
     maximize = definition.metric != "val_loss"
     done = settled(optuna_study.get_trials(deepcopy=False))
-    rows, baseline = [], None
+    rows, means, baseline = [], {}, None
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
         complete = [t for t in mine if t.state == TrialState.COMPLETE]
@@ -48,7 +48,7 @@ def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
         if complete:
             lr, best = _best_lr(complete, maximize)
             values = [t.value for t in best]
-            mean = statistics.mean(values)
+            mean = means[variant] = statistics.mean(values)
             row.update({metric: round(mean, 4), "spread (sd)": round(statistics.stdev(values), 4) if len(values) > 1 else "-",
                         "seeds": len(values), "best lr": f"{lr:.2g}"})
             if variant == definition.baseline:
@@ -58,8 +58,8 @@ def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
         row["pruned/failed"] = f"{sum(t.state == TrialState.PRUNED for t in mine)}/{sum(t.state == TrialState.FAIL for t in mine)}"
         rows.append(row)
     for row in rows:
-        value = row["val loss" if not maximize else "accuracy"]
-        row["vs baseline"] = f"{value - baseline:+.4f}" if baseline is not None and value != "-" else "-"
+        mean = means.get(row["variant"])
+        row["vs baseline"] = f"{mean - baseline:+.4f}" if baseline is not None and mean is not None else "-"
     return rows
 
 

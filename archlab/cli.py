@@ -190,8 +190,11 @@ def generate(
     if source.is_dir():
         try:
             spec, model, checkpoint, tokenizer = load_trained(source)
-        except (CheckpointError, SpecError) as exc:
-            _report(exc) if isinstance(exc, SpecError) else err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        except SpecError as exc:
+            _report(exc)
+            raise typer.Exit(1) from None
+        except CheckpointError as exc:
+            err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
         err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
     else:

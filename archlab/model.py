@@ -16,7 +16,7 @@ from archlab.ffn import build_ffn
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
-from blocks.attention import write_rows
+from blocks.attention import append_kv
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:
@@ -64,11 +64,7 @@ class GlobalKV(nn.Module):
         k = self.k_proj(h).view(batch, n, self.heads, self.head_dim)
         v = self.v_proj(h).view(batch, n, self.heads, self.head_dim)
         k = k if self.rotary is None else self.rotary(k, positions)
-        if state is None:
-            return k, v, positions
-        write_rows(state["k"], positions, k)
-        write_rows(state["v"], positions, v)
-        return state["k"], state["v"], torch.arange(state["k"].shape[1], device=x.device)[None]
+        return (k, v, positions) if state is None else append_kv(state, positions, k, v)
 
 
 class Model(nn.Module):

@@ -82,6 +82,14 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
     cache[rows, slots] = values.to(cache.dtype)
 
 
+def append_kv(state: dict, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Write k, v at their positions into a row-per-position cache; return the whole cache and
+    its key positions."""
+    write_rows(state["k"], positions, k)
+    write_rows(state["v"], positions, v)
+    return state["k"], state["v"], torch.arange(state["k"].shape[1], device=k.device)[None]
+
+
 class AttentionSpec(BlockSpec):
     """Full causal self-attention; every layer keeps a K,V cache as long as the context."""
 
@@ -197,9 +205,7 @@ class SelfAttention(nn.Module):
         if state is None:
             return k, v, inp.positions
         if self.window is None:  # the cache row of a token is its position
-            write_rows(state["k"], inp.positions, k)
-            write_rows(state["v"], inp.positions, v)
-            return state["k"], state["v"], torch.arange(state["k"].shape[1], device=k.device)[None]
+            return append_kv(state, inp.positions, k, v)
         # a ring of R rows: slot s holds the latest written position p with p % R == s
         ring, decoding = state["k"].shape[1], n == 1
         if decoding:  # the new row replaces the oldest, so the ring is then exactly the window

@@ -46,6 +46,7 @@ class BackendError(Exception):
     """A named backend that cannot run here, said in words."""
 
 
+@cache  # asked on every forward pass of a CUDA model; the answer does not change in a process
 def installed(backend: str) -> bool:
     if backend in ("torch", "flex"):
         return True

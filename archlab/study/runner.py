@@ -26,7 +26,6 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from archlab.cost import Cost
 from archlab.study.definition import Study
 from archlab.train.data import prepare
 from archlab.train.trainer import Trainer
@@ -141,7 +140,6 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     )
     trial.set_user_attr("steps", steps)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-    trial.set_user_attr("flops_per_step", Cost(spec).train_flops_per_token(cfg.seq_len) * cfg.batch_size * cfg.seq_len)
     metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
 
     def on_eval(step: int, record: dict) -> None:
@@ -152,7 +150,9 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     run_dir = out / "trials" / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}"
     with get_heartbeat_thread(trial_id, optuna_study._storage):
         try:
-            records = Trainer(spec, cfg, run_dir, Console(quiet=True)).fit(steps, on_eval=on_eval)
+            trainer = Trainer(spec, cfg, run_dir, Console(quiet=True))
+            trial.set_user_attr("flops_per_step", trainer.flops_per_step)
+            records = trainer.fit(steps, on_eval=on_eval)
             optuna_study.tell(trial, records[-1][metric])
         except optuna.TrialPruned:
             optuna_study.tell(trial, state=TrialState.PRUNED)

@@ -26,6 +26,7 @@ class BenchRow:
     seq_len: int
     batch: int
     gen: int
+    prefill_rows: int  # prompts prefilled (and timed); the others got copies of their cache
     prefill_tok_s: float
     decode_tok_s: float
     peak_mb: float
@@ -84,22 +85,40 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_chunk: int = 2048, seed: int = 0) -> BenchRow:
-    """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily."""
-    engine = Engine(model, prefill_chunk)
+def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_chunk: int = 2048, seed: int = 0,
+          prefill_rows: int | None = None, cuda_graph: bool = False) -> BenchRow:
+    """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily
+    (timed after one untimed step, which loads kernels or captures the CUDA graph).
+
+    With ``prefill_rows`` (a divisor of ``batch``) only that many prompts are prefilled and timed;
+    their cache rows are then copied into the rest of the batch, which decodes as a whole. A
+    decode step costs the same whatever the cached tokens are, so long contexts at a large batch
+    are measured without prefilling every row.
+    """
+    rows = prefill_rows or batch
+    if batch % rows:
+        raise ValueError(f"prefill_rows={rows} must divide batch={batch}")
+    engine = Engine(model, prefill_chunk, cuda_graph)
     generator = torch.Generator().manual_seed(seed)
-    prompts = list(torch.randint(0, model.spec.vocab_size, (batch, seq_len), generator=generator).to(engine.device))
+    prompts = list(torch.randint(0, model.spec.vocab_size, (rows, seq_len), generator=generator).to(engine.device))
     with PeakMemory(engine.device) as peak:
-        cache = engine.new_cache(batch, seq_len + gen)
+        cache = engine.new_cache(batch, seq_len + 1 + gen)
+        prefilled = cache if rows == batch else cache.take(torch.arange(rows, device=engine.device))
         _sync(engine.device)
         start = time.perf_counter()
-        logits = engine.prefill(prompts, cache)
+        logits = engine.prefill(prompts, prefilled)
         _sync(engine.device)
         prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
-        for i in range(gen):
+        if prefilled is not cache:
+            cache.fill_from(prefilled)
+            logits = logits.repeat(batch // rows, 1)
+            del prefilled
+        for i in range(gen + 1):
+            if i == 1:
+                _sync(engine.device)
+                start = time.perf_counter()
             tokens = logits.argmax(dim=-1)
-            logits = engine.feed(tokens[:, None], torch.full((batch,), seq_len + i, device=engine.device), cache, full=True)
+            logits = engine.decode(tokens[:, None], torch.full((batch,), seq_len + i, device=engine.device), cache)
         _sync(engine.device)
         decode_s = time.perf_counter() - start
     size = cache.bytes_per_sequence()
@@ -108,7 +127,8 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
         seq_len=seq_len,
         batch=batch,
         gen=gen,
-        prefill_tok_s=batch * seq_len / prefill_s,
+        prefill_rows=rows,
+        prefill_tok_s=rows * seq_len / prefill_s,
         decode_tok_s=batch * gen / decode_s,
         peak_mb=peak.peak,
         kv_global_mb=size.global_ / MB,

@@ -53,6 +53,12 @@ class Cache:
         local = sum(size(s) for key, s in self.layers.items() if not self._grows[key])
         return CacheBytes(global_ // self.sequences, local // self.sequences)
 
+    def local_tensors(self) -> list[torch.Tensor]:
+        """The tensors that do not grow with the context (windows, recurrent and conv states):
+        the ones a repeated decoding step would change, where a growing cache only rewrites
+        the same rows."""
+        return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
+
     def _states(self) -> list[State]:
         return [*self.global_kv.values(), *self.layers.values()]
 
@@ -72,6 +78,13 @@ class Cache:
             for name, tensor in mine.items():
                 tensor[rows] = theirs[name]
 
+    def fill_from(self, sub: Cache) -> None:
+        """Copy ``sub``'s sequences into every consecutive group of as many of ours."""
+        if self.sequences % sub.sequences:
+            raise ValueError(f"{sub.sequences} sequences do not tile {self.sequences}")
+        for first in range(0, self.sequences, sub.sequences):
+            self.put(torch.arange(first, first + sub.sequences), sub)
+
     def _rows(self, sequences: torch.Tensor) -> torch.Tensor:
         """Cache rows of sequences: ParScale keeps its streams next to each other."""
-        return (sequences[:, None] * self.streams + torch.arange(self.streams)).flatten()
+        return (sequences[:, None] * self.streams + torch.arange(self.streams, device=sequences.device)).flatten()

@@ -243,8 +243,10 @@ def bench(
     batch: Annotated[int, typer.Option(min=1)] = 1,
     gen: Annotated[int, typer.Option(min=1, help="new tokens per sequence")] = 128,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
+    prefill_rows: Annotated[int | None, typer.Option(min=1, help="prefill only this many prompts (a divisor of --batch) and copy their cache to the rest")] = None,
     dtype: Annotated[str, typer.Option(help="auto: the spec's inference_dtype")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
+    cuda_graph: Annotated[bool, typer.Option(help="replay each decoding step from a captured CUDA graph")] = False,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
@@ -258,6 +260,10 @@ def bench(
     lengths = _tokens(seq_len)
     if dtype not in ("auto", *DTYPES):
         raise typer.BadParameter(f"--dtype must be auto or one of {list(DTYPES)}")
+    if prefill_rows is not None and batch % prefill_rows:
+        raise typer.BadParameter(f"--prefill-rows {prefill_rows} must divide --batch {batch}")
+    if cuda_graph and not device.startswith("cuda"):
+        raise typer.BadParameter(f"--cuda-graph needs --device cuda, got {device}")
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)
@@ -269,7 +275,7 @@ def bench(
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
-                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk))
+                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:

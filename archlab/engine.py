@@ -62,13 +62,53 @@ class Generation:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
+class CapturedDecode:
+    """The whole-model decoding step captured once as a CUDA graph and replayed: one launch per
+    token instead of one per kernel, which is what an eager decode step of small matrices is
+    bound by. Every tensor the step touches is preallocated (the cache is, at its capacity), so
+    the graph replays onto the same memory with new tokens and positions.
+
+    Capturing runs the step eagerly first (to load kernels and tune them), on the real inputs;
+    the states that a repeated step would change are restored after, so nothing is counted twice.
+    """
+
+    def __init__(self, engine: Engine, cache: Cache, tokens: torch.Tensor, start: torch.Tensor):
+        self.cache, self.tokens, self.start = cache, tokens.clone(), start.clone()
+        saved = [t.clone() for t in cache.local_tensors()]
+        side = torch.cuda.Stream(engine.device)
+        side.wait_stream(torch.cuda.current_stream(engine.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                engine.feed(self.tokens, self.start, cache, full=True)
+                self._restore(saved)
+        torch.cuda.current_stream(engine.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = engine.feed(self.tokens, self.start, cache, full=True)
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        for tensor, copy in zip(self.cache.local_tensors(), saved):
+            tensor.copy_(copy)
+
+    def __call__(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        self.tokens.copy_(tokens)
+        self.start.copy_(start)
+        self.graph.replay()
+        return self.logits.clone()  # the graph's output buffer is overwritten by the next replay
+
+
 class Engine:
-    def __init__(self, model: Model, prefill_chunk: int = 2048):
+    def __init__(self, model: Model, prefill_chunk: int = 2048, cuda_graph: bool = False):
+        """``cuda_graph``: replay decoding steps from a captured CUDA graph (CUDA models only)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.prefill_chunk = model, prefill_chunk
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a model on a CUDA device; this one is on {self.device}")
+        self.cuda_graph = cuda_graph
+        self._captured: CapturedDecode | None = None
 
     def new_cache(self, sequences: int, capacity: int) -> Cache:
         return Cache(self.model, sequences, capacity, self.dtype, self.device)
@@ -83,6 +123,17 @@ class Engine:
         steps = self.model.plan.steps if full else self.model.plan.prefill_steps
         x = self.model.run(x, self._positions(start, tokens.shape[1]), steps, cache)
         return self.model.logits(x[:, -1:])[:, -1] if full else None
+
+    def decode(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache) -> torch.Tensor:
+        """One token per sequence (tokens [B, 1] at positions start [B]) through the whole model;
+        returns the logits [B, V]. With ``cuda_graph`` the step is captured on first use per
+        cache and replayed after."""
+        if not self.cuda_graph:
+            return self.feed(tokens, start, cache, full=True)
+        if self._captured is None or self._captured.cache is not cache:
+            self._captured = None  # frees the previous graph's memory before capturing anew
+            self._captured = CapturedDecode(self, cache, tokens, start)
+        return self._captured(tokens, start)
 
     @torch.no_grad()
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
@@ -128,7 +179,10 @@ class Engine:
             finished |= torch.isin(tokens, stops)
             yield tokens, logits, done_before
             last = finished.all() or i == max_new_tokens - 1
-            logits = self.feed(tokens[:, None], lengths + i, cache, full=not last)
+            if last:  # the last token only needs writing into the cache
+                self.feed(tokens[:, None], lengths + i, cache, full=False)
+            else:
+                logits = self.decode(tokens[:, None], lengths + i, cache)
             if last:
                 return
 

@@ -1,23 +1,30 @@
 """Everything a GPU must show, in one run: kernel parity, the paper's inference table, training MFU.
 
-    python benchmarks/gpu_check.py --out results/          # on a CUDA machine with archlab[cuda]
+    bash benchmarks/gpu_check.sh OUT_DIR                   # on a CUDA machine (installs the extras)
     python benchmarks/gpu_check.py --smoke --out /tmp/gc   # the same script on the CPU, tiny sizes
 
 1. Parity: every block's kernel backend against its PyTorch backend (same weights, bf16): the
-   training forward and input gradients, and 16 decoding steps through the recurrent state.
-2. Inference (paper specs transformer, yoco, yoco-u, rins; batch 32, 128 new tokens): prefill and
+   training forward and input gradients, 16 decoding steps through the recurrent state, and the
+   time of a forward and backward pass on each.
+2. Decode graphs: for each paper spec, decoding steps replayed from a captured CUDA graph give the
+   eager steps' logits.
+3. Inference (paper specs transformer, yoco, yoco-u, rins; batch 32, 128 new tokens): prefill and
    decode tokens/s and cache MB per sequence, length by length until memory or the time budget
-   runs out.
-3. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast.
-Results go to OUT/gpu_check.json and OUT/gpu_check.md.
+   runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
+4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast.
+
+Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
+cut short keeps what it measured. A section that fails records its error and the next one runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -28,19 +35,22 @@ from rich.console import Console
 import archlab
 from archlab.bench import bench, device_name
 from archlab.block import BuildContext, MixerInput
+from archlab.engine import Engine
 from archlab.ops.dispatch import installed
-from archlab.train.config import TrainConfig
+from archlab.spec import load_yaml, validate_spec
+from archlab.train.config import TrainConfig, apply_overrides
 from archlab.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(stderr=True)
+TOLERANCE = 3e-2  # relative error of a bf16 kernel against the bf16 PyTorch path (both ~1e-2 from fp64)
 
 # (block spec, kernel backends to compare with "torch")
 PARITY = [
     ({"type": "gdn", "n_heads": 4, "chunk_size": 64}, ["fla"]),
     ({"type": "retnet", "n_heads": 4}, ["fla"]),
     ({"type": "retnet", "n_heads": 4, "gated": True}, ["fla"]),
-    ({"type": "mamba2", "d_state": 64, "head_dim": 64, "chunk_size": 64}, ["mamba_ssm"]),
+    ({"type": "mamba2", "d_state": 64, "head_dim": 64, "chunk_size": 64}, ["mamba_ssm", "fla"]),
     ({"type": "swa", "window": 128, "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "flex"]),
     ({"type": "attention", "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "flex"]),
 ]
@@ -50,12 +60,31 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
-def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int) -> list[dict]:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(run, device: torch.device, repeats: int = 5) -> float:
+    run()  # warm-up: kernel compilation and tuning stay out of the time
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, blocks: set[str] | None) -> list[dict]:
     from archlab.spec import _resolve_blocks, block_specs
 
     _resolve_blocks()
     rows = []
     for fields, backends in PARITY:
+        if blocks and fields["type"] not in blocks:
+            continue
         spec_class = block_specs()[fields["type"]]
         ctx = BuildContext(d_model=d_model, rope_theta=10_000.0)
         torch.manual_seed(0)
@@ -64,6 +93,7 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int) -> li
         causal = MixerInput(torch.arange(n, device=device)[None], causal=True)
         ref_out = reference(x, causal)
         (ref_grad,) = torch.autograd.grad(ref_out.float().square().sum(), x)
+        ref_ms = median_ms(lambda: reference(x, causal).float().square().sum().backward(), device)
         for backend in backends:
             row = {"block": fields["type"] + (" gated" if fields.get("gated") else ""), "backend": backend}
             if not installed(backend) or (device.type != "cuda" and backend != "flex"):
@@ -79,8 +109,11 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int) -> li
                 if not eager_flex:
                     (grad,) = torch.autograd.grad(out.float().square().sum(), x)
                     row["grad_rel_err"] = relative_error(grad, ref_grad)
+                    row["torch_ms"] = ref_ms
+                    row["kernel_ms"] = median_ms(lambda: kernel(x, causal).float().square().sum().backward(), device)
                 row["decode_rel_err"] = decode_parity(reference, kernel, x.detach(), device)
-                row["status"] = "ok" if max(v for k, v in row.items() if k.endswith("rel_err")) < 3e-2 else "MISMATCH"
+                worst = max(v for k, v in row.items() if k.endswith("rel_err"))
+                row["status"] = "ok" if worst < TOLERANCE else "MISMATCH"
             except Exception as exc:  # a kernel that cannot run is a finding, not a crash of the check
                 row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
             rows.append(row)
@@ -101,23 +134,68 @@ def decode_parity(reference, kernel, x, device, steps: int = 16) -> float:
     return worst
 
 
-def inference(device: torch.device, specs: list[str], lengths: list[int], batch: int, gen: int, budget_s: float) -> list[dict]:
+def load(name: str, device: torch.device) -> archlab.Model:
+    spec = archlab.load_spec(name)
+    torch.manual_seed(0)
+    return archlab.build_model(spec, device=device, dtype=getattr(torch, spec.inference_dtype)).eval()
+
+
+@torch.no_grad()
+def graph_parity(device: torch.device, specs: list[str], context: int = 4096, steps: int = 8) -> list[dict]:
+    """Greedy decoding, eager against CUDA-graph replay, from the same prefilled cache."""
     rows = []
     for name in specs:
-        spec = archlab.load_spec(name)
-        model = archlab.build_model(spec, device=device, dtype=getattr(torch, spec.inference_dtype)).eval()
+        model = load(name, device)
+        row = {"spec": model.spec.name, "context": context, "steps": steps}
+        try:
+            eager, graphed = Engine(model), Engine(model, cuda_graph=True)
+            prompt = [torch.randint(0, model.spec.vocab_size, (context,), device=device) for _ in range(2)]
+            first = eager.new_cache(2, context + steps)
+            logits = eager.prefill(prompt, first)
+            second = eager.new_cache(2, context + steps)
+            second.fill_from(first)
+            worst, same = 0.0, True
+            tokens = logits.argmax(-1)
+            for i in range(steps):
+                start = torch.full((2,), context + i, device=device)
+                a, b = eager.decode(tokens[:, None], start, first), graphed.decode(tokens[:, None], start, second)
+                worst = max(worst, relative_error(b, a))
+                same &= bool((a.argmax(-1) == b.argmax(-1)).all())
+                tokens = a.argmax(-1)
+            row.update(logits_rel_err=worst, same_tokens=same, status="ok" if worst < 1e-2 and same else "MISMATCH")
+        except Exception as exc:
+            row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        console.print(row)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def inference(device: torch.device, specs: list[str], lengths: list[int], batch: int, gen: int, budget_s: float,
+              deadline: float, prefill_tokens: int, cuda_graph: bool, prefill_chunk: int) -> list[dict]:
+    rows = []
+    for name in specs:
+        model = load(name, device)
+        bench(model, model.spec.name, 256, 2, 2, cuda_graph=cuda_graph)  # warm-up: kernels, tuning, allocator
         for n in lengths:
+            if time.monotonic() > deadline:
+                rows.append({"spec": model.spec.name, "seq_len": n, "status": "skipped: out of time"})
+                break
+            prefill_rows = batch
+            while prefill_rows > 1 and prefill_rows * n > prefill_tokens:
+                prefill_rows //= 2
             began = time.perf_counter()
             try:
-                row = bench(model, spec.name, n, batch, gen).as_dict()
+                row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph).as_dict()
             except torch.OutOfMemoryError:
-                rows.append({"spec": spec.name, "seq_len": n, "batch": batch, "status": "out of memory"})
+                rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, "status": "out of memory"})
                 torch.cuda.empty_cache()
                 break
-            rows.append({**row, "status": "ok"})
+            rows.append({**row, "prefill_chunk": prefill_chunk, "status": "ok", "seconds": time.perf_counter() - began})
             console.print(rows[-1])
             if time.perf_counter() - began > budget_s:
-                rows.append({"spec": spec.name, "seq_len": "longer", "status": f"skipped: {n} took over {budget_s:.0f} s"})
+                rows.append({"spec": model.spec.name, "seq_len": "longer", "status": f"skipped: {n} took over {budget_s:.0f} s"})
                 break
         del model
         if device.type == "cuda":
@@ -125,55 +203,129 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
     return rows
 
 
-def training(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int) -> dict:
-    spec = archlab.load_spec(spec_path)
+def training(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int, overrides: list[str] = (),
+             compile: bool = False) -> dict:
+    spec = validate_spec(apply_overrides(load_yaml(spec_path), list(overrides)), spec_path)
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, 4_000_000).astype(np.uint32)
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp) / "tokens.npy", tokens)
         cfg = TrainConfig.model_validate({
             "steps": steps, "batch_size": batch, "micro_batch_size": batch, "seq_len": seq_len, "log_interval": 1,
             "eval_interval": 10_000, "checkpoint_interval": 10_000, "data": {"source": str(Path(tmp) / "tokens.npy")},
+            "compile": compile,
         })
         records = Trainer(spec, cfg, Path(tmp) / "run", console).fit(steps)
     measured = records[len(records) // 2 :]  # past warm-up
     return {
         "spec": spec.name,
+        "overrides": list(overrides),
+        "compile": compile,
         "tokens_per_step": batch * seq_len,
         "tok_s": float(np.median([r["tok_s"] for r in measured])),
         "mfu": float(np.median([r["mfu"] for r in measured])) if "mfu" in measured[0] else None,
+        "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
+
+
+TRAINING = ("training", "training-flex", "training-compiled")
+
+
+def report(results: dict) -> str:
+    lines = [f"# GPU check on {results['device']} (torch {results['torch']})", "", f"packages: {results['packages']}"]
+    if "parity" in results:
+        lines += ["", f"## Kernel parity (relative error against the PyTorch backend, {results['parity_dtype']}; ok below {TOLERANCE})", "",
+                  "| block | backend | forward | input grad | 16 decode steps | fwd+bwd ms torch | fwd+bwd ms kernel | status |",
+                  "|---|---|---|---|---|---|---|---|"]
+        cell = lambda r, k, f: format(r[k], f) if k in r else "-"  # noqa: E731
+        lines += [f"| {r['block']} | {r['backend']} | {cell(r, 'forward_rel_err', '.1e')} | {cell(r, 'grad_rel_err', '.1e')} | "
+                  f"{cell(r, 'decode_rel_err', '.1e')} | {cell(r, 'torch_ms', '.1f')} | {cell(r, 'kernel_ms', '.1f')} | {r['status']} |"
+                  for r in results["parity"]]
+    if "graphs" in results:
+        lines += ["", "## Decoding from a captured CUDA graph against eager decoding", "",
+                  "| spec | context | steps | logits rel err | same tokens | status |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['spec']} | {r['context']} | {r['steps']} | {r.get('logits_rel_err', float('nan')):.1e} | {r.get('same_tokens', '-')} | {r['status']} |"
+                  for r in results["graphs"]]
+    for key, title in (("inference", "Inference"), ("inference_eager", "Inference, eager decoding (no CUDA graph)")):
+        if key in results:
+            lines += ["", f"## {title}", "", "| spec | seq_len | batch | prefill rows | prefill tok/s | decode tok/s | KV MB / seq | peak GB | status |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('batch', '')} | {r.get('prefill_rows', '')} | {r.get('prefill_tok_s', 0):,.0f} | "
+                      f"{r.get('decode_tok_s', 0):,.0f} | {r.get('kv_total_mb', 0):,.1f} | {r.get('peak_mb', 0) / 1024:,.1f} | {r['status']} |"
+                      for r in results[key]]
+    trained = [results[k] for k in TRAINING if k in results]
+    if trained:
+        lines += ["", "## Training (bf16 autocast)", "", "| spec | overrides | compiled | tokens/step | tokens/s | MFU | peak GB | loss first -> last |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['spec']} | {' '.join(t['overrides']) or '-'} | {t['compile']} | {t['tokens_per_step']:,} | {t['tok_s']:,.0f} | "
+                  f"{'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | {t['peak_gb'] or 0:.1f} | "
+                  f"{t['loss_first_last'][0]:.3f} -> {t['loss_first_last'][1]:.3f} |" for t in trained]
+    for name, error in results.get("errors", {}).items():
+        lines += ["", f"## {name}: failed", "", "```", error.strip()[-3000:], "```"]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
-    parser.add_argument("--budget-s", type=float, default=90.0, help="stop a spec's lengths after one takes longer")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
+    parser.add_argument("--sections", default="parity,graphs,training,training-flex,inference,eager,training-compiled")
+    parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
+    parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
+    parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
+    parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument("--train-batch", type=int, default=8)
     args = parser.parse_args()
+    began = time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     folder = ROOT / "specs" / ("tiny" if smoke else "paper")
-    names = [str(folder / f"{n}.yaml") for n in ("transformer", "yoco", "yoco-u", "rins")]
+    names = [str(folder / f"{n}.yaml") for n in args.specs.split(",")]
+    batch, gen = (2, 4) if smoke else (32, 128)
+    lengths = [256, 1024] if smoke else [int(n) for n in args.lengths.split(",")]
+    chunk = 64 if smoke else args.prefill_chunk
+    yoco_u = str(folder / "yoco-u.yaml")
+    train = (4, 64, 6) if smoke else (args.train_batch, 2048, 16)  # batch, seq_len, steps
+    flex = ["layout.self_decoder.blocks.0.backend=flex", "layout.cross_decoder.blocks.0.backend=flex"]
+    sections = {
+        "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
+                                 set(filter(None, args.blocks.split(",")))),
+        "graphs": lambda: graph_parity(device, names),
+        "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
+                                       512 if smoke else 65536, not smoke, chunk),
+        "eager": lambda: inference(device, names, lengths[:1], batch, gen, args.budget_s, began + args.deadline_s + 60,
+                                   512 if smoke else 65536, False, chunk),
+        "training": lambda: training(device, yoco_u, *train),
+        "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
+        "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
+    }
     results = {
         "device": device_name(device),
         "torch": torch.__version__,
         "packages": {b: installed(b) for b in ("fla", "mamba_ssm", "flash_attn")},
-        "parity": parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 1024),
-        "inference": inference(device, names, [256, 1024] if smoke else [8192, 32768, 65536, 131072, 262144],
-                               2 if smoke else 32, 4 if smoke else 128, args.budget_s),
-        "training": training(device, str(folder / "yoco-u.yaml"), 4 if smoke else 8, 64 if smoke else 2048, 6 if smoke else 20),
+        "parity_dtype": "float32" if smoke else "bfloat16",
+        "errors": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
-    lines = [f"# GPU check on {results['device']} (torch {results['torch']})", "", "## Parity (relative error, bf16)", ""]
-    lines += [f"- {r['block']} / {r['backend']}: {r['status']} " + " ".join(f"{k}={v:.2e}" for k, v in r.items() if k.endswith("rel_err")) for r in results["parity"]]
-    lines += ["", "## Inference", "", "| spec | seq_len | prefill tok/s | decode tok/s | KV MB | status |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('prefill_tok_s', 0):,.0f} | {r.get('decode_tok_s', 0):,.1f} | {r.get('kv_total_mb', 0):,.1f} | {r['status']} |" for r in results["inference"]]
-    t = results["training"]
-    lines += ["", "## Training", "", f"{t['spec']}: {t['tok_s']:,.0f} tokens/s, MFU {t['mfu'] if t['mfu'] is None else format(t['mfu'], '.1%')}"]
-    (args.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for name in args.sections.split(","):
+        if smoke and name in ("graphs", "training-flex", "training-compiled"):
+            continue  # CUDA graphs need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
+        console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
+        try:
+            results["inference_eager" if name == "eager" else name] = sections[name]()
+        except Exception:
+            results["errors"][name] = traceback.format_exc()
+            console.print(results["errors"][name])
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+        (args.out / "gpu_check.md").write_text(report(results))
+    print(report(results))
+    print(f"total {time.monotonic() - began:.0f} s")
+    if results["errors"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

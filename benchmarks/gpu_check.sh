@@ -1,10 +1,26 @@
 #!/usr/bin/env bash
-# The one script a lent GPU runs: install the CUDA extras next to the machine's torch, then check.
-#   bash benchmarks/gpu_check.sh OUT_DIR
+# The one script a lent GPU runs: install archlab and the kernel packages beside the machine's
+# torch, then check (benchmarks/gpu_check.py).
+#   bash benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
+# A machine with a package index gets `pip install -e .[cuda]` in a venv that sees the system's
+# torch. A machine without one installs the wheels in .whl/ instead, offline; fill it beforehand:
+#   rm -rf build && pip wheel --no-deps --no-build-isolation -w .whl .
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions \
+#       fla-core==0.6.0 flash-linear-attention==0.6.0
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
-python -m venv --system-site-packages .venv-gpu
-.venv-gpu/bin/pip install -q -e ".[cuda]" || .venv-gpu/bin/pip install -q -e . flash-linear-attention triton
-.venv-gpu/bin/python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-timeout 540 .venv-gpu/bin/python benchmarks/gpu_check.py --out "$OUT"
+shift || true
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/archlab-site .whl/*.whl
+    export PYTHONPATH=/tmp/archlab-site
+    PY=python3
+else
+    python3 -m venv --system-site-packages .venv-gpu
+    .venv-gpu/bin/pip install -q -e ".[cuda]" || .venv-gpu/bin/pip install -q -e . "flash-linear-attention==0.6.0" triton
+    PY=.venv-gpu/bin/python
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+$PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+PYTHONUNBUFFERED=1 $PY benchmarks/gpu_check.py --out "$OUT" "$@"

@@ -43,11 +43,22 @@ def attention_pairs(n: int, start: int, window: int | None) -> int:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA on sequence-first tensors [B, N, H, D]; K,V may have fewer heads (GQA). A mask of
-    None means plain causal attention over the same positions (the fast kernel)."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=mask is None, enable_gqa=True
-    )
-    return out.transpose(1, 2)
+    None means plain causal attention over the same positions (the fast kernel).
+
+    With a mask and GQA, the query heads sharing a K,V head are folded into the query axis
+    (the mask repeated for each), so no kernel copies K,V per query head: decoding over a long
+    cache then reads it once per layer.
+    """
+    batch, n, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if mask is None or heads == kv_heads:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+        return out.transpose(1, 2)
+    group = heads // kv_heads
+    folded = q.view(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, dim)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, group, 1))
+    return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
 
 
 def causal_attention(q, k, v, positions, window: int | None, backend: str) -> torch.Tensor:
@@ -264,4 +275,4 @@ def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block=64):
     if prefix is not None:
         prefix = tuple(p.repeat_interleave(blocks, dim=0) for p in prefix)
     out = attend(*with_prefix(q, k_win, v_win, mask, prefix))
-    return out.view(batch, blocks * b, heads, dim)[:, :n]
+    return out.reshape(batch, blocks * b, heads, dim)[:, :n]

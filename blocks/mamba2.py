@@ -28,7 +28,7 @@ class Mamba2Spec(BlockSpec):
     head_dim: PositiveInt = 64
     n_groups: PositiveInt = 1
     chunk_size: PositiveInt = 256
-    backend: Literal["auto", "torch", "mamba_ssm"] = "auto"
+    backend: Literal["auto", "torch", "mamba_ssm", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
         """(inner width, heads)."""
@@ -74,7 +74,9 @@ class Mamba2(nn.Module):
         self.inner, self.heads = spec.dims(ctx.d_model)
         self.head_dim, self.groups, self.d_state, self.chunk_size = spec.head_dim, spec.n_groups, spec.d_state, spec.chunk_size
         self.conv_dim = self.inner + 2 * self.groups * self.d_state
-        self.kernels = Kernels("mamba2", spec.backend, ("mamba_ssm",), ("mamba_chunk_scan_combined", "selective_state_update"))
+        # fla (its simple_gla kernels running the SSD) only when named: unproven on a GPU so far
+        self.kernels = Kernels("mamba2", spec.backend, ("mamba_ssm", "fla"), ("mamba_chunk_scan_combined", "selective_state_update"),
+                               auto=("mamba_ssm",))
         self.in_proj = nn.Linear(ctx.d_model, self.inner + self.conv_dim + self.heads, bias=False)
         self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, spec.d_conv, groups=self.conv_dim, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from archlab.block import BuildContext, MixerInput
-from blocks.attention import AttentionSpec
+from blocks.attention import AttentionSpec, attend, band_mask
 from blocks.gated_deltanet import GatedDeltaNetSpec
 from blocks.retnet import RetentionSpec
 from blocks.swa import SlidingWindowSpec
@@ -21,6 +21,18 @@ def naive_window_attention(q, k, v, window):
         scores = torch.einsum("bhd,bjhd->bhj", q[:, i], k[:, lo : i + 1]) / dim**0.5
         out[:, i] = torch.einsum("bhj,bjhd->bhd", scores.softmax(-1), v[:, lo : i + 1])
     return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("n", [1, 9])
+def test_masked_gqa_attention_folds_query_groups_exactly(window, n):
+    """Masked attention with GQA (decoding, chunked prefill) folds each K,V head's query heads
+    into the query axis; the same as the naive per-query softmax on the last n of 23 positions."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 23, 6, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64)
+    positions = torch.arange(23)[None].expand(2, -1)
+    out = attend(q[:, -n:], k, v, band_mask(positions[:, -n:], positions, window))
+    torch.testing.assert_close(out, naive_window_attention(q, k, v, window)[:, -n:], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16])

@@ -168,8 +168,19 @@ def test_bench_json_and_plot(tmp_path):
         assert by["yoco", n]["kv_global_mb"] == by["yoco-u", n]["kv_global_mb"]
         assert by["yoco-u", n]["kv_local_mb"] == 3 * by["yoco", n]["kv_local_mb"]
         assert by["yoco", n]["prefill_tok_s"] > 0 and by["yoco", n]["decode_tok_s"] > 0
-    assert by["yoco", 1024]["kv_global_mb"] == (1024 + 4) * 2 * 2 * 16 * 4 / 2**20
+    assert by["yoco", 1024]["kv_global_mb"] == (1024 + 1 + 4) * 2 * 2 * 16 * 4 / 2**20  # prompt, warm-up step, new tokens
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_prefills_a_few_rows_for_a_large_batch():
+    result = archlab("bench", "specs/tiny/yoco-u.yaml", "--seq-len", "300", "--batch", "4", "--prefill-rows", "2",
+                     "--gen", "3", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(result.stdout)
+    assert (row["batch"], row["prefill_rows"]) == (4, 2) and row["decode_tok_s"] > 0
+    for bad, message in ((["--prefill-rows", "3"], "must divide --batch 4"), (["--cuda-graph"], "--cuda-graph needs --device cuda")):
+        result = archlab("bench", "specs/tiny/yoco-u.yaml", "--batch", "4", *bad)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_bench_rejects_a_bad_length():

@@ -32,8 +32,13 @@ def test_auto_uses_the_torch_ops_on_the_cpu_without_a_notice(packages):
 
 
 def test_auto_takes_an_installed_kernel_on_cuda(packages):
+    packages.add("fla")
+    assert choose("gdn", "auto", ("fla",), "cuda") == "fla"
+    with pytest.warns(UserWarning, match=r"mamba2: no CUDA kernel package installed \(mamba-ssm\)"):
+        assert choose("mamba2", "auto", ("mamba_ssm", "fla"), "cuda", auto=("mamba_ssm",)) == "torch"  # fla only when named
+    assert choose("mamba2", "fla", ("mamba_ssm", "fla"), "cuda", auto=("mamba_ssm",)) == "fla"
     packages.add("mamba_ssm")
-    assert choose("mamba2", "auto", ("mamba_ssm",), "cuda") == "mamba_ssm"
+    assert choose("mamba2", "auto", ("mamba_ssm", "fla"), "cuda", auto=("mamba_ssm",)) == "mamba_ssm"
     with pytest.warns(UserWarning, match="flash-attn"):  # flex is there, but auto never picks it
         assert choose("swa", "auto", ("flash_attn", "flex"), "cuda") == "torch"
 
@@ -77,9 +82,10 @@ def test_the_cli_names_a_missing_kernel_package(tmp_path, packages):
 
 
 def test_every_torch_op_and_installed_kernel_resolves():
-    for (backend, op), target in dispatch.KERNELS.items():
+    for backend, op in {*dispatch.KERNELS, *dispatch.ADAPTERS}:
         if backend == "torch" or dispatch.installed(backend):
-            assert callable(kernel(backend, op)), target
+            assert callable(kernel(backend, op)), (backend, op)
+    assert dispatch.installed("fla")  # the test extra brings it, so the fla rows above were resolved
 
 
 def test_blocks_resolve_once_per_device(packages):
@@ -137,3 +143,25 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert {r["status"] for r in report["parity"] if r["backend"] == "flex"} == {"ok"}
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
+
+
+def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):
+    """fla refuses its gated backward on Hopper with some Triton versions: auto then takes the
+    PyTorch op for the gated ops only (with a notice); a spec that insists on fla is told why."""
+    monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: True)
+    monkeypatch.setattr(dispatch, "choose", lambda *args: "fla")
+    dispatch._bug_notice.cache_clear()
+    ops = ("chunk_simple_gla", "chunk_retention")
+    with pytest.warns(UserWarning, match=r"retnet: chunk_simple_gla runs on the PyTorch implementation: .*fla #640"):
+        chosen = Kernels("retnet", "auto", ("fla",), ops)(torch.device("cpu"))
+    assert chosen["chunk_simple_gla"].__module__ == "archlab.ops.retention"
+    assert chosen["chunk_retention"].__module__.startswith("fla.")  # ungated: fla's kernel stays
+    with pytest.raises(BackendError, match="backend 'fla' cannot run chunk_gated_delta_rule here: .*upgrade Triton to >= 3.7.1"):
+        Kernels("gdn", "fla", ("fla",), ("chunk_gated_delta_rule",))(torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: False)
+    assert Kernels("gdn", "fla", ("fla",), ("chunk_gated_delta_rule",))(torch.device("cpu"))["chunk_gated_delta_rule"].__module__.startswith("fla.")
+
+
+def test_fla_is_asked_about_its_gated_backward():
+    dispatch.fla_refuses_gated_backward.cache_clear()
+    assert dispatch.fla_refuses_gated_backward() is False  # no Hopper GPU here

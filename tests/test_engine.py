@@ -133,3 +133,30 @@ def test_bad_sampling_arguments_are_named():
         Sampling(temperature=1.0, top_p=1.5)
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=-1)
+
+
+@pytest.mark.parametrize("name", ["yoco-u", "transformer", "yoco-u-mamba2", "parscale"])
+@torch.no_grad()
+def test_a_cache_filled_from_a_few_sequences_decodes_like_them(name):
+    """What the benchmark does at long context: prefill 2 prompts, copy their cache into a batch
+    of 6 and decode all. Every copy must continue exactly as its original does."""
+    spec, model = tiny_model(name)
+    engine = Engine(model.eval())
+    prompts = prompts_for(spec, (29, 29))
+    small = engine.new_cache(2, 40)
+    logits = engine.prefill(prompts, small)
+    big = engine.new_cache(6, 40)
+    big.fill_from(small)
+    tokens = logits.argmax(-1)
+    start = torch.full((2,), 29)
+    expected = engine.feed(tokens[:, None], start, small, full=True)
+    got = engine.feed(tokens.repeat(3)[:, None], start.repeat(3), big, full=True)
+    torch.testing.assert_close(got, expected.repeat(3, 1), rtol=1e-5, atol=1e-5)  # batch-size-dependent BLAS blocking
+    with pytest.raises(ValueError, match="do not tile"):
+        engine.new_cache(5, 40).fill_from(small)
+
+
+def test_cuda_graphs_need_a_cuda_model():
+    _, model = tiny_model("yoco-u")
+    with pytest.raises(ValueError, match="cuda_graph needs a model on a CUDA device; this one is on cpu"):
+        Engine(model, cuda_graph=True)

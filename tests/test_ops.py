@@ -14,7 +14,12 @@ from archlab.ops.retention import (
     fused_recurrent_simple_gla,
     retention_log_decay,
 )
-from archlab.ops.ssd import mamba_chunk_scan_combined, selective_state_update
+from archlab.ops.ssd import (
+    chunk_scan_from_gla,
+    mamba_chunk_scan_combined,
+    selective_state_update,
+    state_update_from_gla,
+)
 
 LENGTHS = [1, 7, 33, 64, 70]
 F64 = dict(atol=1e-10, rtol=1e-10)  # same maths, different association order, in float64
@@ -212,6 +217,30 @@ def test_ssd_matches_references(T, ngroups, init, d_shape):
     for out_ref, s_ref in (ssd_via_minimal(dt=dt, **ref), ssd_via_scan(dt=dt, **ref), ssd_via_steps(**i)):
         close(out, out_ref, F64)
         close(s, s_ref, F64)
+
+
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_ssd_through_simple_gla_equals_the_ssd_ops(ngroups, init):
+    """The mapping that lets fla's simple_gla kernels run Mamba2 (q=C, k=B, v=dt x, g=dt A),
+    checked with our simple_gla ops in float64: scan and decoding steps, states included."""
+    i = ssd_inputs(37, ngroups, init, (4,))
+    scan = chunk_scan_from_gla(chunk_simple_gla)
+    out, s = scan(**i, chunk_size=16, dt_softplus=True, return_final_states=True)
+    ref_out, ref_s = mamba_chunk_scan_combined(**i, chunk_size=16, dt_softplus=True, return_final_states=True)
+    close(out, ref_out, F64)
+    close(s, ref_s, F64)
+    close(scan(**i, chunk_size=16, dt_softplus=True), ref_out, F64)
+    step = state_update_from_gla(fused_recurrent_simple_gla)
+    state = i["initial_states"] if init else torch.zeros_like(ref_s)
+    args = dict(D=i["D"], dt_bias=i["dt_bias"], dt_softplus=True)
+    for t in range(3):
+        x, dt, B, C, z = (i[k][:, t] for k in ("x", "dt", "B", "C", "z"))
+        y, new = step(state, x, dt, i["A"], B, C, z=z, **args)
+        ref_y, ref_new = selective_state_update(state, x, dt, i["A"], B, C, z=z, **args)
+        close(y, ref_y, F64)
+        close(new, ref_new, F64)
+        state = new
 
 
 def test_ssd_plain_dt_limit_and_state_flag():

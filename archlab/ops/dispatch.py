@@ -16,6 +16,8 @@ import warnings
 from functools import cache
 from typing import Literal
 
+from archlab.ops.ssd import chunk_scan_from_gla, state_update_from_gla
+
 Backend = Literal["auto", "torch", "fla", "mamba_ssm", "flash_attn", "flex"]
 
 # backend -> (module to import, pip package)
@@ -63,18 +65,19 @@ def _notice(block: str, kernels: tuple[str, ...]) -> None:
     )
 
 
-def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: str) -> str:
-    """The backend a block runs on a device. ``kernels``: the block's kernel backends, in order
-    of preference for ``auto``."""
+def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: str, auto: tuple[str, ...] | None = None) -> str:
+    """The backend a block runs on a device. ``kernels``: the block's kernel backends; ``auto``:
+    those ``auto`` may take, in order of preference (default: all but flex, taken only when named)."""
     if requested == "torch":
         return "torch"
     if requested == "auto":
         if device_type != "cuda":
             return "torch"  # the kernels are CUDA-only; on the CPU the PyTorch ops are the implementation
-        for backend in kernels:
-            if backend != "flex" and installed(backend):
+        candidates = auto if auto is not None else tuple(k for k in kernels if k != "flex")
+        for backend in candidates:
+            if installed(backend):
                 return backend
-        _notice(block, kernels)
+        _notice(block, candidates)
         return "torch"
     if requested not in kernels:
         raise BackendError(f"{block}: backend {requested!r} has no kernel for this block; allowed: auto, torch, {', '.join(kernels)}")
@@ -90,12 +93,16 @@ def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: st
 
 
 def kernel(backend: str, op: str):
-    """The function of ``op`` in ``backend`` (adapted to archlab's functional state updates)."""
-    module, _, name = KERNELS[(backend, op)].partition(":")
-    function = getattr(importlib.import_module(module), name)
-    if backend == "mamba_ssm" and op == "selective_state_update":
-        return _functional_state_update(function)
-    return function
+    """The function of ``op`` in ``backend``, adapted to archlab's signature where it differs."""
+    if (backend, op) in ADAPTERS:
+        base, adapt = ADAPTERS[(backend, op)]
+        return adapt(_load(KERNELS[(backend, base)]))
+    return _load(KERNELS[(backend, op)])
+
+
+def _load(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _functional_state_update(in_place):
@@ -117,18 +124,62 @@ def _functional_state_update(in_place):
     return update
 
 
+# (backend, op) -> (the backend's op that does the work, adapter to archlab's signature). Mamba2's
+# SSD is simple GLA with a per-head decay, so fla's simple_gla kernels run it where mamba-ssm is absent.
+ADAPTERS = {
+    ("mamba_ssm", "selective_state_update"): ("selective_state_update", _functional_state_update),
+    ("fla", "mamba_chunk_scan_combined"): ("chunk_simple_gla", chunk_scan_from_gla),
+    ("fla", "selective_state_update"): ("fused_recurrent_simple_gla", state_update_from_gla),
+}
+
+
+# fla ops whose backward runs fla's gated chunk_bwd_dqkwg (a per-token decay g)
+FLA_GATED_BACKWARD = {"chunk_gated_delta_rule", "chunk_simple_gla", "mamba_chunk_scan_combined"}
+
+
+@cache
+def fla_refuses_gated_backward() -> bool:
+    """fla raises in the backward of its gated chunk kernels on Hopper GPUs with Triton >= 3.4.0
+    and < 3.7.1, whose results there are wrong (fla #640), unless tilelang takes over: asked with
+    fla's own flags, once, before a training step fails on it."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None
+
+
+def known_bug(backend: str, op: str) -> str | None:
+    """Why an installed kernel must not run here, or None."""
+    if backend == "fla" and op in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
+        return ("fla's gated chunk backward is wrong with Triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla #640);"
+                " upgrade Triton to >= 3.7.1 or install tilelang")
+    return None
+
+
+@cache
+def _bug_notice(block: str, op: str, reason: str) -> None:
+    warnings.warn(f"{block}: {op} runs on the PyTorch implementation: {reason}", stacklevel=3)
+
+
 class Kernels:
     """A block's core ops, chosen once per device type."""
 
-    def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...]):
-        self.block, self.requested, self.backends, self.ops = block, requested, backends, ops
+    def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None):
+        self.block, self.requested, self.backends, self.ops, self.auto = block, requested, backends, ops, auto
         self._chosen: dict[str, dict] = {}
 
     def backend(self, device_type: str) -> str:
-        return choose(self.block, self.requested, self.backends, device_type)
+        return choose(self.block, self.requested, self.backends, device_type, self.auto)
 
     def __call__(self, device) -> dict:
         if device.type not in self._chosen:
-            backend = self.backend(device.type)
-            self._chosen[device.type] = {op: kernel(backend, op) for op in self.ops}
+            self._chosen[device.type] = {op: self._resolve(self.backend(device.type), op) for op in self.ops}
         return self._chosen[device.type]
+
+    def _resolve(self, backend: str, op: str):
+        reason = None if backend == "torch" else known_bug(backend, op)
+        if reason is None:
+            return kernel(backend, op)
+        if self.requested == backend:
+            raise BackendError(f"{self.block}: backend {backend!r} cannot run {op} here: {reason}")
+        _bug_notice(self.block, op, reason)
+        return kernel("torch", op)

@@ -160,3 +160,16 @@ def test_cuda_graphs_need_a_cuda_model():
     _, model = tiny_model("yoco-u")
     with pytest.raises(ValueError, match="cuda_graph needs a model on a CUDA device; this one is on cpu"):
         Engine(model, cuda_graph=True)
+
+
+@pytest.mark.parametrize("name, kinds", [("transformer", set()), ("yoco", {"k", "v"}), ("yoco-u-mamba2", {"conv", "ssm"}),
+                                         ("yoco-u-gdn", {"q_conv", "k_conv", "v_conv", "S"})])
+def test_the_states_a_graph_capture_restores(name, kinds):
+    """Capturing a decoding step runs it more than once: the states it restores afterwards are the
+    ones a repeat would change (windows, recurrent and conv states), never a growing K,V."""
+    _, model = tiny_model(name)
+    cache = Engine(model).new_cache(2, 40)
+    local = cache.local_tensors()
+    assert {n for s in cache.layers.values() for n, t in s.items() if any(t is u for u in local)} == kinds
+    growing = [*cache.global_kv.values(), *(s for key, s in cache.layers.items() if cache._grows[key])]
+    assert not any(t is u for s in growing for t in s.values() for u in local)

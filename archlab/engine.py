@@ -178,13 +178,10 @@ class Engine:
             done_before = finished.clone()
             finished |= torch.isin(tokens, stops)
             yield tokens, logits, done_before
-            last = finished.all() or i == max_new_tokens - 1
-            if last:  # the last token only needs writing into the cache
+            if finished.all() or i == max_new_tokens - 1:  # the last token only needs writing into the cache
                 self.feed(tokens[:, None], lengths + i, cache, full=False)
-            else:
-                logits = self.decode(tokens[:, None], lengths + i, cache)
-            if last:
                 return
+            logits = self.decode(tokens[:, None], lengths + i, cache)
 
     def generate(
         self,

@@ -172,7 +172,8 @@ class Kernels:
 
     def __call__(self, device) -> dict:
         if device.type not in self._chosen:
-            self._chosen[device.type] = {op: self._resolve(self.backend(device.type), op) for op in self.ops}
+            backend = self.backend(device.type)
+            self._chosen[device.type] = {op: self._resolve(backend, op) for op in self.ops}
         return self._chosen[device.type]
 
     def _resolve(self, backend: str, op: str):

@@ -78,24 +78,29 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return out.to(x.dtype), state
 
 
+def _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
+    """SSD inputs [b, l, h, ...] as simple GLA's: q = C, k = B (groups expanded to heads),
+    v = dt x, g = dt A (log decay per head and token), with the kernels' dt processing."""
+    h = x.shape[2]
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)
+    q, k = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (C, B))
+    return q, k, (x.to(dtype) * dt[..., None]).to(x.dtype), dt * A.to(dtype)
+
+
 def chunk_scan_from_gla(chunk_simple_gla):
     """``mamba_chunk_scan_combined`` computed by a ``chunk_simple_gla`` (fla's kernel or ours).
 
-    SSD is simple GLA with one decay per head and token: q = C, k = B, v = dt x, g = dt A, scale 1,
-    the state stored transposed ([K=n, V=p] against mamba's [p, n]); the D skip and z gate follow.
+    SSD is simple GLA with one decay per head and token (``_as_gla``), scale 1, the state stored
+    transposed ([K=n, V=p] against mamba's [p, n]); the D skip and z gate follow.
     """
 
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
-        h = x.shape[2]
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)
-        q, k = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (C, B))
-        v = (x.to(dtype) * dt[..., None]).to(x.dtype)
+        q, k, v, g = _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
         initial = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
-        y, final = chunk_simple_gla(q, k, v, g=dt * A.to(dtype), scale=1.0, initial_state=initial,
-                                    output_final_state=return_final_states)
-        out = _skip_and_gate(y.to(dtype), x.to(dtype), D, z).to(x.dtype)
+        y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial, output_final_state=return_final_states)
+        out = _skip_and_gate(y.to(g.dtype), x.to(g.dtype), D, z).to(x.dtype)
         return (out, final.transpose(-1, -2)) if return_final_states else out
 
     return scan
@@ -106,14 +111,11 @@ def state_update_from_gla(fused_recurrent_simple_gla):
     ``fused_recurrent_simple_gla``, with the same mapping as ``chunk_scan_from_gla``."""
 
     def update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
-        h = x.shape[1]
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        dt = _dt(dt.to(dtype), dt_bias, dt_softplus)
-        q, k = (t.repeat_interleave(h // t.shape[1], dim=1)[:, None] for t in (C, B))
-        v = (x.to(dtype) * dt[..., None]).to(x.dtype)[:, None]
-        y, final = fused_recurrent_simple_gla(q, k, v, g=(dt * A.to(dtype))[:, None], scale=1.0,
-                                              initial_state=state.transpose(-1, -2).contiguous(), output_final_state=True)
-        out = _skip_and_gate(y[:, 0].to(dtype), x.to(dtype), D, z).to(x.dtype)
+        unbounded = (-float("inf"), float("inf"))  # the step does not clamp dt
+        q, k, v, g = _as_gla(x[:, None], dt[:, None], A, B[:, None], C[:, None], dt_bias, dt_softplus, unbounded)
+        y, final = fused_recurrent_simple_gla(q, k, v, g=g, scale=1.0, initial_state=state.transpose(-1, -2).contiguous(),
+                                              output_final_state=True)
+        out = _skip_and_gate(y[:, 0].to(g.dtype), x.to(g.dtype), D, z).to(x.dtype)
         return out, final.transpose(-1, -2)
 
     return update

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-import warnings
 import socket
 import time
+import warnings
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from archlab.study.definition import Study
 from archlab.train.data import prepare
 from archlab.train.trainer import Trainer
+
 
 def heartbeat_interval(grace_period: int) -> int:
     """Beat often enough that a live trial is never taken for dead."""

@@ -175,7 +175,9 @@ class Trainer:
             with self.autocast:
                 logits, targets = scored(forward(batch.inputs.to(self.device)), batch)
             loss = F.cross_entropy(logits, targets, reduction="sum")
-            totals += torch.stack([loss, (logits.argmax(-1) == targets).sum(), torch.tensor(len(targets), device=self.device)]).float()
+            totals[0] += loss
+            totals[1] += (logits.argmax(-1) == targets).sum()
+            totals[2] += len(targets)
         totals = self.world.mean(totals)
         self.model.train()
         loss = (totals[0] / totals[2]).item()

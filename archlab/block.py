@@ -11,11 +11,14 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
+
+if TYPE_CHECKING:
+    from archlab.kv import KVRows, PagedKV
 
 
 class Strict(BaseModel):
@@ -46,7 +49,7 @@ class MixerInput:
 
     positions: torch.Tensor  # [B or 1, N] absolute positions of the tokens in x
     state: dict[str, torch.Tensor] | None = None
-    global_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # K, V [B, M, Hkv, Dh], their positions [B or 1, M]
+    global_kv: KVRows | PagedKV | None = None  # the cross-decoder's K,V
     kv_memo: dict | None = None  # set when loop iterations share this layer's K,V (first one writes it)
     causal: bool = False  # x is a whole sequence from position 0 and keys are its own: a plain causal mask
 

@@ -1,20 +1,24 @@
 """Inference state laid out like the plan, not as a generic list of K,V.
 
 - the global K,V: one per projection step (one in YOCO, whatever T is; one per iteration in a
-  cross-decoder loop that does not share it), a row per position;
+  cross-decoder loop that does not share it), a row per position or pages of one pool
+  (``archlab.kv``);
 - a state per (segment, iteration, layer), made by the layer's mixer (K,V rows, a window ring,
   recurrent and conv states); layers whose K,V a loop shares keep one for all iterations, and
   stateless mixers (cross-attention) none.
 
-Every tensor is batch-first, so a subset of sequences can be taken out, prefilled and put back.
+Every other tensor is batch-first, so a subset of sequences can be taken out, prefilled and put
+back (a paged global K,V stays where it is: the subset gets a view of its page table).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 
+from archlab.kv import PageTable
 from archlab.plan import Step
 
 State = dict[str, torch.Tensor]
@@ -33,18 +37,31 @@ class CacheBytes:
 
 
 class Cache:
-    def __init__(self, model, sequences: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """``page_size``: keep the global K,V in a pool of ``pages`` pages of that many positions
+    (by default enough for every sequence to reach ``capacity``) instead of a row per position.
+    Models without a global K,V keep rows whatever it says."""
+
+    def __init__(self, model, sequences: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 page_size: int | None = None, pages: int | None = None):
         self.sequences, self.capacity, self.streams = sequences, capacity, model.streams
         rows = sequences * model.streams
+        self.pages = None
+        if page_size is not None and model.global_kv is not None:
+            pages = rows * -(-capacity // page_size) if pages is None else pages
+            self.pages = PageTable(rows, pages, page_size, capacity, device)
         with torch.device(device):
-            self.global_kv: dict[Step, State] = {
-                step: model.global_kv.new_state(rows, capacity, dtype) for step in model.plan.steps if step.project
-            }
+            def new_global() -> State:
+                if self.pages is None:
+                    return model.global_kv.new_state(rows, capacity, dtype)
+                return model.global_kv.new_pool(pages, page_size, dtype)
+
+            self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
             states = {key: model.layers[key[2]].mixer.new_state(rows, capacity, dtype) for key in model.plan.state_keys()}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
 
     def bytes_per_sequence(self) -> CacheBytes:
+        """What the cache holds, per sequence (a paged cache: its whole pool)."""
         def size(state: State) -> int:
             return sum(t.numel() * t.element_size() for t in state.values())
 
@@ -59,24 +76,46 @@ class Cache:
         the same rows."""
         return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
 
+    def reserve(self, ends: torch.Tensor, span: int) -> None:
+        """Make room for positions below ends [rows], at most ``span`` past the last call's
+        (the engine asks before every step that writes)."""
+        if self.pages is not None:
+            self.pages.reserve(ends, span)
+
+    def check(self) -> None:
+        """Raise ``CacheFull`` if a paged cache ran out of pages (a sync with the device)."""
+        if self.pages is not None:
+            self.pages.check()
+
     def _states(self) -> list[State]:
         return [*self.global_kv.values(), *self.layers.values()]
 
     def take(self, sequences: torch.Tensor) -> Cache:
-        """A cache holding copies of the given sequences' rows."""
+        """A cache holding copies of the given sequences' rows; a paged global K,V is shared,
+        with a view of the page table for those rows."""
         rows = self._rows(sequences)
-        sub = object.__new__(Cache)
-        sub.sequences, sub.capacity, sub.streams, sub._grows = len(sequences), self.capacity, self.streams, self._grows
-        sub.global_kv = {k: {n: t[rows] for n, t in s.items()} for k, s in self.global_kv.items()}
+        sub = copy.copy(self)
+        sub.sequences = len(sequences)
+        if self.pages is None:
+            sub.global_kv = {k: {n: t[rows] for n, t in s.items()} for k, s in self.global_kv.items()}
+        else:
+            sub.pages = self.pages.select(rows)
         sub.layers = {k: {n: t[rows] for n, t in s.items()} for k, s in self.layers.items()}
         return sub
 
     def put(self, sequences: torch.Tensor, sub: Cache) -> None:
-        """Write back rows taken with ``take``."""
+        """Write back rows taken with ``take``, or copy another cache's sequences in."""
         rows = self._rows(sequences)
-        for mine, theirs in zip(self._states(), sub._states()):
-            for name, tensor in mine.items():
-                tensor[rows] = theirs[name]
+        if (self.pages is None) != (sub.pages is None):
+            raise ValueError("cannot copy sequences between a paged and a contiguous cache")
+        mine, theirs = self._states(), sub._states()
+        if self.pages is not None:
+            pools = [(ours[n], pool[n]) for ours, pool in zip(self.global_kv.values(), sub.global_kv.values()) for n in ours]
+            self.pages.select(rows).copy_from(sub.pages, pools)
+            mine, theirs = list(self.layers.values()), list(sub.layers.values())
+        for state, other in zip(mine, theirs):
+            for name, tensor in state.items():
+                tensor[rows] = other[name]
 
     def fill_from(self, sub: Cache) -> None:
         """Copy ``sub``'s sequences into every consecutive group of as many of ours."""

@@ -32,6 +32,7 @@ out = Console()
 err = Console(stderr=True)
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, or folders searched for *.yaml")]
+PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V in pages of this many positions (YOCO layouts; 256 in the paper's serving stack)")]
 CPU_CHECK_LIMIT = 20_000_000  # parameters; larger specs are built on the meta device only
 
 
@@ -182,6 +183,7 @@ def generate(
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
+    page_size: PageSize = None,
 ) -> None:
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
@@ -211,12 +213,12 @@ def generate(
         if len(ids) != 1:
             raise typer.BadParameter(f"--stop {text!r} is {len(ids)} tokens; give text that is one token")
         stop_tokens += ids
-    engine = Engine(model.eval(), prefill_chunk)
+    engine = Engine(model.eval(), prefill_chunk, page_size=page_size)
     sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
     ids = torch.tensor(codec.encode(prompt) or [0])
     sys.stdout.write(prompt)
     start, new = time.perf_counter(), []
-    cache = engine.new_cache(1, len(ids) + max_new_tokens)
+    cache = engine.cache_for([len(ids)], max_new_tokens)
     shown = ""
     for tokens, _, done in engine.stream([ids], max_new_tokens, sampling, cache):
         if done[0]:
@@ -247,6 +249,7 @@ def bench(
     dtype: Annotated[str, typer.Option(help="auto: the spec's inference_dtype")] = "auto",
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     cuda_graph: Annotated[bool, typer.Option(help="replay each decoding step from a captured CUDA graph")] = False,
+    page_size: PageSize = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
@@ -275,7 +278,8 @@ def bench(
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
-                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph))
+                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                                    page_size=page_size))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:

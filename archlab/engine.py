@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archlab.cache import Cache
+from archlab.kv import pages_for
 from archlab.model import Model
 
 
@@ -98,11 +99,15 @@ class CapturedDecode:
 
 
 class Engine:
-    def __init__(self, model: Model, prefill_chunk: int = 2048, cuda_graph: bool = False):
-        """``cuda_graph``: replay decoding steps from a captured CUDA graph (CUDA models only)."""
+    def __init__(self, model: Model, prefill_chunk: int = 2048, cuda_graph: bool = False, page_size: int | None = None):
+        """``cuda_graph``: replay decoding steps from a captured CUDA graph (CUDA models only).
+        ``page_size``: keep the global K,V in pages of that many positions, handed out as the
+        sequences grow (YOCO layouts; the paper's serving stack uses 256)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        self.model, self.prefill_chunk = model, prefill_chunk
+        if page_size is not None and page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.model, self.prefill_chunk, self.page_size = model, prefill_chunk, page_size
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         if cuda_graph and self.device.type != "cuda":
@@ -110,8 +115,16 @@ class Engine:
         self.cuda_graph = cuda_graph
         self._captured: CapturedDecode | None = None
 
-    def new_cache(self, sequences: int, capacity: int) -> Cache:
-        return Cache(self.model, sequences, capacity, self.dtype, self.device)
+    def new_cache(self, sequences: int, capacity: int, pages: int | None = None) -> Cache:
+        """A cache for ``sequences`` of up to ``capacity`` positions; paged, it holds ``pages``
+        pages (by default enough for each sequence to reach the capacity)."""
+        return Cache(self.model, sequences, capacity, self.dtype, self.device, self.page_size, pages)
+
+    def cache_for(self, lengths: Sequence[int], max_new_tokens: int) -> Cache:
+        """A cache for prompts of these lengths and their new tokens; paged, only the pages they need."""
+        ends = [n + max_new_tokens for n in lengths]
+        pages = self.model.streams * pages_for(ends, self.page_size) if self.page_size else None
+        return self.new_cache(len(lengths), max(ends), pages)
 
     def _positions(self, start: torch.Tensor, n: int) -> torch.Tensor:
         return self.model.streams_of(start[:, None] + torch.arange(n, device=self.device))
@@ -121,7 +134,9 @@ class Engine:
         model (``full``; returns the last position's logits [B, V]) or only the prefill steps."""
         x = self.model.embed_streams(tokens)
         steps = self.model.plan.steps if full else self.model.plan.prefill_steps
-        x = self.model.run(x, self._positions(start, tokens.shape[1]), steps, cache)
+        positions = self._positions(start, tokens.shape[1])
+        cache.reserve(positions[:, -1] + 1, tokens.shape[1])
+        x = self.model.run(x, positions, steps, cache)
         return self.model.logits(x[:, -1:])[:, -1] if full else None
 
     def decode(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache) -> torch.Tensor:
@@ -152,7 +167,9 @@ class Engine:
             if sub is not cache:
                 cache.put(group, sub)
         last = torch.stack([p[-1] for p in prompts]).to(self.device)[:, None]
-        return self.feed(last, lengths - 1, cache, full=True)
+        logits = self.feed(last, lengths - 1, cache, full=True)
+        cache.check()
+        return logits
 
     @torch.no_grad()
     def stream(
@@ -167,8 +184,8 @@ class Engine:
         end the last tokens are written into the cache too, so it holds every token."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        cache = cache or self.cache_for([len(p) for p in prompts], max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        cache = cache or self.new_cache(len(prompts), int(lengths.max()) + max_new_tokens)
         generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
         stops = torch.tensor(sampling.stop_tokens, dtype=torch.long, device=self.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
@@ -182,6 +199,7 @@ class Engine:
                 self.feed(tokens[:, None], lengths + i, cache, full=False)
                 return
             logits = self.decode(tokens[:, None], lengths + i, cache)
+            cache.check()
 
     def generate(
         self,
@@ -191,8 +209,7 @@ class Engine:
         keep_logits: bool = False,
     ) -> Generation:
         prompts = list(prompts)
-        lengths = [len(p) for p in prompts]
-        cache = self.new_cache(len(prompts), max(lengths) + max_new_tokens)
+        cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []
         for tokens, logits, done in self.stream(prompts, max_new_tokens, sampling, cache):
@@ -215,8 +232,9 @@ def generate(
     seed: int | None = None,
     stop_tokens: Sequence[int] = (),
     prefill_chunk: int = 2048,
+    page_size: int | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` for each prompt (rows of a 2-D tensor, or 1-D tensors of
     different lengths). Greedy unless a temperature is given."""
     sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
-    return Engine(model, prefill_chunk).generate(input_ids, max_new_tokens, sampling)
+    return Engine(model, prefill_chunk, page_size=page_size).generate(input_ids, max_new_tokens, sampling)

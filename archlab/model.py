@@ -13,6 +13,7 @@ from torch import nn
 from archlab.block import MixerInput
 from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
+from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
@@ -53,18 +54,32 @@ class GlobalKV(nn.Module):
         self.rotary = Rotary(self.head_dim, position.theta) if isinstance(position, RoPE) else None
 
     def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> State:
+        """A row per position for each sequence."""
         shape = (batch, capacity, self.heads, self.head_dim)
         return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: State | None = None):
-        """(K, V, key positions) for the cross-decoder; with a state, the new rows are appended
-        and the whole cache is returned."""
+    def new_pool(self, pages: int, page_size: int, dtype: torch.dtype) -> State:
+        """A pool of pages (one more: the spare), heads before positions so a page's keys of
+        one head are one matrix."""
+        shape = (pages + 1, self.heads, page_size, self.head_dim)
+        return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: State | None = None,
+                pages: PageTable | None = None) -> KVRows | PagedKV:
+        """The K,V the cross-decoder reads; with a state (a pool when ``pages`` is given), the new
+        positions are written into it and the whole cache is returned."""
         batch, n, _ = x.shape
         h = self.norm(x)
         k = self.k_proj(h).view(batch, n, self.heads, self.head_dim)
         v = self.v_proj(h).view(batch, n, self.heads, self.head_dim)
         k = k if self.rotary is None else self.rotary(k, positions)
-        return (k, v, positions) if state is None else append_kv(state, positions, k, v)
+        if state is None:
+            return KVRows(k, v, positions)
+        if pages is None:
+            return KVRows(*append_kv(state, positions, k, v))
+        pages.write(state["k"], positions, k)
+        pages.write(state["v"], positions, v)
+        return PagedKV(state["k"], state["v"], pages)
 
 
 class Model(nn.Module):
@@ -134,7 +149,8 @@ class Model(nn.Module):
         for step in steps:
             seg = self.plan.segments[step.segment]
             if step.project:
-                loop_kv = self.global_kv(x, positions, cache.global_kv[step] if cache else None)
+                state, pages = (cache.global_kv[step], cache.pages) if cache else (None, None)
+                loop_kv = self.global_kv(x, positions, state, pages)
                 if main_kv is None:  # the first projection is the one global K,V
                     main_kv = loop_kv
                 continue

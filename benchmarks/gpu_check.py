@@ -7,10 +7,12 @@
    training forward and input gradients, 16 decoding steps through the recurrent state, and the
    time of a forward and backward pass on each.
 2. Decode graphs: for each paper spec, decoding steps replayed from a captured CUDA graph give the
-   eager steps' logits.
+   eager steps' logits; ``paged``: the same for the YOCO specs, the graph reading a paged global
+   K,V (pages of 256, one handed out during the replays) against eager steps over rows.
 3. Inference (paper specs transformer, yoco, yoco-u, rins; batch 32, 128 new tokens): prefill and
    decode tokens/s and cache MB per sequence, length by length until memory or the time budget
    runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
+   ``inference-paged``: yoco-u again with its global K,V in pages of 256.
 4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
@@ -141,19 +143,21 @@ def load(name: str, device: torch.device) -> archlab.Model:
 
 
 @torch.no_grad()
-def graph_parity(device: torch.device, specs: list[str], context: int = 4096, steps: int = 8) -> list[dict]:
-    """Greedy decoding, eager against CUDA-graph replay, from the same prefilled cache."""
+def graph_parity(device: torch.device, specs: list[str], context: int = 4093, steps: int = 8,
+                 page_size: int | None = None) -> list[dict]:
+    """Greedy decoding, eager over rows against CUDA-graph replay (over pages, with
+    ``page_size``), from the same prompts. The steps cross position 4096."""
     rows = []
     for name in specs:
         model = load(name, device)
-        row = {"spec": model.spec.name, "context": context, "steps": steps}
+        row = {"spec": model.spec.name, "context": context, "steps": steps, "page_size": page_size}
         try:
-            eager, graphed = Engine(model), Engine(model, cuda_graph=True)
+            eager, graphed = Engine(model), Engine(model, cuda_graph=True, page_size=page_size)
             prompt = [torch.randint(0, model.spec.vocab_size, (context,), device=device) for _ in range(2)]
             first = eager.new_cache(2, context + steps)
             logits = eager.prefill(prompt, first)
-            second = eager.new_cache(2, context + steps)
-            second.fill_from(first)
+            second = graphed.new_cache(2, context + steps)
+            graphed.prefill(prompt, second)
             worst, same = 0.0, True
             tokens = logits.argmax(-1)
             for i in range(steps):
@@ -162,6 +166,7 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4096, st
                 worst = max(worst, relative_error(b, a))
                 same &= bool((a.argmax(-1) == b.argmax(-1)).all())
                 tokens = a.argmax(-1)
+            second.check()
             row.update(logits_rel_err=worst, same_tokens=same, status="ok" if worst < 1e-2 and same else "MISMATCH")
         except Exception as exc:
             row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
@@ -173,7 +178,8 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4096, st
 
 
 def inference(device: torch.device, specs: list[str], lengths: list[int], batch: int, gen: int, budget_s: float,
-              deadline: float, prefill_tokens: int, cuda_graph: bool, prefill_chunk: int) -> list[dict]:
+              deadline: float, prefill_tokens: int, cuda_graph: bool, prefill_chunk: int,
+              page_size: int | None = None) -> list[dict]:
     rows = []
     for name in specs:
         model = load(name, device)
@@ -187,7 +193,8 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
                 prefill_rows //= 2
             began = time.perf_counter()
             try:
-                row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph).as_dict()
+                row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows,
+                            cuda_graph=cuda_graph, page_size=page_size).as_dict()
             except torch.OutOfMemoryError:
                 rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, "status": "out of memory"})
                 torch.cuda.empty_cache()
@@ -241,16 +248,19 @@ def report(results: dict) -> str:
         lines += [f"| {r['block']} | {r['backend']} | {cell(r, 'forward_rel_err', '.1e')} | {cell(r, 'grad_rel_err', '.1e')} | "
                   f"{cell(r, 'decode_rel_err', '.1e')} | {cell(r, 'torch_ms', '.1f')} | {cell(r, 'kernel_ms', '.1f')} | {r['status']} |"
                   for r in results["parity"]]
-    if "graphs" in results:
-        lines += ["", "## Decoding from a captured CUDA graph against eager decoding", "",
-                  "| spec | context | steps | logits rel err | same tokens | status |", "|---|---|---|---|---|---|"]
-        lines += [f"| {r['spec']} | {r['context']} | {r['steps']} | {r.get('logits_rel_err', float('nan')):.1e} | {r.get('same_tokens', '-')} | {r['status']} |"
-                  for r in results["graphs"]]
-    for key, title in (("inference", "Inference"), ("inference_eager", "Inference, eager decoding (no CUDA graph)")):
+    graphed = [r for key in ("graphs", "paged") for r in results.get(key, [])]
+    if graphed:
+        lines += ["", "## Decoding from a captured CUDA graph against eager decoding over rows", "",
+                  "| spec | graph's global K,V | context | steps | logits rel err | same tokens | status |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['spec']} | {'rows' if r.get('page_size') is None else 'pages of ' + str(r['page_size'])} | {r['context']} | "
+                  f"{r['steps']} | {r.get('logits_rel_err', float('nan')):.1e} | {r.get('same_tokens', '-')} | {r['status']} |"
+                  for r in graphed]
+    for key, title in (("inference", "Inference"), ("inference_eager", "Inference, eager decoding (no CUDA graph)"),
+                       ("inference_paged", "Inference, the global K,V in pages")):
         if key in results:
-            lines += ["", f"## {title}", "", "| spec | seq_len | batch | prefill rows | prefill tok/s | decode tok/s | KV MB / seq | peak GB | status |",
-                      "|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('batch', '')} | {r.get('prefill_rows', '')} | {r.get('prefill_tok_s', 0):,.0f} | "
+            lines += ["", f"## {title}", "", "| spec | seq_len | batch | prefill rows | page size | prefill tok/s | decode tok/s | KV MB / seq | peak GB | status |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('batch', '')} | {r.get('prefill_rows', '')} | {r.get('page_size') or '-'} | {r.get('prefill_tok_s', 0):,.0f} | "
                       f"{r.get('decode_tok_s', 0):,.0f} | {r.get('kv_total_mb', 0):,.1f} | {r.get('peak_mb', 0) / 1024:,.1f} | {r['status']} |"
                       for r in results[key]]
     trained = [results[k] for k in TRAINING if k in results]
@@ -271,7 +281,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
-    parser.add_argument("--sections", default="parity,graphs,training,training-flex,inference,eager,training-compiled")
+    parser.add_argument("--sections", default="parity,graphs,paged,training,training-flex,inference,inference-paged,eager,training-compiled")
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
@@ -293,8 +303,11 @@ def main() -> None:
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  set(filter(None, args.blocks.split(",")))),
         "graphs": lambda: graph_parity(device, names),
+        "paged": lambda: graph_parity(device, [n for n in names if "yoco" in Path(n).stem], page_size=256),
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
                                        512 if smoke else 65536, not smoke, chunk),
+        "inference-paged": lambda: inference(device, [yoco_u], lengths, batch, gen, args.budget_s, began + args.deadline_s + 120,
+                                             512 if smoke else 65536, not smoke, chunk, page_size=16 if smoke else 256),
         "eager": lambda: inference(device, names, lengths[:1], batch, gen, args.budget_s, began + args.deadline_s + 60,
                                    512 if smoke else 65536, False, chunk),
         "training": lambda: training(device, yoco_u, *train),
@@ -310,11 +323,11 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.sections.split(","):
-        if smoke and name in ("graphs", "training-flex", "training-compiled"):
+        if smoke and name in ("graphs", "paged", "training-flex", "training-compiled"):
             continue  # CUDA graphs need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
         console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
         try:
-            results["inference_eager" if name == "eager" else name] = sections[name]()
+            results[{"eager": "inference_eager", "inference-paged": "inference_paged"}.get(name, name)] = sections[name]()
         except Exception:
             results["errors"][name] = traceback.format_exc()
             console.print(results["errors"][name])

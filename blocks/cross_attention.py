@@ -11,7 +11,7 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
 from archlab.ops.dispatch import choose
-from blocks.attention import ATTENTION_KERNELS, attend, attention_pairs, band_mask, causal_attention
+from blocks.attention import ATTENTION_KERNELS, attention_pairs, causal_attention
 
 
 class CrossAttentionSpec(BlockSpec):
@@ -66,10 +66,10 @@ class CrossAttention(nn.Module):
         q = self.q_proj(x).view(batch, n, self.heads, self.head_dim)
         if self.rotary is not None:
             q = self.rotary(q, inp.positions)
-        k, v, k_pos = inp.global_kv
         if inp.causal:
+            k, v, _ = inp.global_kv
             backend = choose("cross_attention", self.backend, ATTENTION_KERNELS, x.device.type)
             out = causal_attention(q, k, v, inp.positions, None, backend)
         else:
-            out = attend(q, k, v, band_mask(inp.positions, k_pos, None))
+            out = inp.global_kv.attend(q, inp.positions)
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

@@ -173,11 +173,17 @@ def test_bench_json_and_plot(tmp_path):
 
 
 def test_bench_prefills_a_few_rows_for_a_large_batch():
-    result = archlab("bench", "specs/tiny/yoco-u.yaml", "--seq-len", "300", "--batch", "4", "--prefill-rows", "2",
-                     "--gen", "3", "--format", "json")
-    assert result.returncode == 0, result.stderr
-    (row,) = json.loads(result.stdout)
-    assert (row["batch"], row["prefill_rows"]) == (4, 2) and row["decode_tok_s"] > 0
+    rows = {}
+    for paging in ([], ["--page-size", "64"]):
+        result = archlab("bench", "specs/tiny/yoco-u.yaml", "--seq-len", "300", "--batch", "4", "--prefill-rows", "2",
+                         "--gen", "3", "--format", "json", *paging)
+        assert result.returncode == 0, result.stderr
+        (row,) = json.loads(result.stdout)
+        assert (row["batch"], row["prefill_rows"]) == (4, 2) and row["decode_tok_s"] > 0
+        rows[row["page_size"]] = row
+    # 304 positions a sequence: 5 pages of 64 each, and the pool's one spare page
+    assert rows[64]["kv_global_mb"] == (4 * 5 + 1) * 64 * 2 * 2 * 16 * 4 / 4 / 2**20
+    assert rows[None]["kv_global_mb"] == 304 * 2 * 2 * 16 * 4 / 2**20
     for bad, message in ((["--prefill-rows", "3"], "must divide --batch 4"), (["--cuda-graph"], "--cuda-graph needs --device cuda")):
         result = archlab("bench", "specs/tiny/yoco-u.yaml", "--batch", "4", *bad)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr

@@ -135,13 +135,14 @@ def test_bad_sampling_arguments_are_named():
         Sampling(temperature=-1)
 
 
-@pytest.mark.parametrize("name", ["yoco-u", "transformer", "yoco-u-mamba2", "parscale"])
+@pytest.mark.parametrize("name, page_size", [("yoco-u", None), ("yoco-u", 8), ("transformer", None),
+                                             ("yoco-u-mamba2", None), ("parscale", None)])
 @torch.no_grad()
-def test_a_cache_filled_from_a_few_sequences_decodes_like_them(name):
+def test_a_cache_filled_from_a_few_sequences_decodes_like_them(name, page_size):
     """What the benchmark does at long context: prefill 2 prompts, copy their cache into a batch
     of 6 and decode all. Every copy must continue exactly as its original does."""
     spec, model = tiny_model(name)
-    engine = Engine(model.eval())
+    engine = Engine(model.eval(), page_size=page_size)
     prompts = prompts_for(spec, (29, 29))
     small = engine.new_cache(2, 40)
     logits = engine.prefill(prompts, small)

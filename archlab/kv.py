@@ -1,0 +1,174 @@
+"""The global K,V as the cross-decoder reads it: rows per position, or pages from a pool.
+
+A contiguous cache gives every sequence a row per position up to the batch's capacity, so a
+ragged batch holds its longest sequence's length for every row. A paged cache keeps the global
+K,V in one pool of pages of ``page_size`` positions (256 in the paper's serving stack), handed
+out as each sequence reaches them: the batch holds what its sequences use, rounded up to a page.
+
+Pages are handed out on the device with static shapes, so a decoding step that crosses a page
+boundary still replays from one CUDA graph. They are handed out in order and not returned while
+the cache lives. A spare page past the pool's end takes the writes of a row the pool had no page
+left for; it is never read, and ``PageTable.check`` then reports the shortage.
+
+Decoding reads the pool where it lies: every page scores its sequence's query and keeps its
+maximum, sum and weighted values, and each sequence combines its pages' partial results
+(flash-decoding's split of the keys, one split per page). Longer query blocks gather their
+sequence's pages into rows first.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from blocks.attention import attend, band_mask
+
+
+class KVRows(NamedTuple):
+    """K, V [B, M, Hkv, Dh] with a row per position, and the positions [B or 1, M]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, N, H, Dh] at q_pos [B, N] over the keys at or before each query."""
+        return attend(q, self.k, self.v, band_mask(q_pos, self.positions, None))
+
+
+class CacheFull(RuntimeError):
+    """A paged cache ran out of pages."""
+
+
+def pages_for(lengths: list[int], page_size: int) -> int:
+    """Pages that sequences of these lengths hold."""
+    return sum(-(-n // page_size) for n in lengths)
+
+
+class PageTable:
+    """Which pool page holds each page of positions of each row; shared by every paged state
+    of a cache (they all grow together). ``select`` makes a view of some rows."""
+
+    def __init__(self, rows: int, pages: int, page_size: int, capacity: int, device: torch.device | str = "cpu"):
+        self.page_size, self.pages, self.spare, self.capacity = page_size, pages, pages, capacity
+        width = -(-capacity // page_size)
+        with torch.device(device):
+            self.rows = torch.arange(rows)  # the rows of the table this view covers
+            self.table = torch.full((rows, width + 1), self.spare)  # [row, page of positions]; last column: a dump
+            self.held = torch.zeros(rows, dtype=torch.long)  # pages each row holds
+            self.owner = torch.full((pages + 1,), -1)  # pool page -> row (-1: free, or the spare page)
+            self.first = torch.zeros(pages + 1, dtype=torch.long)  # pool page -> its first position
+            self.handed = torch.zeros((), dtype=torch.long)  # pages handed out (asked for, past the pool too)
+            self.overrun = torch.zeros((), dtype=torch.bool)  # a position past the capacity was asked for
+
+    @property
+    def width(self) -> int:
+        return self.table.shape[1] - 1
+
+    def select(self, rows: torch.Tensor) -> PageTable:
+        """A view of some of this view's rows, sharing the table and the pool's bookkeeping."""
+        view = copy.copy(self)
+        view.rows = self.rows[rows]
+        return view
+
+    def reserve(self, ends: torch.Tensor, span: int) -> None:
+        """Hand out pages so that each row holds positions [0, ends[r]). A call adds at most
+        ``span`` positions per row, which bounds the pages it may hand out (static shapes)."""
+        self.overrun |= (ends > self.capacity).any()
+        need = ((ends + self.page_size - 1) // self.page_size).clamp(max=self.width)
+        held = self.held[self.rows]
+        col = held[:, None] + torch.arange(min(-(-span // self.page_size) + 1, self.width), device=ends.device)
+        new = col < need[:, None]
+        page = self.handed + new.flatten().cumsum(0).view_as(new) - 1
+        fits = new & (page < self.pages)
+        page = torch.where(fits, page, self.spare)
+        col = col.clamp(max=self.width)  # columns past the table go to the dump column, unchanged
+        table = self.table[self.rows]
+        self.table[self.rows] = table.scatter(1, col, torch.where(new, page, table.gather(1, col)))
+        self.owner.scatter_(0, page.flatten(), torch.where(fits, self.rows[:, None], -1).flatten())
+        self.first.scatter_(0, page.flatten(), torch.where(fits, col * self.page_size, 0).flatten())
+        self.held[self.rows] = torch.maximum(held, need)
+        self.handed += new.sum()
+
+    def check(self) -> None:
+        """Raise ``CacheFull`` if a row asked for more than the pool or the capacity holds."""
+        if self.overrun:
+            raise CacheFull(f"a sequence went past the cache's capacity of {self.capacity} positions")
+        handed = int(self.handed)
+        if handed > self.pages:
+            raise CacheFull(
+                f"the cache's {self.pages} K,V pages of {self.page_size} positions ran out: its sequences"
+                f" needed {handed}. Make the cache with more pages (pages={handed} or more)"
+            )
+
+    def write(self, pool: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """pool [pages + 1, Hkv, page_size, Dh] at the rows' positions [rows or 1, N] = values [rows, N, Hkv, Dh]."""
+        positions = positions.expand(len(self.rows), -1)
+        page = self.table[self.rows].gather(1, positions // self.page_size)
+        pool[page, :, positions % self.page_size] = values.to(pool.dtype)
+
+    def copy_from(self, source: PageTable, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give this view's rows copies of ``source``'s rows' pages: (ours, theirs) per pool."""
+        if source.table is self.table and torch.equal(source.rows, self.rows):
+            return  # the same pages
+        self.reserve(source.held[source.rows] * self.page_size, span=self.width * self.page_size)
+        mine, theirs = self.table[self.rows], source.table[source.rows]
+        for ours, pool in pools:
+            ours[mine] = pool[theirs]
+
+
+@dataclass
+class PagedKV:
+    """The global K,V in pools [pages + 1, Hkv, page_size, Dh], read through a page table."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pages: PageTable
+
+    def attend(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of q [rows, N, H, Dh] at q_pos [rows or 1, N] over the keys at or before each query."""
+        if q.shape[1] == 1:
+            return self._split_by_page(q, q_pos.expand(len(q), -1))
+        table = self.pages.table[self.pages.rows, :-1]
+        k, v = (pool[table].transpose(2, 3).flatten(1, 2) for pool in (self.k, self.v))  # [rows, width * page_size, Hkv, Dh]
+        return attend(q, k, v, band_mask(q_pos, torch.arange(k.shape[1], device=q.device)[None], None))
+
+    def _split_by_page(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        rows, n, heads, dim = q.shape
+        pages, kv_heads, size, _ = self.k.shape
+        group = heads // kv_heads
+        local = torch.full((self.pages.table.shape[0] + 1,), -1, device=q.device)  # row of the table -> row of q
+        local[self.pages.rows] = torch.arange(rows, device=q.device)
+        mine = local[self.pages.owner]  # the spare and free pages' owner -1 reads local's last entry, -1
+        seen, mine = mine >= 0, mine.clamp(min=0)
+        # scores of each page's keys against its sequence's queries, the query heads of a K,V head side by side
+        folded = q[mine].view(pages, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(pages * kv_heads, group * n, dim)
+        keys = self.k.view(pages * kv_heads, size, dim).transpose(1, 2)
+        scores = matmul_fp32(folded, keys).view(pages, kv_heads, group, n, size) * dim**-0.5
+        key_pos = self.pages.first[:, None] + torch.arange(size, device=q.device)
+        visible = seen[:, None, None] & (key_pos[:, None, :] <= q_pos[mine][:, :, None])  # [pages, n, size]
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        top = scores.amax(-1)
+        weights = torch.exp(scores - torch.where(top.isfinite(), top, 0)[..., None])
+        values = self.v.view(pages * kv_heads, size, dim)
+        out = matmul_fp32(weights.flatten(2, 3).flatten(0, 1).to(values.dtype), values).view(pages, kv_heads, group, n, dim)
+        # each sequence's pages, in position order (unheld columns point at the spare page: all masked)
+        table = self.pages.table[self.pages.rows]
+        top, total, out = top[table], weights.sum(-1)[table], out[table]
+        scale = torch.exp(top - top.amax(1, keepdim=True)).nan_to_num(0.0)  # exp(-inf - -inf): a page with nothing visible
+        out = (out * scale[..., None]).sum(1) / (total * scale).sum(1)[..., None]  # [rows, Hkv, group, n, Dh]
+        return out.permute(0, 3, 1, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
+
+
+def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b with a float32 (or wider) result, as attention scores need. On CUDA,
+    half-precision operands are multiplied as they are into a float32 result; elsewhere they
+    are widened first."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        if a.is_cuda:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        a, b = a.float(), b.float()
+    return torch.bmm(a, b)

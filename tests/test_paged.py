@@ -1,0 +1,126 @@
+"""A paged global K,V decodes exactly as rows per position do, holds only the pages its
+sequences reach, and says so when its pool runs out."""
+
+import pytest
+import torch
+
+import archlab
+from archlab.engine import Engine
+from archlab.kv import CacheFull, KVRows, PagedKV, PageTable
+from conftest import TINY, ids
+
+YOCO = [p for p in TINY if archlab.build_model(archlab.load_spec(p)).global_kv is not None]
+
+
+def paged_copy(k, v, page_size, order):
+    """The rows k, v [B, M, Hkv, Dh] in a pool, pages handed out in the order the (row, length)
+    steps of ``order`` reach them, so rows' pages interleave."""
+    rows, length, heads, dim = k.shape
+    pages = rows * -(-length // page_size)
+    table = PageTable(rows, pages, page_size, length)
+    pool_k, pool_v = (torch.zeros(pages + 1, heads, page_size, dim, dtype=k.dtype) for _ in "kv")
+    for row, end in order:
+        ends = table.held * page_size
+        ends[row] = end
+        table.reserve(ends, span=length)
+    positions = torch.arange(length)[None].expand(rows, -1)
+    table.write(pool_k, positions, k)
+    table.write(pool_v, positions, v)
+    return PagedKV(pool_k, pool_v, table)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_paged_attention_equals_attention_over_rows(page_size, queries):
+    """One query per row (split by page) and a block of queries (pages gathered), with GQA and
+    each row at its own position, against the same keys as rows, in float64."""
+    rows, length, kv_heads, heads, dim = 3, 40, 2, 6, 8
+    k, v = (torch.randn(rows, length, kv_heads, dim, dtype=torch.float64) for _ in "kv")
+    q = torch.randn(rows, queries, heads, dim, dtype=torch.float64)
+    q_pos = torch.tensor([[39], [17], [4]]) - torch.arange(queries - 1, -1, -1)[None]
+    order = [(r, end) for end in range(page_size, length + page_size, page_size) for r in (2, 0, 1)]
+    paged = paged_copy(k, v, page_size, order)
+    expected = KVRows(k, v, torch.arange(length)[None]).attend(q, q_pos)
+    torch.testing.assert_close(paged.attend(q, q_pos), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_paged_attention_in_bfloat16_is_close_to_float64():
+    rows, length, kv_heads, heads, dim = 4, 300, 2, 8, 64
+    k, v = (torch.randn(rows, length, kv_heads, dim, dtype=torch.float64) for _ in "kv")
+    q = torch.randn(rows, 1, heads, dim, dtype=torch.float64)
+    q_pos = torch.tensor([[299], [150], [31], [0]])
+    order = [(r, length) for r in range(rows)]
+    expected = KVRows(k, v, torch.arange(length)[None]).attend(q, q_pos)
+    half = paged_copy(k.bfloat16(), v.bfloat16(), 256, order).attend(q.bfloat16(), q_pos)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("path", YOCO, ids=ids(YOCO))
+@torch.no_grad()
+def test_paged_generation_equals_rows(path):
+    """Ragged prompts, prefilled in chunks that cross page boundaries, then decoded: the same
+    tokens and, in float64, the same logits as the cache with a row per position."""
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec, dtype=torch.float64).eval()
+    prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 21, 37)]
+    rows = Engine(model, prefill_chunk=7).generate(prompts, 6, keep_logits=True)
+    paged = Engine(model, prefill_chunk=7, page_size=8).generate(prompts, 6, keep_logits=True)
+    assert paged.tokens == rows.tokens
+    for got, expected in zip(paged.logits, rows.logits):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    table = paged.cache.pages
+    assert int(table.handed) == table.pages == 2 * 6 + 4  # 43, 27 and 43 positions in pages of 8
+    assert sorted(table.owner.tolist()) == [-1] + [0] * 6 + [1] * 4 + [2] * 6  # the spare page is nobody's
+
+
+@torch.no_grad()
+def test_a_ragged_batch_holds_only_its_pages():
+    """One long prompt among short ones: rows per position hold the longest for every sequence."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco-u.yaml")
+    model = archlab.build_model(spec).eval()
+    prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (2000, 100, 100, 100)]
+    sizes = {}
+    for page_size in (None, 256):
+        gen = Engine(model, page_size=page_size).generate(prompts, 8)
+        sizes[page_size] = gen.cache.bytes_per_sequence().global_
+    per_position = 2 * 2 * 16 * 4  # K and V, 2 heads of 16, float32
+    assert sizes[None] == 2008 * per_position
+    assert sizes[256] == (8 + 3 * 1 + 1) * 256 * per_position // 4
+    assert sizes[256] / sizes[None] < 0.4
+
+
+@torch.no_grad()
+def test_running_out_of_pages_is_named_and_keeps_what_was_written():
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=16)
+    prompts = [torch.randint(0, spec.vocab_size, (40,)) for _ in range(2)]
+    enough = engine.new_cache(2, 48)
+    engine.prefill(prompts, enough)
+    short = engine.new_cache(2, 48, pages=4)  # the two prompts need 3 pages each
+    with pytest.raises(CacheFull, match=r"4 K,V pages of 16 positions ran out: its sequences needed 6\. .*pages=6"):
+        engine.prefill(prompts, short)
+    (pool,) = short.global_kv.values()
+    (reference,) = enough.global_kv.values()
+    for page in range(4):  # the pages handed out hold what they were given; the rest went to the spare
+        row, first = int(short.pages.owner[page]), int(short.pages.first[page])
+        same = enough.pages.table[row, first // 16]
+        torch.testing.assert_close(pool["k"][page], reference["k"][same], rtol=0, atol=0)
+        torch.testing.assert_close(pool["v"][page], reference["v"][same], rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_going_past_the_capacity_is_named():
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=16)
+    cache = engine.new_cache(1, 20)
+    engine.prefill([torch.randint(0, spec.vocab_size, (20,))], cache)
+    engine.decode(torch.tensor([[1]]), torch.tensor([20]), cache)
+    with pytest.raises(CacheFull, match="a sequence went past the cache's capacity of 20 positions"):
+        cache.check()
+
+
+def test_paging_asks_for_a_positive_page_size():
+    model = archlab.build_model(archlab.load_spec(TINY[0].parent / "yoco.yaml"))
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        Engine(model, page_size=0)

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from blocks.attention import attend, band_mask
+from archlab.ops.attention import attend, band_mask
 
 
 class KVRows(NamedTuple):

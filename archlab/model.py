@@ -17,7 +17,7 @@ from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
-from blocks.attention import append_kv
+from archlab.ops.attention import append_kv
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:

@@ -15,90 +15,10 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
+from archlab.ops.attention import (ATTENTION_KERNELS, append_kv, attend, attention_pairs, band_mask, causal_attention,
+                                   local_attend, with_prefix, write_rows)
 from archlab.ops.dispatch import choose
 from archlab.rope import Rotary
-
-ATTENTION_KERNELS = ("flash_attn", "flex")  # backends for whole-sequence (training) attention
-
-
-def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[B, 1, Nq, Nk] bool from positions q_pos [B, Nq] and k_pos [B or 1, Nk]: query i sees key j
-    iff 0 <= pos_i - pos_j and, with a window W, pos_i - pos_j < W. Negative key positions are empty."""
-    offset = q_pos[:, :, None] - k_pos[:, None, :]
-    allowed = (offset >= 0) & (k_pos[:, None, :] >= 0)
-    return (allowed if window is None else allowed & (offset < window))[:, None]
-
-
-def attention_pairs(n: int, start: int, window: int | None) -> int:
-    """(query, key) pairs of queries at positions start..start+n-1, each seeing the keys at or
-    before it, the last ``window`` of them with a window."""
-
-    def upto(m: int) -> int:  # sum over positions 1..m of min(position, W)
-        if window is None or m <= window:
-            return m * (m + 1) // 2
-        return window * (window + 1) // 2 + (m - window) * window
-
-    return upto(start + n) - upto(start)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA on sequence-first tensors [B, N, H, D]; K,V may have fewer heads (GQA). A mask of
-    None means plain causal attention over the same positions (the fast kernel).
-
-    With a mask and GQA, the query heads sharing a K,V head are folded into the query axis
-    (the mask repeated for each), so no kernel copies K,V per query head: decoding over a long
-    cache then reads it once per layer.
-    """
-    batch, n, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    if mask is None or heads == kv_heads:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-        return out.transpose(1, 2)
-    group = heads // kv_heads
-    folded = q.view(batch, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * n, dim)
-    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask.repeat(1, 1, group, 1))
-    return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
-
-
-def causal_attention(q, k, v, positions, window: int | None, backend: str) -> torch.Tensor:
-    """Attention of a whole sequence from position 0 over itself (training), on a backend."""
-    if backend == "flash_attn":
-        from flash_attn import flash_attn_func
-
-        return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
-    if backend == "flex":
-        return flex_causal(q, k, v, window)
-    return attend(q, k, v, None) if window is None else local_attend(q, k, v, positions, positions, window)
-
-
-def flex_causal(q, k, v, window: int | None) -> torch.Tensor:
-    """The same with PyTorch's FlexAttention: the band is a block mask, so empty blocks are skipped
-    (compiled on CUDA; eager elsewhere, where only the forward pass is supported)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def allowed(b, h, query, key):
-        return (query >= key) & (query - key < window) if window else query >= key
-
-    n = q.shape[1]
-    mask = create_block_mask(allowed, None, None, n, n, device=q.device.type)
-    run = torch.compile(flex_attention) if q.device.type == "cuda" else flex_attention
-    out = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
-    return out.transpose(1, 2)
-
-
-def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[b, slots[b, i]] = values[b, i] for every row b (in place)."""
-    rows = torch.arange(cache.shape[0], device=cache.device)[:, None]
-    cache[rows, slots] = values.to(cache.dtype)
-
-
-def append_kv(state: dict, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Write k, v at their positions into a row-per-position cache; return the whole cache and
-    its key positions."""
-    write_rows(state["k"], positions, k)
-    write_rows(state["v"], positions, v)
-    return state["k"], state["v"], torch.arange(state["k"].shape[1], device=k.device)[None]
 
 
 class AttentionSpec(BlockSpec):
@@ -235,44 +155,3 @@ class SelfAttention(nn.Module):
         write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
         write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
         return k_all, v_all, torch.cat((ring_pos, inp.positions), 1)
-
-
-def with_prefix(q, k, v, mask, prefix):
-    """Prepend ParScale's per-stream prefix K,V, visible to every query."""
-    if prefix is None:
-        return q, k, v, mask
-    pk, pv = prefix
-    mask = torch.cat((mask.new_ones(*mask.shape[:-1], pk.shape[1]), mask), dim=-1)
-    return q, torch.cat((pk, k), 1), torch.cat((pv, v), 1), mask
-
-
-def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block=64):
-    """Sliding-window attention in blocks, linear in the number of queries.
-
-    Keys must be the contiguous positions that end at the last query (history first, then the
-    queries' own, as ``keys`` returns them). Each block of ``b`` queries attends to the
-    ``b + W - 1`` keys that can fall inside its windows, plus the prefix.
-    """
-    batch, n, heads, dim = q.shape
-    q_pos = q_pos.expand(batch, -1)
-    b = max(window, block)
-    blocks = -(-n // b)
-    front = window - (k.shape[1] - n)  # left-pad so the keys start W positions before the queries
-    back = blocks * b - n
-    k = F.pad(k, (0, 0, 0, 0, front, back))[:, 1:]
-    v = F.pad(v, (0, 0, 0, 0, front, back))[:, 1:]
-    k_pos = F.pad(k_pos.expand(batch, -1), (front, back), value=-1)[:, 1:]
-    q = F.pad(q, (0, 0, 0, 0, 0, back)).view(batch * blocks, b, heads, dim)
-    q_pos = F.pad(q_pos, (0, back), mode="replicate").view(batch, blocks, b)
-    span = b + window - 1
-
-    def windows(t):
-        return t.unfold(1, span, b).movedim(-1, 2).flatten(0, 1)  # [B * blocks, span, ...]
-
-    k_win, v_win = windows(k), windows(v)
-    k_pos_win = k_pos.unfold(1, span, b).flatten(0, 1)  # [B * blocks, span]
-    mask = band_mask(q_pos.flatten(0, 1), k_pos_win, window)
-    if prefix is not None:
-        prefix = tuple(p.repeat_interleave(blocks, dim=0) for p in prefix)
-    out = attend(*with_prefix(q, k_win, v_win, mask, prefix))
-    return out.reshape(batch, blocks * b, heads, dim)[:, :n]

@@ -11,7 +11,7 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
 from archlab.ops.dispatch import choose
-from blocks.attention import ATTENTION_KERNELS, attention_pairs, causal_attention
+from archlab.ops.attention import ATTENTION_KERNELS, attention_pairs, causal_attention
 
 
 class CrossAttentionSpec(BlockSpec):

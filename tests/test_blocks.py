@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from archlab.block import BuildContext, MixerInput
-from blocks.attention import AttentionSpec, attend, band_mask
+from archlab.ops.attention import attend, band_mask
+from blocks.attention import AttentionSpec
 from blocks.gated_deltanet import GatedDeltaNetSpec
 from blocks.retnet import RetentionSpec
 from blocks.swa import SlidingWindowSpec
@@ -107,7 +108,7 @@ def test_gated_deltanet_block_matches_fla_recurrent_reference(monkeypatch):
 
 def test_windowed_attention_with_parscale_prefix_matches_dense():
     """Blockwise local attention with per-stream prefix K,V equals one dense masked SDPA."""
-    from blocks.attention import attend, band_mask, with_prefix
+    from archlab.ops.attention import attend, band_mask, with_prefix
 
     ctx = BuildContext(d_model=32, rope_theta=10_000.0, streams=2, prefix_len=3)
     module = SlidingWindowSpec(type="swa", window=5, n_heads=4, n_kv_heads=2).build(ctx).double()

@@ -8,6 +8,7 @@ import torch
 import archlab
 import archlab.ops.dispatch as dispatch
 from archlab.block import BuildContext, MixerInput
+from archlab.ops.attention import band_block_mask
 from archlab.ops.dispatch import BackendError, Kernels, choose, kernel
 from archlab.ops.ssd import selective_state_update
 from blocks.attention import AttentionSpec
@@ -128,6 +129,9 @@ def test_flex_attention_backend_equals_the_torch_path(spec):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
         torch.testing.assert_close(flex(x, causal), reference(x, causal), rtol=1e-5, atol=1e-5)
+        hits = band_block_mask.cache_info().hits
+        flex(x, causal)
+    assert band_block_mask.cache_info().hits == hits + 1  # a second pass reuses the block mask
 
 
 def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):

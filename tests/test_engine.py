@@ -6,7 +6,7 @@ import torch
 
 import archlab
 from archlab.engine import Engine, Sampling
-from conftest import ROOT, TINY, ids, tiny_model
+from conftest import TINY, ids, tiny_model
 
 PROMPT_LENGTHS = (37, 21, 37)  # ragged, and longer than the tiny window (16)
 

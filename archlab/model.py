@@ -14,6 +14,7 @@ from archlab.block import MixerInput
 from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
+from archlab.loss import linear_cross_entropy
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
@@ -105,17 +106,22 @@ class Model(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.spec.init_std)
 
-    def forward(self, input_ids: torch.Tensor, return_aux: bool = False):
-        """Logits [batch, length, vocab]; with ``return_aux``, also the summed auxiliary losses
-        (MoE load balancing; 0 without MoE)."""
+    def forward(self, input_ids: torch.Tensor, return_aux: bool = False, targets: torch.Tensor | None = None):
+        """Logits [batch, length, vocab]; with ``targets`` [batch, length] (``IGNORE``: not
+        counted), the mean cross-entropy instead, computed without holding the logits
+        (``archlab.loss``). With ``return_aux``, also the summed auxiliary losses (MoE load
+        balancing; 0 without MoE)."""
         batch, n = input_ids.shape
         positions = torch.arange(n, device=input_ids.device)[None]  # the same for every row
         aux: list[torch.Tensor] = []
         x = self.run(self.embed_streams(input_ids), positions, self.plan.steps, aux=aux, causal=True)
-        logits = self.logits(x)
+        if targets is None:
+            out = self.logits(x)
+        else:
+            out = linear_cross_entropy(self.final(x).flatten(0, 1), self.head.weight, targets.flatten())
         if not return_aux:
-            return logits
-        return logits, torch.stack(aux).sum() if aux else logits.new_zeros(())
+            return out
+        return out, torch.stack(aux).sum() if aux else out.new_zeros(())
 
     # -- one walker for training and inference -----------------------------------------------
 
@@ -126,10 +132,14 @@ class Model(nn.Module):
         """One row per (sequence, stream), stream fastest: how ParScale folds streams into the batch."""
         return rows.repeat_interleave(self.streams, dim=0) if self.streams > 1 else rows
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The hidden states the head reads: streams mixed, normalised."""
         if self.streams > 1:
             x = self._mix_streams(x.view(-1, self.streams, *x.shape[1:]))
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final(x))
 
     def run(
         self,

@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from archlab.cost import Cost, peak_flops
 from archlab.ffn import MoEFFN
+from archlab.loss import IGNORE
 from archlab.model import Model, build_model
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
@@ -242,9 +243,9 @@ class Trainer:
         for i in range(self.accumulation):
             part = Batch(*(t[i * micro : (i + 1) * micro] if t is not None else None for t in (batch.inputs, batch.targets, batch.mask)))
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
+            targets = part.targets if part.mask is None else part.targets.masked_fill(~part.mask, IGNORE)
             with sync, self.autocast:
-                logits, aux = forward(part.inputs.to(self.device), return_aux=True)
-                loss = F.cross_entropy(*scored(logits, part))
+                loss, aux = forward(part.inputs.to(self.device), return_aux=True, targets=targets.to(self.device))
                 ((loss + aux) / self.accumulation).backward()
             total += loss.detach() / self.accumulation
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))

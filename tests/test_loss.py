@@ -1,0 +1,67 @@
+"""The chunked head cross-entropy equals F.cross_entropy over the whole logits, value and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import archlab.loss
+from archlab.loss import IGNORE, linear_cross_entropy
+from conftest import tiny_model
+
+
+def reference(hidden, weight, targets):
+    return F.cross_entropy(hidden @ weight.T, targets, ignore_index=IGNORE)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_equals_cross_entropy_over_whole_logits(chunk_rows, monkeypatch):
+    monkeypatch.setattr(archlab.loss, "CHUNK_ELEMENTS", chunk_rows * 50)
+    hidden = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (40,))
+    targets[::3] = IGNORE
+    grads = []
+    for loss_of in (linear_cross_entropy, reference):
+        loss = loss_of(hidden, weight, targets)
+        (2.5 * loss).backward()  # a scaled loss scales both gradients
+        grads.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for got, expected in zip(*grads):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_under_bfloat16_autocast_is_close_to_float32():
+    hidden = torch.randn(64, 32, requires_grad=True)
+    weight = torch.randn(300, 32, requires_grad=True)
+    targets = torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    assert loss.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    got = (loss.detach(), hidden.grad.clone(), weight.grad.clone())
+    hidden.grad = weight.grad = None
+    expected = reference(hidden, weight, targets)
+    expected.backward()
+    torch.testing.assert_close(got[0], expected.detach(), rtol=2e-2, atol=2e-2)
+    for g, e in zip(got[1:], (hidden.grad, weight.grad)):
+        assert (g - e).norm() / e.norm() < 2e-2
+
+
+@pytest.mark.parametrize("name", ["yoco-u", "parscale", "yoco-u-moe"])
+def test_the_model_gives_the_loss_of_its_logits(name):
+    """Every parameter's gradient, through the head (and ParScale's stream mixing, MoE's aux loss)."""
+    spec, model = tiny_model(name)
+    model = model.double()
+    tokens = torch.randint(0, spec.vocab_size, (2, 24))
+    targets = torch.randint(0, spec.vocab_size, (2, 24))
+    targets[0, :5] = IGNORE
+    loss, aux = model(tokens, return_aux=True, targets=targets)
+    (loss + aux).backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits, aux = model(tokens, return_aux=True)
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    (expected + aux).backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)

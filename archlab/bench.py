@@ -28,6 +28,7 @@ class BenchRow:
     gen: int
     prefill_rows: int  # prompts prefilled (and timed); the others got copies of their cache
     page_size: int | None  # None: the global K,V a row per position
+    page_kernel: str | None  # how decoding read the pages
     prefill_tok_s: float
     decode_tok_s: float
     peak_mb: float
@@ -87,19 +88,21 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_chunk: int = 2048, seed: int = 0,
-          prefill_rows: int | None = None, cuda_graph: bool = False, page_size: int | None = None) -> BenchRow:
+          prefill_rows: int | None = None, cuda_graph: bool = False, page_size: int | None = None,
+          page_kernel: str = "torch") -> BenchRow:
     """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily
     (timed after one untimed step, which loads kernels or captures the CUDA graph).
 
     With ``prefill_rows`` (a divisor of ``batch``) only that many prompts are prefilled and timed;
     their cache rows are then copied into the rest of the batch, which decodes as a whole. A
     decode step costs the same whatever the cached tokens are, so long contexts at a large batch
-    are measured without prefilling every row. ``page_size``: a paged global K,V (``Engine``).
+    are measured without prefilling every row. ``page_size``, ``page_kernel``: a paged global
+    K,V (``Engine``).
     """
     rows = prefill_rows or batch
     if batch % rows:
         raise ValueError(f"prefill_rows={rows} must divide batch={batch}")
-    engine = Engine(model, prefill_chunk, cuda_graph, page_size)
+    engine = Engine(model, prefill_chunk, cuda_graph, page_size, page_kernel)
     generator = torch.Generator().manual_seed(seed)
     prompts = list(torch.randint(0, model.spec.vocab_size, (rows, seq_len), generator=generator).to(engine.device))
     with PeakMemory(engine.device) as peak:
@@ -134,6 +137,7 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
         gen=gen,
         prefill_rows=rows,
         page_size=cache.pages and cache.pages.page_size,
+        page_kernel=cache.pages and cache.pages.kernel,
         prefill_tok_s=rows * seq_len / prefill_s,
         decode_tok_s=batch * gen / decode_s,
         peak_mb=peak.peak,

@@ -38,17 +38,18 @@ class CacheBytes:
 
 class Cache:
     """``page_size``: keep the global K,V in a pool of ``pages`` pages of that many positions
-    (by default enough for every sequence to reach ``capacity``) instead of a row per position.
-    Models without a global K,V keep rows whatever it says."""
+    (by default enough for every sequence to reach ``capacity``) instead of a row per position,
+    read by ``page_kernel`` (``archlab.kv``). Models without a global K,V keep rows whatever
+    it says."""
 
     def __init__(self, model, sequences: int, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 page_size: int | None = None, pages: int | None = None):
+                 page_size: int | None = None, pages: int | None = None, page_kernel: str = "torch"):
         self.sequences, self.capacity, self.streams = sequences, capacity, model.streams
         rows = sequences * model.streams
         self.pages = None
         if page_size is not None and model.global_kv is not None:
             pages = rows * -(-capacity // page_size) if pages is None else pages
-            self.pages = PageTable(rows, pages, page_size, capacity, device)
+            self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
         with torch.device(device):
             def new_global() -> State:
                 if self.pages is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -16,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from archlab.engine import Engine, Sampling
+from archlab.kv import PAGE_KERNELS
 from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
@@ -33,6 +35,10 @@ err = Console(stderr=True)
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, or folders searched for *.yaml")]
 PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V in pages of this many positions (YOCO layouts; 256 in the paper's serving stack)")]
+
+
+PageKernel = Enum("PageKernel", {k: k for k in PAGE_KERNELS}, type=str)
+PageKernelOption = Annotated[PageKernel, typer.Option(help="how decoding reads the pages: batched matmuls (torch) or FlexAttention (flex)")]
 CPU_CHECK_LIMIT = 20_000_000  # parameters; larger specs are built on the meta device only
 
 
@@ -184,6 +190,7 @@ def generate(
     stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     page_size: PageSize = None,
+    page_kernel: PageKernelOption = PageKernel("torch"),
 ) -> None:
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
@@ -213,7 +220,7 @@ def generate(
         if len(ids) != 1:
             raise typer.BadParameter(f"--stop {text!r} is {len(ids)} tokens; give text that is one token")
         stop_tokens += ids
-    engine = Engine(model.eval(), prefill_chunk, page_size=page_size)
+    engine = Engine(model.eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
     ids = torch.tensor(codec.encode(prompt) or [0])
     sys.stdout.write(prompt)
@@ -250,6 +257,7 @@ def bench(
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     cuda_graph: Annotated[bool, typer.Option(help="replay each decoding step from a captured CUDA graph")] = False,
     page_size: PageSize = None,
+    page_kernel: PageKernelOption = PageKernel("torch"),
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
@@ -279,7 +287,7 @@ def bench(
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
                 rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
-                                    page_size=page_size))
+                                    page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:

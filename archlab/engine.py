@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archlab.cache import Cache
-from archlab.kv import pages_for
+from archlab.kv import PAGE_KERNELS, pages_for
 from archlab.model import Model
 
 
@@ -99,15 +99,19 @@ class CapturedDecode:
 
 
 class Engine:
-    def __init__(self, model: Model, prefill_chunk: int = 2048, cuda_graph: bool = False, page_size: int | None = None):
+    def __init__(self, model: Model, prefill_chunk: int = 2048, cuda_graph: bool = False, page_size: int | None = None,
+                 page_kernel: str = "torch"):
         """``cuda_graph``: replay decoding steps from a captured CUDA graph (CUDA models only).
         ``page_size``: keep the global K,V in pages of that many positions, handed out as the
-        sequences grow (YOCO layouts; the paper's serving stack uses 256)."""
+        sequences grow (YOCO layouts; the paper's serving stack uses 256), and decode over them
+        with ``page_kernel``: ``torch`` or ``flex`` (``archlab.kv``)."""
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if page_size is not None and page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.model, self.prefill_chunk, self.page_size = model, prefill_chunk, page_size
+        if page_kernel not in PAGE_KERNELS:
+            raise ValueError(f"page_kernel must be one of {', '.join(PAGE_KERNELS)}, got {page_kernel!r}")
+        self.model, self.prefill_chunk, self.page_size, self.page_kernel = model, prefill_chunk, page_size, page_kernel
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         if cuda_graph and self.device.type != "cuda":
@@ -118,7 +122,7 @@ class Engine:
     def new_cache(self, sequences: int, capacity: int, pages: int | None = None) -> Cache:
         """A cache for ``sequences`` of up to ``capacity`` positions; paged, it holds ``pages``
         pages (by default enough for each sequence to reach the capacity)."""
-        return Cache(self.model, sequences, capacity, self.dtype, self.device, self.page_size, pages)
+        return Cache(self.model, sequences, capacity, self.dtype, self.device, self.page_size, pages, self.page_kernel)
 
     def cache_for(self, lengths: Sequence[int], max_new_tokens: int) -> Cache:
         """A cache for prompts of these lengths and their new tokens; paged, only the pages they need."""

@@ -10,10 +10,13 @@ boundary still replays from one CUDA graph. They are handed out in order and not
 the cache lives. A spare page past the pool's end takes the writes of a row the pool had no page
 left for; it is never read, and ``PageTable.check`` then reports the shortage.
 
-Decoding reads the pool where it lies: every page scores its sequence's query and keeps its
-maximum, sum and weighted values, and each sequence combines its pages' partial results
-(flash-decoding's split of the keys, one split per page). Longer query blocks gather their
-sequence's pages into rows first.
+Decoding reads the pool where it lies, with one of two kernels:
+- ``torch``: every page scores its sequence's query and keeps its maximum, sum and weighted
+  values, and each sequence combines its pages' partial results (flash-decoding's split of the
+  keys, one split per page), in batched matmuls;
+- ``flex``: FlexAttention, each head's pool one sequence whose blocks are pages (as PyTorch's
+  paged attention for it), compiled on CUDA into its decoding kernel.
+Longer query blocks gather their sequence's pages into rows first.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from archlab.ops.attention import attend, band_mask
+from archlab.ops.attention import attend, band_mask, flex_kernel
 
 
 class KVRows(NamedTuple):
@@ -48,12 +51,18 @@ def pages_for(lengths: list[int], page_size: int) -> int:
     return sum(-(-n // page_size) for n in lengths)
 
 
+PAGE_KERNELS = ("torch", "flex")
+
+
 class PageTable:
     """Which pool page holds each page of positions of each row; shared by every paged state
     of a cache (they all grow together). ``select`` makes a view of some rows."""
 
-    def __init__(self, rows: int, pages: int, page_size: int, capacity: int, device: torch.device | str = "cpu"):
-        self.page_size, self.pages, self.spare, self.capacity = page_size, pages, pages, capacity
+    def __init__(self, rows: int, pages: int, page_size: int, capacity: int, device: torch.device | str = "cpu",
+                 kernel: str = "torch"):
+        """``kernel``: how a decoding step reads the pages, ``torch`` (split by page, batched
+        matmuls) or ``flex`` (FlexAttention)."""
+        self.page_size, self.pages, self.spare, self.capacity, self.kernel = page_size, pages, pages, capacity, kernel
         width = -(-capacity // page_size)
         with torch.device(device):
             self.rows = torch.arange(rows)  # the rows of the table this view covers
@@ -105,24 +114,28 @@ class PageTable:
             )
 
     def write(self, pool: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """pool [pages + 1, Hkv, page_size, Dh] at the rows' positions [rows or 1, N] = values [rows, N, Hkv, Dh]."""
+        """pool [Hkv, pages + 1, page_size, Dh] at the rows' positions [rows or 1, N] = values [rows, N, Hkv, Dh]."""
         positions = positions.expand(len(self.rows), -1)
         page = self.table[self.rows].gather(1, positions // self.page_size)
-        pool[page, :, positions % self.page_size] = values.to(pool.dtype)
+        pool[:, page, positions % self.page_size] = values.movedim(2, 0).to(pool.dtype)
 
     def copy_from(self, source: PageTable, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give this view's rows copies of ``source``'s rows' pages: (ours, theirs) per pool."""
         if source.table is self.table and torch.equal(source.rows, self.rows):
             return  # the same pages
-        self.reserve(source.held[source.rows] * self.page_size, span=self.width * self.page_size)
+        self.reserve((source.held[source.rows] * self.page_size).clamp(max=self.capacity), span=self.capacity)
         mine, theirs = self.table[self.rows], source.table[source.rows]
         for ours, pool in pools:
-            ours[mine] = pool[theirs]
+            ours[:, mine] = pool[:, theirs]
 
 
 @dataclass
 class PagedKV:
-    """The global K,V in pools [pages + 1, Hkv, page_size, Dh], read through a page table."""
+    """The global K,V in pools [Hkv, pages + 1, page_size, Dh], read through a page table.
+
+    Heads come first so that each head's pool is one long sequence of pages: a view both
+    FlexAttention (one sequence, pages as its blocks) and a batched matmul (a page per matrix)
+    read in place."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -130,37 +143,70 @@ class PagedKV:
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Attention of q [rows, N, H, Dh] at q_pos [rows or 1, N] over the keys at or before each query."""
-        if q.shape[1] == 1:
-            return self._split_by_page(q, q_pos.expand(len(q), -1))
-        table = self.pages.table[self.pages.rows, :-1]
-        k, v = (pool[table].transpose(2, 3).flatten(1, 2) for pool in (self.k, self.v))  # [rows, width * page_size, Hkv, Dh]
-        return attend(q, k, v, band_mask(q_pos, torch.arange(k.shape[1], device=q.device)[None], None))
+        if q.shape[1] > 1:
+            table = self.pages.table[self.pages.rows, :-1]
+            k, v = (pool[:, table].permute(1, 2, 3, 0, 4).flatten(1, 2) for pool in (self.k, self.v))  # [rows, width * page_size, Hkv, Dh]
+            return attend(q, k, v, band_mask(q_pos, torch.arange(k.shape[1], device=q.device)[None], None))
+        q_pos = q_pos.expand(len(q), -1)
+        return self._flex(q, q_pos) if self.pages.kernel == "flex" else self._split_by_page(q, q_pos)
 
     def _split_by_page(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         rows, n, heads, dim = q.shape
-        pages, kv_heads, size, _ = self.k.shape
+        kv_heads, pages, size, _ = self.k.shape
         group = heads // kv_heads
         local = torch.full((self.pages.table.shape[0] + 1,), -1, device=q.device)  # row of the table -> row of q
         local[self.pages.rows] = torch.arange(rows, device=q.device)
         mine = local[self.pages.owner]  # the spare and free pages' owner -1 reads local's last entry, -1
         seen, mine = mine >= 0, mine.clamp(min=0)
         # scores of each page's keys against its sequence's queries, the query heads of a K,V head side by side
-        folded = q[mine].view(pages, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(pages * kv_heads, group * n, dim)
-        keys = self.k.view(pages * kv_heads, size, dim).transpose(1, 2)
-        scores = matmul_fp32(folded, keys).view(pages, kv_heads, group, n, size) * dim**-0.5
+        folded = q[mine].view(pages, n, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads * pages, group * n, dim)
+        keys = self.k.view(kv_heads * pages, size, dim).transpose(1, 2)
+        scores = matmul_fp32(folded, keys).view(kv_heads, pages, group, n, size) * dim**-0.5
         key_pos = self.pages.first[:, None] + torch.arange(size, device=q.device)
         visible = seen[:, None, None] & (key_pos[:, None, :] <= q_pos[mine][:, :, None])  # [pages, n, size]
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
         top = scores.amax(-1)
         weights = torch.exp(scores - torch.where(top.isfinite(), top, 0)[..., None])
-        values = self.v.view(pages * kv_heads, size, dim)
-        out = matmul_fp32(weights.flatten(2, 3).flatten(0, 1).to(values.dtype), values).view(pages, kv_heads, group, n, dim)
+        values = self.v.view(kv_heads * pages, size, dim)
+        out = matmul_fp32(weights.flatten(2, 3).flatten(0, 1).to(values.dtype), values).view(kv_heads, pages, group, n, dim)
         # each sequence's pages, in position order (unheld columns point at the spare page: all masked)
         table = self.pages.table[self.pages.rows]
-        top, total, out = top[table], weights.sum(-1)[table], out[table]
-        scale = torch.exp(top - top.amax(1, keepdim=True)).nan_to_num(0.0)  # exp(-inf - -inf): a page with nothing visible
-        out = (out * scale[..., None]).sum(1) / (total * scale).sum(1)[..., None]  # [rows, Hkv, group, n, Dh]
-        return out.permute(0, 3, 1, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
+        top, total, out = top[:, table], weights.sum(-1)[:, table], out[:, table]  # [Hkv, rows, width + 1, ...]
+        scale = torch.exp(top - top.amax(2, keepdim=True)).nan_to_num(0.0)  # exp(-inf - -inf): a page with nothing visible
+        out = (out * scale[..., None]).sum(2) / (total * scale).sum(2)[..., None]  # [Hkv, rows, group, n, Dh]
+        return out.permute(1, 3, 0, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
+
+    def _flex(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+        """FlexAttention over each head's pool as one sequence whose blocks are pages (its
+        decoding kernel on CUDA splits the keys itself)."""
+        kv_heads, pages, size, dim = self.k.shape
+        k, v = (pool.view(1, kv_heads, pages * size, dim) for pool in (self.k, self.v))
+        out = flex_kernel(q.device.type)(q.transpose(1, 2), k, v, block_mask=self.block_mask(q_pos), enable_gqa=True)
+        return out.transpose(1, 2)
+
+    def block_mask(self, q_pos: torch.Tensor):
+        """The pages each row's query [rows, 1] at q_pos sees, as FlexAttention blocks: the row's
+        pages before the one holding its position are full; that page is the one partial block."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        _, pages, size, _ = self.k.shape
+        table, owner, first, mine = self.pages.table[self.pages.rows], self.pages.owner, self.pages.first, self.pages.rows
+        full = (q_pos[:, 0] + 1) // size
+        partial = ((q_pos[:, 0] + 1) % size > 0).int()
+
+        def visible(b, h, q_idx, kv_idx):
+            page = kv_idx // size
+            return (owner[page] == mine[b]) & (first[page] + kv_idx % size <= q_pos[b, q_idx])
+
+        return BlockMask.from_kv_blocks(
+            partial[:, None, None], table.gather(1, full[:, None])[:, None, None].int(),
+            full[:, None, None].int(), table[:, None, None, :-1].int(),
+            BLOCK_SIZE=(FLEX_QUERY_BLOCK, size), mask_mod=visible, seq_lengths=(q_pos.shape[1], pages * size),
+            compute_q_blocks=False,  # those serve the backward pass only
+        )
+
+
+FLEX_QUERY_BLOCK = 128
 
 
 def matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -60,9 +60,8 @@ class GlobalKV(nn.Module):
         return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
 
     def new_pool(self, pages: int, page_size: int, dtype: torch.dtype) -> State:
-        """A pool of pages (one more: the spare), heads before positions so a page's keys of
-        one head are one matrix."""
-        shape = (pages + 1, self.heads, page_size, self.head_dim)
+        """A pool of pages, one more for the spare, heads first (``archlab.kv.PagedKV``)."""
+        shape = (self.heads, pages + 1, page_size, self.head_dim)
         return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: State | None = None,

@@ -7,12 +7,13 @@
    training forward and input gradients, 16 decoding steps through the recurrent state, and the
    time of a forward and backward pass on each.
 2. Decode graphs: for each paper spec, decoding steps replayed from a captured CUDA graph give the
-   eager steps' logits; ``paged``: the same for the YOCO specs, the graph reading a paged global
-   K,V (pages of 256, one handed out during the replays) against eager steps over rows.
+   eager steps' logits; ``paged``: the same for yoco-u, the graph reading a paged global K,V
+   (pages of 256, one handed out during the replays; each page kernel) against eager steps over
+   rows.
 3. Inference (paper specs transformer, yoco, yoco-u, rins; batch 32, 128 new tokens): prefill and
    decode tokens/s and cache MB per sequence, length by length until memory or the time budget
    runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
-   ``inference-paged``: yoco-u again with its global K,V in pages of 256.
+   ``inference-paged``: yoco-u again with its global K,V in pages of 256, read by each kernel.
 4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
@@ -38,6 +39,7 @@ import archlab
 from archlab.bench import bench, device_name
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
+from archlab.kv import PAGE_KERNELS
 from archlab.ops.dispatch import installed
 from archlab.spec import load_yaml, validate_spec
 from archlab.train.config import TrainConfig, apply_overrides
@@ -144,15 +146,16 @@ def load(name: str, device: torch.device) -> archlab.Model:
 
 @torch.no_grad()
 def graph_parity(device: torch.device, specs: list[str], context: int = 4093, steps: int = 8,
-                 page_size: int | None = None) -> list[dict]:
+                 page_size: int | None = None, page_kernel: str = "torch") -> list[dict]:
     """Greedy decoding, eager over rows against CUDA-graph replay (over pages, with
     ``page_size``), from the same prompts. The steps cross position 4096."""
     rows = []
     for name in specs:
         model = load(name, device)
-        row = {"spec": model.spec.name, "context": context, "steps": steps, "page_size": page_size}
+        row = {"spec": model.spec.name, "context": context, "steps": steps, "page_size": page_size,
+               "page_kernel": page_kernel if page_size else None}
         try:
-            eager, graphed = Engine(model), Engine(model, cuda_graph=True, page_size=page_size)
+            eager, graphed = Engine(model), Engine(model, cuda_graph=True, page_size=page_size, page_kernel=page_kernel)
             prompt = [torch.randint(0, model.spec.vocab_size, (context,), device=device) for _ in range(2)]
             first = eager.new_cache(2, context + steps)
             logits = eager.prefill(prompt, first)
@@ -179,11 +182,11 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4093, st
 
 def inference(device: torch.device, specs: list[str], lengths: list[int], batch: int, gen: int, budget_s: float,
               deadline: float, prefill_tokens: int, cuda_graph: bool, prefill_chunk: int,
-              page_size: int | None = None) -> list[dict]:
+              page_size: int | None = None, page_kernel: str = "torch") -> list[dict]:
     rows = []
     for name in specs:
         model = load(name, device)
-        bench(model, model.spec.name, 256, 2, 2, cuda_graph=cuda_graph)  # warm-up: kernels, tuning, allocator
+        bench(model, model.spec.name, 256, 2, 2, cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel)  # warm-up: kernels, tuning, allocator
         for n in lengths:
             if time.monotonic() > deadline:
                 rows.append({"spec": model.spec.name, "seq_len": n, "status": "skipped: out of time"})
@@ -194,7 +197,7 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
             began = time.perf_counter()
             try:
                 row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows,
-                            cuda_graph=cuda_graph, page_size=page_size).as_dict()
+                            cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel).as_dict()
             except torch.OutOfMemoryError:
                 rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, "status": "out of memory"})
                 torch.cuda.empty_cache()
@@ -238,6 +241,10 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
 TRAINING = ("training", "training-flex", "training-compiled")
 
 
+def layout(row: dict) -> str:
+    return "rows" if row.get("page_size") is None else f"pages of {row['page_size']}, {row['page_kernel']}"
+
+
 def report(results: dict) -> str:
     lines = [f"# GPU check on {results['device']} (torch {results['torch']})", "", f"packages: {results['packages']}"]
     if "parity" in results:
@@ -252,15 +259,15 @@ def report(results: dict) -> str:
     if graphed:
         lines += ["", "## Decoding from a captured CUDA graph against eager decoding over rows", "",
                   "| spec | graph's global K,V | context | steps | logits rel err | same tokens | status |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['spec']} | {'rows' if r.get('page_size') is None else 'pages of ' + str(r['page_size'])} | {r['context']} | "
+        lines += [f"| {r['spec']} | {layout(r)} | {r['context']} | "
                   f"{r['steps']} | {r.get('logits_rel_err', float('nan')):.1e} | {r.get('same_tokens', '-')} | {r['status']} |"
                   for r in graphed]
     for key, title in (("inference", "Inference"), ("inference_eager", "Inference, eager decoding (no CUDA graph)"),
                        ("inference_paged", "Inference, the global K,V in pages")):
         if key in results:
-            lines += ["", f"## {title}", "", "| spec | seq_len | batch | prefill rows | page size | prefill tok/s | decode tok/s | KV MB / seq | peak GB | status |",
+            lines += ["", f"## {title}", "", "| spec | seq_len | batch | prefill rows | global K,V | prefill tok/s | decode tok/s | KV MB / seq | peak GB | status |",
                       "|---|---|---|---|---|---|---|---|---|---|"]
-            lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('batch', '')} | {r.get('prefill_rows', '')} | {r.get('page_size') or '-'} | {r.get('prefill_tok_s', 0):,.0f} | "
+            lines += [f"| {r['spec']} | {r['seq_len']} | {r.get('batch', '')} | {r.get('prefill_rows', '')} | {layout(r)} | {r.get('prefill_tok_s', 0):,.0f} | "
                       f"{r.get('decode_tok_s', 0):,.0f} | {r.get('kv_total_mb', 0):,.1f} | {r.get('peak_mb', 0) / 1024:,.1f} | {r['status']} |"
                       for r in results[key]]
     trained = [results[k] for k in TRAINING if k in results]
@@ -303,11 +310,12 @@ def main() -> None:
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  set(filter(None, args.blocks.split(",")))),
         "graphs": lambda: graph_parity(device, names),
-        "paged": lambda: graph_parity(device, [n for n in names if "yoco" in Path(n).stem], page_size=256),
+        "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
                                        512 if smoke else 65536, not smoke, chunk),
-        "inference-paged": lambda: inference(device, [yoco_u], lengths, batch, gen, args.budget_s, began + args.deadline_s + 120,
-                                             512 if smoke else 65536, not smoke, chunk, page_size=16 if smoke else 256),
+        "inference-paged": lambda: [row for kernel in PAGE_KERNELS for row in inference(
+            device, [yoco_u], lengths, batch, gen, args.budget_s, began + args.deadline_s + 120, 512 if smoke else 65536,
+            not smoke, chunk, page_size=16 if smoke else 256, page_kernel=kernel)],
         "eager": lambda: inference(device, names, lengths[:1], batch, gen, args.budget_s, began + args.deadline_s + 60,
                                    512 if smoke else 65536, False, chunk),
         "training": lambda: training(device, yoco_u, *train),

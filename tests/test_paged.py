@@ -1,6 +1,8 @@
 """A paged global K,V decodes exactly as rows per position do, holds only the pages its
 sequences reach, and says so when its pool runs out."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -12,13 +14,13 @@ from conftest import TINY, ids
 YOCO = [p for p in TINY if archlab.build_model(archlab.load_spec(p)).global_kv is not None]
 
 
-def paged_copy(k, v, page_size, order):
+def paged_copy(k, v, page_size, order, kernel="torch"):
     """The rows k, v [B, M, Hkv, Dh] in a pool, pages handed out in the order the (row, length)
     steps of ``order`` reach them, so rows' pages interleave."""
     rows, length, heads, dim = k.shape
     pages = rows * -(-length // page_size)
-    table = PageTable(rows, pages, page_size, length)
-    pool_k, pool_v = (torch.zeros(pages + 1, heads, page_size, dim, dtype=k.dtype) for _ in "kv")
+    table = PageTable(rows, pages, page_size, length, kernel=kernel)
+    pool_k, pool_v = (torch.zeros(heads, pages + 1, page_size, dim, dtype=k.dtype) for _ in "kv")
     for row, end in order:
         ends = table.held * page_size
         ends[row] = end
@@ -30,18 +32,42 @@ def paged_copy(k, v, page_size, order):
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
-@pytest.mark.parametrize("queries", [1, 3])
-def test_paged_attention_equals_attention_over_rows(page_size, queries):
-    """One query per row (split by page) and a block of queries (pages gathered), with GQA and
-    each row at its own position, against the same keys as rows, in float64."""
+@pytest.mark.parametrize("queries, kernel", [(1, "torch"), (1, "flex"), (3, "torch")])
+def test_paged_attention_equals_attention_over_rows(page_size, queries, kernel):
+    """One query per row (split by page, or FlexAttention) and a block of queries (pages
+    gathered), with GQA and each row at its own position, against the same keys as rows, in
+    float64."""
     rows, length, kv_heads, heads, dim = 3, 40, 2, 6, 8
     k, v = (torch.randn(rows, length, kv_heads, dim, dtype=torch.float64) for _ in "kv")
     q = torch.randn(rows, queries, heads, dim, dtype=torch.float64)
     q_pos = torch.tensor([[39], [17], [4]]) - torch.arange(queries - 1, -1, -1)[None]
     order = [(r, end) for end in range(page_size, length + page_size, page_size) for r in (2, 0, 1)]
-    paged = paged_copy(k, v, page_size, order)
+    paged = paged_copy(k, v, page_size, order, kernel)
     expected = KVRows(k, v, torch.arange(length)[None]).attend(q, q_pos)
-    torch.testing.assert_close(paged.attend(q, q_pos), expected, rtol=1e-12, atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        torch.testing.assert_close(paged.attend(q, q_pos), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_flex_blocks_are_the_pages_each_row_sees(page_size):
+    """On the CPU FlexAttention applies only the mask function; its CUDA kernel reads only the
+    listed blocks and skips the mask on full ones. So: full blocks are exactly the pages a row's
+    query sees whole, and full and partial ones together every page it sees any key of."""
+    rows, length = 3, 40
+    k = v = torch.zeros(rows, length, 1, 4)
+    order = [(r, end) for end in range(page_size, length + page_size, page_size) for r in (1, 2, 0)]
+    paged = paged_copy(k, v, page_size, order)
+    q_pos = torch.tensor([[39], [16], [0]])
+    mask = paged.block_mask(q_pos)
+    table = paged.pages
+    for row in range(rows):
+        key_pos = table.first[:, None] + torch.arange(page_size)
+        seen = ((table.owner == row)[:, None] & (key_pos <= q_pos[row, 0])).sum(1)
+        listed = {int(p) for p in mask.full_kv_indices[row, 0, 0, : mask.full_kv_num_blocks[row, 0, 0]]}
+        partial = {int(p) for p in mask.kv_indices[row, 0, 0, : mask.kv_num_blocks[row, 0, 0]]}
+        assert listed == set((seen == page_size).nonzero()[:, 0].tolist())
+        assert listed | partial == set((seen > 0).nonzero()[:, 0].tolist())
 
 
 def test_paged_attention_in_bfloat16_is_close_to_float64():
@@ -56,16 +82,21 @@ def test_paged_attention_in_bfloat16_is_close_to_float64():
     torch.testing.assert_close(half.double(), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("path", YOCO, ids=ids(YOCO))
+GENERATIONS = [(p, "torch") for p in YOCO] + [(p, "flex") for p in YOCO if p.stem in ("yoco-u", "upper-loop-no-shared-kv")]
+
+
+@pytest.mark.parametrize("path, kernel", GENERATIONS, ids=[f"{i}-{k}" for i, (_, k) in zip(ids([p for p, _ in GENERATIONS]), GENERATIONS)])
 @torch.no_grad()
-def test_paged_generation_equals_rows(path):
+def test_paged_generation_equals_rows(path, kernel):
     """Ragged prompts, prefilled in chunks that cross page boundaries, then decoded: the same
     tokens and, in float64, the same logits as the cache with a row per position."""
     spec = archlab.load_spec(path)
     model = archlab.build_model(spec, dtype=torch.float64).eval()
     prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 21, 37)]
     rows = Engine(model, prefill_chunk=7).generate(prompts, 6, keep_logits=True)
-    paged = Engine(model, prefill_chunk=7, page_size=8).generate(prompts, 6, keep_logits=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        paged = Engine(model, prefill_chunk=7, page_size=8, page_kernel=kernel).generate(prompts, 6, keep_logits=True)
     assert paged.tokens == rows.tokens
     for got, expected in zip(paged.logits, rows.logits):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
@@ -105,8 +136,8 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
     for page in range(4):  # the pages handed out hold what they were given; the rest went to the spare
         row, first = int(short.pages.owner[page]), int(short.pages.first[page])
         same = enough.pages.table[row, first // 16]
-        torch.testing.assert_close(pool["k"][page], reference["k"][same], rtol=0, atol=0)
-        torch.testing.assert_close(pool["v"][page], reference["v"][same], rtol=0, atol=0)
+        torch.testing.assert_close(pool["k"][:, page], reference["k"][:, same], rtol=0, atol=0)
+        torch.testing.assert_close(pool["v"][:, page], reference["v"][:, same], rtol=0, atol=0)
 
 
 @torch.no_grad()
@@ -120,7 +151,9 @@ def test_going_past_the_capacity_is_named():
         cache.check()
 
 
-def test_paging_asks_for_a_positive_page_size():
+def test_paging_asks_for_a_positive_page_size_and_a_known_kernel():
     model = archlab.build_model(archlab.load_spec(TINY[0].parent / "yoco.yaml"))
     with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
         Engine(model, page_size=0)
+    with pytest.raises(ValueError, match="page_kernel must be one of torch, flex, got 'triton'"):
+        Engine(model, page_size=256, page_kernel="triton")

@@ -9,6 +9,8 @@ import torch
 import archlab
 from archlab.engine import Engine
 from archlab.kv import CacheFull, KVRows, PagedKV, PageTable
+from archlab.spec import load_yaml, validate_spec
+from archlab.train.config import apply_overrides
 from conftest import TINY, ids
 
 YOCO = [p for p in TINY if archlab.build_model(archlab.load_spec(p)).global_kv is not None]
@@ -103,6 +105,20 @@ def test_paged_generation_equals_rows(path, kernel):
     table = paged.cache.pages
     assert int(table.handed) == table.pages == 2 * 6 + 4  # 43, 27 and 43 positions in pages of 8
     assert sorted(table.owner.tolist()) == [-1] + [0] * 6 + [1] * 4 + [2] * 6  # the spare page is nobody's
+
+
+@torch.no_grad()
+def test_parscale_streams_each_get_their_pages():
+    """YOCO with two ParScale streams: a row, and pages, per (sequence, stream)."""
+    path = TINY[0].parent / "yoco-u.yaml"
+    spec = validate_spec(apply_overrides(load_yaml(path), ["parscale.streams=2", "parscale.prefix_len=4"]), path)
+    model = archlab.build_model(spec, dtype=torch.float64).eval()
+    prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 21)]
+    rows = Engine(model, prefill_chunk=7).generate(prompts, 4, keep_logits=True)
+    paged = Engine(model, prefill_chunk=7, page_size=8).generate(prompts, 4, keep_logits=True)
+    assert paged.tokens == rows.tokens
+    torch.testing.assert_close(torch.stack(paged.logits), torch.stack(rows.logits), rtol=1e-12, atol=1e-12)
+    assert int(paged.cache.pages.handed) == 2 * (6 + 4)  # 41 and 25 positions, each stream its own
 
 
 @torch.no_grad()

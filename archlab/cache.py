@@ -109,12 +109,13 @@ class Cache:
         rows = self._rows(sequences)
         if (self.pages is None) != (sub.pages is None):
             raise ValueError("cannot copy sequences between a paged and a contiguous cache")
-        mine, theirs = self._states(), sub._states()
-        if self.pages is not None:
+        if self.pages is None:
+            states = zip(self._states(), sub._states())
+        else:  # pages are copied page by page; the rest row by row
             pools = [(ours[n], pool[n]) for ours, pool in zip(self.global_kv.values(), sub.global_kv.values()) for n in ours]
             self.pages.select(rows).copy_from(sub.pages, pools)
-            mine, theirs = list(self.layers.values()), list(sub.layers.values())
-        for state, other in zip(mine, theirs):
+            states = zip(self.layers.values(), sub.layers.values())
+        for state, other in states:
             for name, tensor in state.items():
                 tensor[rows] = other[name]
 

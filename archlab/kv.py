@@ -43,7 +43,7 @@ class KVRows(NamedTuple):
 
 
 class CacheFull(RuntimeError):
-    """A paged cache ran out of pages."""
+    """A paged cache ran out of pages, or a sequence went past its capacity."""
 
 
 def pages_for(lengths: list[int], page_size: int) -> int:

@@ -15,10 +15,10 @@ from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
+from archlab.ops.attention import append_kv
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
-from archlab.ops.attention import append_kv
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:

@@ -148,12 +148,13 @@ def test_broken_plugin_is_named(tmp_path):
 
 
 def test_generate_streams_text_with_a_notice():
-    result = archlab("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "1",
-                     "--temperature", "0.8", "--top-k", "20")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Hello") and len(result.stdout.encode()) > len("Hello")
-    assert "random weights" in result.stderr
-    assert "12 tokens" in result.stderr and "B global" in result.stderr
+    for paging in ([], ["--page-size", "4"], ["--page-size", "4", "--page-kernel", "flex"]):
+        result = archlab("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "1",
+                         "--temperature", "0.8", "--top-k", "20", *paging)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("Hello") and len(result.stdout.encode()) > len("Hello")
+        assert "random weights" in result.stderr
+        assert "12 tokens" in result.stderr and "B global" in result.stderr
 
 
 def test_bench_json_and_plot(tmp_path):

@@ -9,11 +9,11 @@ import torch
 import archlab
 from archlab.engine import Engine
 from archlab.kv import CacheFull, KVRows, PagedKV, PageTable
-from archlab.spec import load_yaml, validate_spec
+from archlab.spec import YocoLayout, load_yaml, validate_spec
 from archlab.train.config import apply_overrides
-from conftest import TINY, ids
+from conftest import TINY
 
-YOCO = [p for p in TINY if archlab.build_model(archlab.load_spec(p)).global_kv is not None]
+YOCO = [p for p in TINY if isinstance(archlab.load_spec(p).layout, YocoLayout)]
 
 
 def paged_copy(k, v, page_size, order, kernel="torch"):
@@ -87,7 +87,7 @@ def test_paged_attention_in_bfloat16_is_close_to_float64():
 GENERATIONS = [(p, "torch") for p in YOCO] + [(p, "flex") for p in YOCO if p.stem in ("yoco-u", "upper-loop-no-shared-kv")]
 
 
-@pytest.mark.parametrize("path, kernel", GENERATIONS, ids=[f"{i}-{k}" for i, (_, k) in zip(ids([p for p, _ in GENERATIONS]), GENERATIONS)])
+@pytest.mark.parametrize("path, kernel", GENERATIONS, ids=[f"{p.stem}-{k}" for p, k in GENERATIONS])
 @torch.no_grad()
 def test_paged_generation_equals_rows(path, kernel):
     """Ragged prompts, prefilled in chunks that cross page boundaries, then decoded: the same

@@ -177,6 +177,26 @@ def test_mqar_reports_accuracy(tmp_path):
     assert 0.0 <= last["eval_acc"] <= 1.0 and last["eval_loss"] > 0
 
 
+def test_evaluation_runs_in_micro_batches_with_the_same_result(tmp_path):
+    """Evaluation forwards no more sequences at once than a training pass, and sums the same."""
+    import archlab
+    from rich.console import Console
+
+    from archlab.train.trainer import Trainer
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml")
+    task = RecallTask("mqar", spec.vocab_size, 64, seed=0)
+    results, widest = [], []
+    for micro in (8, 2):
+        cfg = TrainConfig.model_validate({"batch_size": 8, "micro_batch_size": micro, "seq_len": 64, "eval_batches": 2})
+        trainer = Trainer(spec, cfg, tmp_path / str(micro), Console(quiet=True))
+        forward = lambda tokens, model=trainer.model: widest.append(len(tokens)) or model(tokens)  # noqa: E731
+        results.append(trainer.evaluate(task, forward))
+    assert widest == [8, 8] + [2] * 8  # 2 eval batches of 8 sequences: a pass each, then 4 passes each
+    assert results[1]["eval_acc"] == results[0]["eval_acc"]
+    assert results[1]["eval_loss"] == pytest.approx(results[0]["eval_loss"], rel=1e-6)
+
+
 def test_mqar_answers_are_the_values_of_earlier_keys():
     task = RecallTask("mqar", 256, 64, seed=0)
     batch = task.batch("train", 3, 4)

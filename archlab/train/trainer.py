@@ -86,6 +86,12 @@ def scored(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tens
     return logits[keep], targets[keep]
 
 
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    """A process's share of a batch, in passes of ``size`` sequences."""
+    parts = (batch.inputs, batch.targets, batch.mask)
+    return [Batch(*(t[i : i + size] if t is not None else None for t in parts)) for i in range(0, len(batch.inputs), size)]
+
+
 def _param_groups(model: Model, weight_decay: float) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
@@ -173,12 +179,12 @@ class Trainer:
         totals = torch.zeros(3, device=self.device)  # loss x count, correct, count
         for i in range(self.cfg.eval_batches):
             batch = data.batch("val", i, self.cfg.batch_size, self.world.rank, self.world.size)
-            with self.autocast:
-                logits, targets = scored(forward(batch.inputs.to(self.device)), batch)
-            loss = F.cross_entropy(logits, targets, reduction="sum")
-            totals[0] += loss
-            totals[1] += (logits.argmax(-1) == targets).sum()
-            totals[2] += len(targets)
+            for part in micro_batches(batch, self.cfg.micro_batch_size):  # no bigger than a training pass
+                with self.autocast:
+                    logits, targets = scored(forward(part.inputs.to(self.device)), part)
+                totals[0] += F.cross_entropy(logits, targets, reduction="sum")
+                totals[1] += (logits.argmax(-1) == targets).sum()
+                totals[2] += len(targets)
         totals = self.world.mean(totals)
         self.model.train()
         loss = (totals[0] / totals[2]).item()
@@ -238,10 +244,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = data.batch("train", step, cfg.batch_size, self.world.rank, self.world.size)
-        micro = cfg.micro_batch_size
         total = torch.zeros((), device=self.device)
-        for i in range(self.accumulation):
-            part = Batch(*(t[i * micro : (i + 1) * micro] if t is not None else None for t in (batch.inputs, batch.targets, batch.mask)))
+        for i, part in enumerate(micro_batches(batch, cfg.micro_batch_size)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
             targets = part.targets if part.mask is None else part.targets.masked_fill(~part.mask, IGNORE)
             with sync, self.autocast:

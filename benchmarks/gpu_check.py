@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import tempfile
 import time
 import traceback
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +82,24 @@ def median_ms(run, device: torch.device, repeats: int = 5) -> float:
     return 1e3 * statistics.median(times)
 
 
-def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, blocks: set[str] | None) -> list[dict]:
+@contextmanager
+def time_limit(seconds: int):
+    """Stop what runs inside after ``seconds`` (a Triton autotune or compile that never ends
+    costs one row, not the device time of the whole check)."""
+    def expire(signum, frame):
+        raise TimeoutError(f"no result within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, blocks: set[str] | None,
+           row_limit_s: int) -> list[dict]:
     from archlab.spec import _resolve_blocks, block_specs
 
     _resolve_blocks()
@@ -106,16 +124,18 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, block
             kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
             kernel.load_state_dict(reference.state_dict())
             eager_flex = backend == "flex" and device.type != "cuda"  # FlexAttention has no CPU backward
+            console.print(f"{row['block']} / {backend} ...")
             try:
-                with torch.no_grad() if eager_flex else nullcontext():
-                    out = kernel(x, causal)
-                row["forward_rel_err"] = relative_error(out, ref_out)
-                if not eager_flex:
-                    (grad,) = torch.autograd.grad(out.float().square().sum(), x)
-                    row["grad_rel_err"] = relative_error(grad, ref_grad)
-                    row["torch_ms"] = ref_ms
-                    row["kernel_ms"] = median_ms(lambda: kernel(x, causal).float().square().sum().backward(), device)
-                row["decode_rel_err"] = decode_parity(reference, kernel, x.detach(), device)
+                with time_limit(row_limit_s):
+                    with torch.no_grad() if eager_flex else nullcontext():
+                        out = kernel(x, causal)
+                    row["forward_rel_err"] = relative_error(out, ref_out)
+                    if not eager_flex:
+                        (grad,) = torch.autograd.grad(out.float().square().sum(), x)
+                        row["grad_rel_err"] = relative_error(grad, ref_grad)
+                        row["torch_ms"] = ref_ms
+                        row["kernel_ms"] = median_ms(lambda: kernel(x, causal).float().square().sum().backward(), device)
+                    row["decode_rel_err"] = decode_parity(reference, kernel, x.detach(), device)
                 worst = max(v for k, v in row.items() if k.endswith("rel_err"))
                 row["status"] = "ok" if worst < TOLERANCE else "MISMATCH"
             except Exception as exc:  # a kernel that cannot run is a finding, not a crash of the check
@@ -294,6 +314,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--row-limit-s", type=int, default=150, help="give up on a parity row after this many seconds")
     args = parser.parse_args()
     began = time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
@@ -308,7 +329,7 @@ def main() -> None:
     flex = ["layout.self_decoder.blocks.0.backend=flex", "layout.cross_decoder.blocks.0.backend=flex"]
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
-                                 set(filter(None, args.blocks.split(",")))),
+                                 set(filter(None, args.blocks.split(","))), args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,

@@ -85,17 +85,24 @@ def median_ms(run, device: torch.device, repeats: int = 5) -> float:
 @contextmanager
 def time_limit(seconds: int):
     """Stop what runs inside after ``seconds`` (a Triton autotune or compile that never ends
-    costs one row, not the device time of the whole check)."""
+    costs one row or section, not the device time of the whole check). Limits nest: an inner
+    one ends no later than the one around it, which runs on afterwards."""
+    outer_left = signal.alarm(0)  # seconds left to an enclosing limit; 0: none
+    limit = min(seconds, outer_left) if outer_left else seconds
+
     def expire(signum, frame):
-        raise TimeoutError(f"no result within {seconds} s")
+        raise TimeoutError(f"no result within {limit} s")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
+    signal.alarm(limit)
+    began = time.monotonic()
     try:
         yield
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        if outer_left:
+            signal.alarm(max(1, round(outer_left - (time.monotonic() - began))))
 
 
 def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, blocks: set[str] | None,
@@ -315,6 +322,7 @@ def main() -> None:
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--row-limit-s", type=int, default=150, help="give up on a parity row after this many seconds")
+    parser.add_argument("--section-limit-s", type=int, default=420, help="give up on a section after this many seconds")
     args = parser.parse_args()
     began = time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
@@ -356,7 +364,8 @@ def main() -> None:
             continue  # CUDA graphs need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
         console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
         try:
-            results[{"eager": "inference_eager", "inference-paged": "inference_paged"}.get(name, name)] = sections[name]()
+            with time_limit(args.section_limit_s):
+                results[{"eager": "inference_eager", "inference-paged": "inference_paged"}.get(name, name)] = sections[name]()
         except Exception:
             results["errors"][name] = traceback.format_exc()
             console.print(results["errors"][name])

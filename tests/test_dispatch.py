@@ -147,6 +147,33 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert {r["status"] for r in report["parity"] if r["backend"] == "flex"} == {"ok"}
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
+    assert {r["spec"] for r in report["inference_paged"] if r["status"] == "ok"} == {"yoco-u"}
+
+
+def test_the_gpu_checks_time_limits_nest():
+    """A section's limit holds around its rows' shorter ones, and a row cannot outlast it."""
+    import sys
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import time_limit
+
+    def spin():
+        while True:
+            sum(range(100))
+
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="within 2 s"):
+        with time_limit(2):
+            with pytest.raises(TimeoutError, match="within 1 s"):
+                with time_limit(1):
+                    spin()
+            spin()
+    assert 1.9 < time.monotonic() - began < 3
+    with pytest.raises(TimeoutError, match="within 1 s"):
+        with time_limit(1):
+            with time_limit(60):
+                spin()
 
 
 def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):

@@ -14,7 +14,8 @@
    decode tokens/s and cache MB per sequence, length by length until memory or the time budget
    runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
    ``inference-paged``: yoco-u again with its global K,V in pages of 256, read by each kernel.
-4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast.
+4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast; ``training-profile``:
+   where a step's kernel time goes (matmuls, attention, the rest) and its heaviest kernels.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
 cut short keeps what it measured. A section that fails records its error and the next one runs.
@@ -38,6 +39,7 @@ from rich.console import Console
 
 import archlab
 from archlab.bench import bench, device_name
+from archlab.cost import Cost, peak_flops
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
 from archlab.kv import PAGE_KERNELS
@@ -243,6 +245,8 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
 def training(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int, overrides: list[str] = (),
              compile: bool = False) -> dict:
     spec = validate_spec(apply_overrides(load_yaml(spec_path), list(overrides)), spec_path)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this section's peak, not an earlier one's
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, 4_000_000).astype(np.uint32)
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp) / "tokens.npy", tokens)
@@ -266,6 +270,62 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
 
 
 TRAINING = ("training", "training-flex", "training-compiled")
+KINDS = {  # fragments of op (CPU) or kernel (CUDA) names -> what the time went to; first match wins
+    "attention": ("attention", "flash", "fmha", "flex"),
+    "matmul": ("mm", "matmul", "linear", "gemm", "xmma", "nvjet"),
+}
+
+
+def kind_of(op: str) -> str:
+    name = op.removeprefix("aten::").lower()
+    return next((kind for kind, parts in KINDS.items() if any(p in name for p in parts)), "other")
+
+
+def training_profile(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int = 2) -> dict:
+    """Where a training step's time goes: the time of each CUDA kernel (of each op, on the CPU)
+    per step, summed into matmuls, attention and the rest, and the heaviest. The step is the
+    trainer's: bf16 autocast on CUDA, the chunked loss, AdamW."""
+    spec = archlab.load_spec(spec_path)
+    torch.manual_seed(0)
+    model = archlab.build_model(spec, device=device)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    tokens, targets = (torch.randint(0, spec.vocab_size, (batch, seq_len), device=device) for _ in range(2))
+
+    def step():
+        with autocast:
+            loss, aux = model(tokens, return_aux=True, targets=targets)
+        (loss + aux).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()  # warm-up
+    sync(device)
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    ms = {}
+    for op in prof.key_averages():  # on CUDA the kernels alone: an op's row repeats its kernels' time
+        if (op.device_type == torch.autograd.DeviceType.CUDA) == cuda:
+            spent = (op.self_device_time_total if cuda else op.self_cpu_time_total) / 1e3 / steps
+            if spent > 0:
+                ms[op.key] = ms.get(op.key, 0.0) + spent
+    total = sum(ms.values())
+    if not total:
+        raise RuntimeError("the profiler recorded no kernel times")
+    by_kind = {kind: sum(t for op, t in ms.items() if kind_of(op) == kind) for kind in (*KINDS, "other")}
+    flops = Cost(spec).train_flops_per_token(seq_len) * batch * seq_len
+    peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
+    return {
+        "spec": spec.name, "tokens_per_step": batch * seq_len, "ms_per_step": total,
+        "mfu_of_device_time": flops / (total / 1e3) / peak if peak else None,
+        "share": {kind: t / total for kind, t in by_kind.items()},
+        "top": sorted(((op, t) for op, t in ms.items()), key=lambda item: -item[1])[:15],
+    }
 
 
 def layout(row: dict) -> str:
@@ -304,6 +364,14 @@ def report(results: dict) -> str:
         lines += [f"| {t['spec']} | {' '.join(t['overrides']) or '-'} | {t['compile']} | {t['tokens_per_step']:,} | {t['tok_s']:,.0f} | "
                   f"{'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | {t['peak_gb'] or 0:.1f} | "
                   f"{t['loss_first_last'][0]:.3f} -> {t['loss_first_last'][1]:.3f} |" for t in trained]
+    if "training_profile" in results:
+        prof = results["training_profile"]
+        mfu = "n/a" if prof["mfu_of_device_time"] is None else format(prof["mfu_of_device_time"], ".1%")
+        lines += ["", f"## Where a training step's time goes ({prof['spec']}, {prof['tokens_per_step']:,} tokens per step)", "",
+                  f"{prof['ms_per_step']:,.1f} ms of op time per step (MFU over that time alone: {mfu}); "
+                  + ", ".join(f"{kind} {share:.0%}" for kind, share in prof["share"].items()), "",
+                  "| op or kernel | ms per step | kind |", "|---|---|---|"]
+        lines += [f"| {op[:90]} | {t:,.2f} | {kind_of(op)} |" for op, t in prof["top"]]
     for name, error in results.get("errors", {}).items():
         lines += ["", f"## {name}: failed", "", "```", error.strip()[-3000:], "```"]
     return "\n".join(lines) + "\n"
@@ -315,7 +383,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
-    parser.add_argument("--sections", default="parity,graphs,paged,training,training-flex,inference,inference-paged,eager,training-compiled")
+    parser.add_argument("--sections", default="parity,graphs,paged,training,training-profile,training-flex,inference,inference-paged,eager,training-compiled")
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
@@ -350,6 +418,7 @@ def main() -> None:
         "training": lambda: training(device, yoco_u, *train),
         "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
+        "training-profile": lambda: training_profile(device, yoco_u, *train[:2]),
     }
     results = {
         "device": device_name(device),
@@ -365,7 +434,7 @@ def main() -> None:
         console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
         try:
             with time_limit(args.section_limit_s):
-                results[{"eager": "inference_eager", "inference-paged": "inference_paged"}.get(name, name)] = sections[name]()
+                results[{"eager": "inference_eager", "inference-paged": "inference_paged", "training-profile": "training_profile"}.get(name, name)] = sections[name]()
         except Exception:
             results["errors"][name] = traceback.format_exc()
             console.print(results["errors"][name])

@@ -208,6 +208,7 @@ def generate(
         err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
     else:
         spec, tokenizer = _load_one(source), None
+        torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
         model = build_model(spec)
         err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
     if tokenizer is None and spec.vocab_size < 256:

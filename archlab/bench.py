@@ -81,7 +81,7 @@ class PeakMemory:
             self.peak = (max(self.high, self._rss()) - self.start) / MB
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -108,10 +108,10 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
     with PeakMemory(engine.device) as peak:
         cache = engine.new_cache(batch, seq_len + 1 + gen)
         prefilled = cache if rows == batch else cache.take(torch.arange(rows, device=engine.device))
-        _sync(engine.device)
+        sync(engine.device)
         start = time.perf_counter()
         logits = engine.prefill(prompts, prefilled)
-        _sync(engine.device)
+        sync(engine.device)
         prefill_s = time.perf_counter() - start
         if prefilled is not cache:
             cache.fill_from(prefilled)
@@ -122,11 +122,11 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
             return engine.decode(tokens, torch.full((batch,), position, device=engine.device), cache)
 
         logits = step(logits, seq_len)  # untimed
-        _sync(engine.device)
+        sync(engine.device)
         start = time.perf_counter()
         for i in range(1, gen + 1):
             logits = step(logits, seq_len + i)
-        _sync(engine.device)
+        sync(engine.device)
         decode_s = time.perf_counter() - start
         cache.check()
     size = cache.bytes_per_sequence()

@@ -84,7 +84,8 @@ class Cache:
             self.pages.reserve(ends, span)
 
     def check(self) -> None:
-        """Raise ``CacheFull`` if a paged cache ran out of pages (a sync with the device)."""
+        """Raise ``CacheFull`` if a paged cache ran out of pages or past its capacity (a sync with
+        the device)."""
         if self.pages is not None:
             self.pages.check()
 

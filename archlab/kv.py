@@ -62,7 +62,7 @@ class PageTable:
                  kernel: str = "torch"):
         """``kernel``: how a decoding step reads the pages, ``torch`` (split by page, batched
         matmuls) or ``flex`` (FlexAttention)."""
-        self.page_size, self.pages, self.spare, self.capacity, self.kernel = page_size, pages, pages, capacity, kernel
+        self.page_size, self.pages, self.capacity, self.kernel = page_size, pages, capacity, kernel
         width = -(-capacity // page_size)
         with torch.device(device):
             self.rows = torch.arange(rows)  # the rows of the table this view covers
@@ -72,6 +72,11 @@ class PageTable:
             self.first = torch.zeros(pages + 1, dtype=torch.long)  # pool page -> its first position
             self.handed = torch.zeros((), dtype=torch.long)  # pages handed out (asked for, past the pool too)
             self.overrun = torch.zeros((), dtype=torch.bool)  # a position past the capacity was asked for
+
+    @property
+    def spare(self) -> int:
+        """The pool page past the last: it takes the writes the pool had no page for, never read."""
+        return self.pages
 
     @property
     def width(self) -> int:
@@ -113,11 +118,13 @@ class PageTable:
                 f" needed {handed}. Make the cache with more pages (pages={handed} or more)"
             )
 
-    def write(self, pool: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """pool [Hkv, pages + 1, page_size, Dh] at the rows' positions [rows or 1, N] = values [rows, N, Hkv, Dh]."""
+    def write(self, positions: torch.Tensor, *pools: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """For each (pool [Hkv, pages + 1, page_size, Dh], values [rows, N, Hkv, Dh]): the pool at
+        the rows' positions [rows or 1, N] = the values. The slots are found once for all pools."""
         positions = positions.expand(len(self.rows), -1)
-        page = self.table[self.rows].gather(1, positions // self.page_size)
-        pool[:, page, positions % self.page_size] = values.movedim(2, 0).to(pool.dtype)
+        page, slot = self.table[self.rows].gather(1, positions // self.page_size), positions % self.page_size
+        for pool, values in pools:
+            pool[:, page, slot] = values.movedim(2, 0).to(pool.dtype)
 
     def copy_from(self, source: PageTable, pools: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Give this view's rows copies of ``source``'s rows' pages: (ours, theirs) per pool."""

@@ -77,8 +77,7 @@ class GlobalKV(nn.Module):
             return KVRows(k, v, positions)
         if pages is None:
             return KVRows(*append_kv(state, positions, k, v))
-        pages.write(state["k"], positions, k)
-        pages.write(state["v"], positions, v)
+        pages.write(positions, (state["k"], k), (state["v"], v))
         return PagedKV(state["k"], state["v"], pages)
 
 

@@ -38,7 +38,7 @@ import torch
 from rich.console import Console
 
 import archlab
-from archlab.bench import bench, device_name
+from archlab.bench import bench, device_name, sync
 from archlab.cost import Cost, peak_flops
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
@@ -65,11 +65,6 @@ PARITY = [
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_ms(run, device: torch.device, repeats: int = 5) -> float:
@@ -243,21 +238,29 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
 
 
 def training(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int, overrides: list[str] = (),
-             compile: bool = False) -> dict:
+             compile: bool = False, profile_steps: int = 0) -> dict:
+    """Tokens/s and MFU of the trainer, past its first half of steps. With ``profile_steps``, the
+    last that many steps run under the profiler, and the result says where their time went."""
     spec = validate_spec(apply_overrides(load_yaml(spec_path), list(overrides)), spec_path)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this section's peak, not an earlier one's
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, 4_000_000).astype(np.uint32)
-    with tempfile.TemporaryDirectory() as tmp:
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    profiler = torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=steps - profile_steps - 1, warmup=1, active=profile_steps)
+    ) if profile_steps else nullcontext()
+    with tempfile.TemporaryDirectory() as tmp, profiler:
         np.save(Path(tmp) / "tokens.npy", tokens)
         cfg = TrainConfig.model_validate({
             "steps": steps, "batch_size": batch, "micro_batch_size": batch, "seq_len": seq_len, "log_interval": 1,
             "eval_interval": 10_000, "checkpoint_interval": 10_000, "data": {"source": str(Path(tmp) / "tokens.npy")},
             "compile": compile,
         })
-        records = Trainer(spec, cfg, Path(tmp) / "run", console).fit(steps)
+        on_step = (lambda *_: profiler.step()) if profile_steps else None
+        records = Trainer(spec, cfg, Path(tmp) / "run", console).fit(steps, on_step=on_step)
     measured = records[len(records) // 2 :]  # past warm-up
-    return {
+    result = {
         "spec": spec.name,
         "overrides": list(overrides),
         "compile": compile,
@@ -267,6 +270,10 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
         "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
+    if profile_steps:
+        flops = Cost(spec).train_flops_per_token(seq_len) * batch * seq_len
+        result.update(where_time_went(profiler, profile_steps, flops, device))
+    return result
 
 
 TRAINING = ("training", "training-flex", "training-compiled")
@@ -281,35 +288,12 @@ def kind_of(op: str) -> str:
     return next((kind for kind, parts in KINDS.items() if any(p in name for p in parts)), "other")
 
 
-def training_profile(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int = 2) -> dict:
-    """Where a training step's time goes: the time of each CUDA kernel (of each op, on the CPU)
-    per step, summed into matmuls, attention and the rest, and the heaviest. The step is the
-    trainer's: bf16 autocast on CUDA, the chunked loss, AdamW."""
-    spec = archlab.load_spec(spec_path)
-    torch.manual_seed(0)
-    model = archlab.build_model(spec, device=device)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    tokens, targets = (torch.randint(0, spec.vocab_size, (batch, seq_len), device=device) for _ in range(2))
-
-    def step():
-        with autocast:
-            loss, aux = model(tokens, return_aux=True, targets=targets)
-        (loss + aux).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(2):
-        step()  # warm-up
-    sync(device)
+def where_time_went(profiler, steps: int, flops_per_step: int, device: torch.device) -> dict:
+    """The time of each CUDA kernel (of each op, on the CPU) per profiled step, summed into
+    matmuls, attention and the rest, the heaviest, and the MFU over that time alone."""
     cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        sync(device)
     ms = {}
-    for op in prof.key_averages():  # on CUDA the kernels alone: an op's row repeats its kernels' time
+    for op in profiler.key_averages():  # on CUDA the kernels alone: an op's row repeats its kernels' time
         if (op.device_type == torch.autograd.DeviceType.CUDA) == cuda:
             spent = (op.self_device_time_total if cuda else op.self_cpu_time_total) / 1e3 / steps
             if spent > 0:
@@ -318,13 +302,12 @@ def training_profile(device: torch.device, spec_path: str, batch: int, seq_len: 
     if not total:
         raise RuntimeError("the profiler recorded no kernel times")
     by_kind = {kind: sum(t for op, t in ms.items() if kind_of(op) == kind) for kind in (*KINDS, "other")}
-    flops = Cost(spec).train_flops_per_token(seq_len) * batch * seq_len
     peak = peak_flops(torch.cuda.get_device_name(device)) if cuda else None
     return {
-        "spec": spec.name, "tokens_per_step": batch * seq_len, "ms_per_step": total,
-        "mfu_of_device_time": flops / (total / 1e3) / peak if peak else None,
+        "ms_per_step": total,
+        "mfu_of_device_time": flops_per_step / (total / 1e3) / peak if peak else None,
         "share": {kind: t / total for kind, t in by_kind.items()},
-        "top": sorted(((op, t) for op, t in ms.items()), key=lambda item: -item[1])[:15],
+        "top": sorted(ms.items(), key=lambda item: -item[1])[:15],
     }
 
 
@@ -418,7 +401,7 @@ def main() -> None:
         "training": lambda: training(device, yoco_u, *train),
         "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
-        "training-profile": lambda: training_profile(device, yoco_u, *train[:2]),
+        "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
     }
     results = {
         "device": device_name(device),

@@ -28,8 +28,7 @@ def paged_copy(k, v, page_size, order, kernel="torch"):
         ends[row] = end
         table.reserve(ends, span=length)
     positions = torch.arange(length)[None].expand(rows, -1)
-    table.write(pool_k, positions, k)
-    table.write(pool_v, positions, v)
+    table.write(positions, (pool_k, k), (pool_v, v))
     return PagedKV(pool_k, pool_v, table)
 
 

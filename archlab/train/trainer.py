@@ -193,9 +193,12 @@ class Trainer:
             record["eval_acc"] = (totals[1] / totals[2]).item()
         return record
 
-    def fit(self, steps: int, resume: bool = False, on_eval: Callable[[int, dict], None] | None = None) -> list[dict]:
+    def fit(self, steps: int, resume: bool = False, on_eval: Callable[[int, dict], None] | None = None,
+            on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
         """Train to ``steps``; return the logged records. ``on_eval(step, record)`` sees every
-        evaluation (a study reports it to its pruner, which may stop the run by raising)."""
+        evaluation (a study reports it to its pruner, which may stop the run by raising);
+        ``on_step(step, record)`` every training step as it ends, before any evaluation or
+        checkpoint (a profiler's step marker, say)."""
         start = self._start_run_dir(resume)
         data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
         if self.world.main:
@@ -223,6 +226,8 @@ class Trainer:
                 if self.peak:
                     record["mfu"] = self.flops_per_step / elapsed / self.peak
                 done = step + 1
+                if on_step is not None:
+                    on_step(done, record)
                 if done % self.cfg.eval_interval == 0 or done == steps:
                     record.update(self.evaluate(data, forward))
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:

@@ -14,7 +14,9 @@
    decode tokens/s and cache MB per sequence, length by length until memory or the time budget
    runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
    ``inference-paged``: yoco-u again with its global K,V in pages of 256, read by each kernel.
-4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast; ``training-profile``:
+4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast, on SDPA (``training``),
+   with the window on fla's kernel (``training-fla``) or both attentions on FlexAttention
+   (``training-flex``), with each layer compiled (``training-compiled``); ``training-profile``:
    where a step's kernel time goes (matmuls, attention, the rest) and its heaviest kernels.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
@@ -43,7 +45,7 @@ from archlab.cost import Cost, peak_flops
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
 from archlab.kv import PAGE_KERNELS
-from archlab.ops.dispatch import installed
+from archlab.ops.dispatch import installed, runs_on
 from archlab.spec import load_yaml, validate_spec
 from archlab.train.config import TrainConfig, apply_overrides
 from archlab.train.trainer import Trainer
@@ -58,8 +60,8 @@ PARITY = [
     ({"type": "retnet", "n_heads": 4}, ["fla"]),
     ({"type": "retnet", "n_heads": 4, "gated": True}, ["fla"]),
     ({"type": "mamba2", "d_state": 64, "head_dim": 64, "chunk_size": 64}, ["mamba_ssm", "fla"]),
-    ({"type": "swa", "window": 128, "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "flex"]),
-    ({"type": "attention", "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "flex"]),
+    ({"type": "swa", "window": 128, "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "fla", "flex"]),
+    ({"type": "attention", "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "fla", "flex"]),
 ]
 
 
@@ -122,7 +124,7 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, block
         ref_ms = median_ms(lambda: reference(x, causal).float().square().sum().backward(), device)
         for backend in backends:
             row = {"block": fields["type"] + (" gated" if fields.get("gated") else ""), "backend": backend}
-            if not installed(backend) or (device.type != "cuda" and backend != "flex"):
+            if not installed(backend) or not runs_on(backend, device.type):
                 rows.append({**row, "status": "skipped (not available here)"})
                 continue
             kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
@@ -276,9 +278,9 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
     return result
 
 
-TRAINING = ("training", "training-flex", "training-compiled")
+TRAINING = ("training", "training-flex", "training-fla", "training-compiled")
 KINDS = {  # fragments of op (CPU) or kernel (CUDA) names -> what the time went to; first match wins
-    "attention": ("attention", "flash", "fmha", "flex"),
+    "attention": ("attention", "attn", "flash", "fmha", "flex"),
     "matmul": ("mm", "matmul", "linear", "gemm", "xmma", "nvjet"),
 }
 
@@ -366,7 +368,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
-    parser.add_argument("--sections", default="parity,graphs,paged,training,training-profile,training-flex,inference,inference-paged,eager,training-compiled")
+    parser.add_argument("--sections", default="parity,graphs,paged,training,training-profile,training-fla,training-flex,inference,inference-paged,eager,"
+                                              "training-compiled")
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
@@ -386,6 +389,7 @@ def main() -> None:
     yoco_u = str(folder / "yoco-u.yaml")
     train = (4, 64, 6) if smoke else (args.train_batch, 2048, 16)  # batch, seq_len, steps
     flex = ["layout.self_decoder.blocks.0.backend=flex", "layout.cross_decoder.blocks.0.backend=flex"]
+    fla_window = ["layout.self_decoder.blocks.0.backend=fla"]  # the cross-decoder's full causal attention stays on SDPA's flash kernel
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  set(filter(None, args.blocks.split(","))), args.row_limit_s),
@@ -400,6 +404,7 @@ def main() -> None:
                                    512 if smoke else 65536, False, chunk),
         "training": lambda: training(device, yoco_u, *train),
         "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
+        "training-fla": lambda: training(device, yoco_u, *train, overrides=fla_window),
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
         "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
     }
@@ -412,8 +417,8 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.sections.split(","):
-        if smoke and name in ("graphs", "paged", "training-flex", "training-compiled"):
-            continue  # CUDA graphs need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
+        if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled"):
+            continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
         console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
         try:
             with time_limit(args.section_limit_s):

@@ -7,7 +7,9 @@
 #   rm -rf build && pip wheel --no-deps --no-build-isolation -w .whl .
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions \
-#       fla-core==0.6.0 flash-linear-attention==0.6.0
+#       fla-core==0.6.0 flash-linear-attention==0.6.0 einops
+#   MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip wheel --no-deps --no-build-isolation -w .whl mamba-ssm==2.3.2.post1
+# (mamba-ssm without its CUDA extensions, which need a toolkit: archlab calls only its Triton kernels)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
@@ -15,6 +17,11 @@ shift || true
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/archlab-site .whl/*.whl
     export PYTHONPATH=/tmp/archlab-site
+    if [ -d /tmp/archlab-site/mamba_ssm ] && ! python3 -c "import selective_scan_cuda" 2>/dev/null; then
+        # mamba-ssm's package imports Mamba1's CUDA scan, which archlab never calls and a build
+        # without extensions lacks: a stand-in lets the Triton kernels load
+        echo '"""Stand-in for mamba-ssm'"'"'s Mamba1 CUDA scan, not built here."""' > /tmp/archlab-site/selective_scan_cuda.py
+    fi
     PY=python3
 else
     python3 -m venv --system-site-packages .venv-gpu

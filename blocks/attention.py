@@ -15,7 +15,7 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
-from archlab.ops.attention import (ATTENTION_KERNELS, append_kv, attend, attention_pairs, band_mask, causal_attention,
+from archlab.ops.attention import (ATTENTION_AUTO, ATTENTION_KERNELS, append_kv, attend, attention_pairs, band_mask, causal_attention,
                                    local_attend, with_prefix, write_rows)
 from archlab.ops.dispatch import choose
 from archlab.rope import Rotary
@@ -28,7 +28,7 @@ class AttentionSpec(BlockSpec):
     n_heads: PositiveInt = 8
     n_kv_heads: PositiveInt | None = None  # None: as many as n_heads (no GQA)
     head_dim: PositiveInt | None = None  # None: d_model // n_heads
-    backend: Literal["auto", "torch", "flash_attn", "flex"] = "auto"  # of whole-sequence (training) attention
+    backend: Literal["auto", "torch", "flash_attn", "fla", "flex"] = "auto"  # of whole-sequence (training) attention
 
     grows_kv_cache: ClassVar[bool] = True
     shares_kv: ClassVar[bool] = True
@@ -121,7 +121,7 @@ class SelfAttention(nn.Module):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
         if inp.causal and prefix is None:
-            backend = choose("attention", self.backend, ATTENTION_KERNELS, x.device.type)
+            backend = choose("attention", self.backend, ATTENTION_KERNELS, x.device.type, ATTENTION_AUTO)
             out = causal_attention(q, k, v, inp.positions, self.window, backend)
         elif self.window is None or n == 1:
             out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, self.window), prefix))

@@ -11,13 +11,13 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
 from archlab.ops.dispatch import choose
-from archlab.ops.attention import ATTENTION_KERNELS, attention_pairs, causal_attention
+from archlab.ops.attention import ATTENTION_AUTO, ATTENTION_KERNELS, attention_pairs, causal_attention
 
 
 class CrossAttentionSpec(BlockSpec):
     type: Literal["cross_attention"]
     n_heads: PositiveInt | None = None  # None: d_model // the global head_dim
-    backend: Literal["auto", "torch", "flash_attn", "flex"] = "auto"  # of whole-sequence (training) attention
+    backend: Literal["auto", "torch", "flash_attn", "fla", "flex"] = "auto"  # of whole-sequence (training) attention
 
     reads_global_kv: ClassVar[bool] = True
     keeps_state: ClassVar[bool] = False
@@ -68,7 +68,7 @@ class CrossAttention(nn.Module):
             q = self.rotary(q, inp.positions)
         if inp.causal:
             k, v, _ = inp.global_kv
-            backend = choose("cross_attention", self.backend, ATTENTION_KERNELS, x.device.type)
+            backend = choose("cross_attention", self.backend, ATTENTION_KERNELS, x.device.type, ATTENTION_AUTO)
             out = causal_attention(q, k, v, inp.positions, None, backend)
         else:
             out = inp.global_kv.attend(q, inp.positions)

@@ -8,7 +8,7 @@ import torch
 import archlab
 import archlab.ops.dispatch as dispatch
 from archlab.block import BuildContext, MixerInput
-from archlab.ops.attention import band_block_mask
+from archlab.ops.attention import ATTENTION_AUTO, ATTENTION_KERNELS, band_block_mask
 from archlab.ops.dispatch import BackendError, Kernels, choose, kernel
 from archlab.ops.ssd import selective_state_update
 from blocks.attention import AttentionSpec
@@ -40,8 +40,9 @@ def test_auto_takes_an_installed_kernel_on_cuda(packages):
     assert choose("mamba2", "fla", ("mamba_ssm", "fla"), "cuda", auto=("mamba_ssm",)) == "fla"
     packages.add("mamba_ssm")
     assert choose("mamba2", "auto", ("mamba_ssm", "fla"), "cuda", auto=("mamba_ssm",)) == "mamba_ssm"
-    with pytest.warns(UserWarning, match="flash-attn"):  # flex is there, but auto never picks it
-        assert choose("swa", "auto", ("flash_attn", "flex"), "cuda") == "torch"
+    with pytest.warns(UserWarning, match=r"swa: no CUDA kernel package installed \(flash-attn\)"):
+        assert choose("swa", "auto", ATTENTION_KERNELS, "cuda", ATTENTION_AUTO) == "torch"  # fla and flex only when named
+    assert choose("swa", "fla", ATTENTION_KERNELS, "cuda", ATTENTION_AUTO) == "fla"
 
 
 def test_auto_falls_back_on_cuda_with_a_notice(packages):

@@ -1,5 +1,5 @@
 """Softmax attention on sequence-first tensors [B, N, H, Dh]: masks by position, SDPA with GQA,
-the training kernels (flash-attn, FlexAttention), blockwise sliding windows, and K,V rows.
+the training kernels (flash-attn, fla, FlexAttention), blockwise sliding windows, and K,V rows.
 
 Shared by the attention blocks, the cross-decoder and the model's global K,V.
 """
@@ -11,7 +11,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-ATTENTION_KERNELS = ("flash_attn", "flex")  # backends for whole-sequence (training) attention
+ATTENTION_KERNELS = ("flash_attn", "fla", "flex")  # backends for whole-sequence (training) attention
+ATTENTION_AUTO = ("flash_attn",)  # those ``auto`` takes: fla's and FlexAttention's speed is still to be measured
 
 
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -60,6 +61,10 @@ def causal_attention(q, k, v, positions, window: int | None, backend: str) -> to
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+    if backend == "fla":  # Triton; a window skips the key blocks outside it, with no mask in memory
+        from fla.ops.attn import parallel_attn
+
+        return parallel_attn(q, k, v, window_size=window)
     if backend == "flex":
         return flex_causal(q, k, v, window)
     return attend(q, k, v, None) if window is None else local_attend(q, k, v, positions, positions, window)

@@ -55,6 +55,11 @@ def installed(backend: str) -> bool:
     return importlib.util.find_spec(PACKAGES[backend][0]) is not None
 
 
+def runs_on(backend: str, device_type: str) -> bool:
+    """PyTorch's ops and FlexAttention run anywhere; the kernel packages on CUDA devices."""
+    return backend in ("torch", "flex") or device_type == "cuda"
+
+
 @cache
 def _notice(block: str, kernels: tuple[str, ...]) -> None:
     packages = ", ".join(PACKAGES[k][1] for k in kernels if k in PACKAGES) or "none"
@@ -87,7 +92,7 @@ def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: st
             f"{block}: backend {requested!r} needs the {package} package ({module}), which is not installed;"
             " pip install 'archlab[cuda]' on a CUDA machine, or use backend: auto"
         )
-    if requested != "flex" and device_type != "cuda":
+    if not runs_on(requested, device_type):
         raise BackendError(f"{block}: backend {requested!r} runs on CUDA devices only; this model is on {device_type}")
     return requested
 

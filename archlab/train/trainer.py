@@ -115,6 +115,9 @@ class Trainer:
         self.accumulation = per_process // cfg.micro_batch_size
         torch.manual_seed(cfg.seed)
         self.model = build_model(spec, device=self.device)
+        if cfg.compile:  # layer by layer: the layers share compiled code, so this costs a layer or two to compile, not the unrolled model
+            for layer in self.model.layers:
+                layer.compile()
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.optimizer.weight_decay),
             lr=cfg.optimizer.lr,
@@ -174,14 +177,14 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, data, forward) -> dict:
+    def evaluate(self, data) -> dict:
         self.model.eval()
         totals = torch.zeros(3, device=self.device)  # loss x count, correct, count
         for i in range(self.cfg.eval_batches):
             batch = data.batch("val", i, self.cfg.batch_size, self.world.rank, self.world.size)
             for part in micro_batches(batch, self.cfg.micro_batch_size):  # no bigger than a training pass
                 with self.autocast:
-                    logits, targets = scored(forward(part.inputs.to(self.device)), part)
+                    logits, targets = scored(self.model(part.inputs.to(self.device)), part)
                 totals[0] += F.cross_entropy(logits, targets, reduction="sum")
                 totals[1] += (logits.argmax(-1) == targets).sum()
                 totals[2] += len(targets)
@@ -209,7 +212,6 @@ class Trainer:
         model = self.model
         if self.world.size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        forward = torch.compile(model) if self.cfg.compile else model
         last_saved = checkpoint.checkpoints(self.run_dir)[-1] if resume else None
         records: list[dict] = []
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
@@ -217,7 +219,7 @@ class Trainer:
             task = progress.add_task("train", total=steps, completed=start, status="")
             for step in range(start, steps):
                 began = time.perf_counter()
-                record = self._step(step, steps, data, model, forward)
+                record = self._step(step, steps, data, model)
                 if not math.isfinite(record["loss"]):
                     kept = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint had been written"
                     raise TrainError(f"loss became {record['loss']} at step {step + 1}; training stopped, {kept}")
@@ -229,7 +231,7 @@ class Trainer:
                 if on_step is not None:
                     on_step(done, record)
                 if done % self.cfg.eval_interval == 0 or done == steps:
-                    record.update(self.evaluate(data, forward))
+                    record.update(self.evaluate(data))
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:
                     self._log(record)
                     records.append(record)
@@ -243,7 +245,7 @@ class Trainer:
                 progress.update(task, completed=done, status=status)
         return records
 
-    def _step(self, step: int, steps: int, data, model, forward) -> dict:
+    def _step(self, step: int, steps: int, data, model) -> dict:
         cfg = self.cfg
         lr = cfg.optimizer.lr * lr_factor(step, steps, cfg)
         for group in self.optimizer.param_groups:
@@ -254,7 +256,7 @@ class Trainer:
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
             targets = part.targets if part.mask is None else part.targets.masked_fill(~part.mask, IGNORE)
             with sync, self.autocast:
-                loss, aux = forward(part.inputs.to(self.device), return_aux=True, targets=targets.to(self.device))
+                loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=targets.to(self.device))
                 ((loss + aux) / self.accumulation).backward()
             total += loss.detach() / self.accumulation
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))

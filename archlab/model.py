@@ -16,6 +16,7 @@ from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
 from archlab.ops.attention import append_kv
+from archlab.ops.dispatch import Kernels
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
@@ -99,6 +100,18 @@ class Model(nn.Module):
         self.apply(self._init)
         if spec.tie_embeddings:
             self.head.weight = self.embed.weight
+
+    def compile_layers(self) -> None:
+        """``torch.compile`` each layer: layers of a kind share compiled code, so this costs a layer
+        or two to compile, not the unrolled model (as torchtitan does). The blocks' kernels are
+        chosen first, for the device the model is on: choosing imports them, which a trace cannot
+        follow, and each layer's graph would be split there."""
+        device = next(self.parameters()).device
+        for module in self.modules():
+            if isinstance(getattr(module, "kernels", None), Kernels):
+                module.kernels(device)
+        for layer in self.layers:
+            layer.compile()
 
     def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

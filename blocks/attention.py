@@ -15,9 +15,8 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
-from archlab.ops.attention import (ATTENTION_AUTO, ATTENTION_KERNELS, append_kv, attend, attention_pairs, band_mask, causal_attention,
-                                   local_attend, with_prefix, write_rows)
-from archlab.ops.dispatch import choose
+from archlab.ops.attention import append_kv, attend, attention_pairs, band_mask, causal_kernels, local_attend, with_prefix, write_rows
+from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
 
 
@@ -51,7 +50,7 @@ class AttentionSpec(BlockSpec):
             problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}")
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size(), backend=self.backend)
+        return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size(), kernels=causal_kernels(self.type, self.backend))
 
     def prefix_len(self, ctx: BuildContext) -> int:
         return ctx.prefix_len if ctx.streams > 1 else 0
@@ -75,10 +74,10 @@ class AttentionSpec(BlockSpec):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None, backend: str):
+    def __init__(self, ctx: BuildContext, heads: int, kv_heads: int, head_dim: int, window: int | None, kernels: Kernels):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window = heads, kv_heads, head_dim, window
-        self.backend = backend
+        self.kernels = kernels  # of whole-sequence (training) attention
         self.qkv_proj = nn.Linear(ctx.d_model, (heads + 2 * kv_heads) * head_dim, bias=False)  # one matmul for q, k, v
         self.o_proj = nn.Linear(heads * head_dim, ctx.d_model, bias=False)
         self.rotary = Rotary(head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
@@ -121,8 +120,7 @@ class SelfAttention(nn.Module):
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
         if inp.causal and prefix is None:
-            backend = choose("attention", self.backend, ATTENTION_KERNELS, x.device.type, ATTENTION_AUTO)
-            out = causal_attention(q, k, v, inp.positions, self.window, backend)
+            out = self.kernels(x.device)["causal_attention"](q, k, v, inp.positions, self.window)
         elif self.window is None or n == 1:
             out = attend(*with_prefix(q, k, v, band_mask(inp.positions, k_pos, self.window), prefix))
         else:

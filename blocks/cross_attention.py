@@ -10,8 +10,8 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
 from archlab.rope import Rotary
-from archlab.ops.dispatch import choose
-from archlab.ops.attention import ATTENTION_AUTO, ATTENTION_KERNELS, attention_pairs, causal_attention
+from archlab.ops.attention import attention_pairs, causal_kernels
+from archlab.ops.dispatch import Kernels
 
 
 class CrossAttentionSpec(BlockSpec):
@@ -36,7 +36,7 @@ class CrossAttentionSpec(BlockSpec):
             )
 
     def build(self, ctx: BuildContext) -> nn.Module:
-        return CrossAttention(ctx, self.heads(ctx), self.backend)
+        return CrossAttention(ctx, self.heads(ctx), causal_kernels(self.type, self.backend))
 
     def params(self, ctx: BuildContext) -> int:
         return 2 * ctx.d_model * self.heads(ctx) * ctx.global_head_dim
@@ -50,9 +50,9 @@ class CrossAttentionSpec(BlockSpec):
 
 
 class CrossAttention(nn.Module):
-    def __init__(self, ctx: BuildContext, heads: int, backend: str):
+    def __init__(self, ctx: BuildContext, heads: int, kernels: Kernels):
         super().__init__()
-        self.backend = backend
+        self.kernels = kernels  # of whole-sequence (training) attention
         self.heads, self.head_dim = heads, ctx.global_head_dim
         self.q_proj = nn.Linear(ctx.d_model, heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(heads * self.head_dim, ctx.d_model, bias=False)
@@ -68,8 +68,7 @@ class CrossAttention(nn.Module):
             q = self.rotary(q, inp.positions)
         if inp.causal:
             k, v, _ = inp.global_kv
-            backend = choose("cross_attention", self.backend, ATTENTION_KERNELS, x.device.type, ATTENTION_AUTO)
-            out = causal_attention(q, k, v, inp.positions, None, backend)
+            out = self.kernels(x.device)["causal_attention"](q, k, v, inp.positions, None)
         else:
             out = inp.global_kv.attend(q, inp.positions)
         return self.o_proj(out.reshape(batch, n, self.heads * self.head_dim))

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 import archlab
 import archlab.ops.dispatch as dispatch
 from archlab.engine import Engine
-from archlab.ops.attention import attend, local_attend
 from archlab.spec import load_yaml, validate_spec
 from archlab.train.config import apply_overrides
 from conftest import ROOT
@@ -37,7 +36,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning:triton"),  # NumPy on the lanes a kernel masks out
 ]
 PACKAGES = ("fla", "mamba_ssm")
-KERNEL_OPS = sorted((backend, op) for backend, op in {*dispatch.KERNELS, *dispatch.ADAPTERS} if backend in PACKAGES)
+KERNEL_OPS = sorted((backend, op) for backend, op in {*dispatch.KERNELS, *dispatch.ADAPTERS}  # those archlab calls
+                    if backend in PACKAGES and ("torch", op) in dispatch.KERNELS)
 FORWARD_ONLY = {  # no backward in the package; archlab only decodes with them
     ("fla", "fused_recurrent_gated_delta_rule"),
     ("mamba_ssm", "selective_state_update"),
@@ -97,11 +97,14 @@ def interpreted(monkeypatch):
     dispatch.installed.cache_clear()
 
 
-def op_inputs(op: str, T: int = 37, B: int = 2) -> dict:
+def op_inputs(op: str, T: int = 37, B: int = 2, window: int | None = 16) -> dict:
     """Inputs in realistic ranges (l2-normalised keys, negative log-decays, sigmoid betas), with
-    an initial state, asking for the final one."""
+    an initial state, asking for the final one; attention with GQA and a ``window``."""
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    if op == "causal_attention":
+        return dict(q=r(B, 3 * T, 4, 32), k=r(B, 3 * T, 2, 32), v=r(B, 3 * T, 2, 32), positions=torch.arange(3 * T)[None],
+                    window=window)
     if op == "mamba_chunk_scan_combined":
         h, p, n = 4, 8, 16
         return dict(x=r(B, T, h, p), dt=r(B, T, h) - 1, A=-torch.exp(r(h)), B=r(B, T, 2, n), C=r(B, T, 2, n), chunk_size=16,
@@ -124,24 +127,21 @@ def op_inputs(op: str, T: int = 37, B: int = 2) -> dict:
 
 def run_op(backend: str, op: str, inputs: dict, backward: bool):
     """Outputs, and the gradients of every float input under one fixed weighting of them."""
-    leaves = {k: v.clone().requires_grad_(backward) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    leaves = {k: v.clone().requires_grad_(backward) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
     out = dispatch.kernel(backend, op)(**leaves)
     out = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
     if not backward:
         return out, {}
     gen = torch.Generator().manual_seed(1)
     sum(t.float().mul(torch.randn(t.shape, generator=gen)).sum() for t in out).backward()
-    return out, {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor)}
+    return out, {k: v.grad for k, v in leaves.items() if torch.is_tensor(v) and v.is_floating_point()}
 
 
-@pytest.mark.parametrize("backend, op", KERNEL_OPS, ids=[f"{b}-{op}" for b, op in KERNEL_OPS])
-def test_every_kernel_equals_archlabs_op(interpreted, backend, op):
-    interpreted(backend)
-    inputs = op_inputs(op)
+def assert_same_as_torch(backend: str, op: str, inputs: dict) -> None:
     backward = (backend, op) not in FORWARD_ONLY
     out, grads = run_op(backend, op, inputs, backward)
     ref_out, ref_grads = run_op("torch", op, inputs, backward)
-    assert len(out) == len(ref_out) == 2  # the output and the final state
+    assert len(out) == len(ref_out) == (1 if op == "causal_attention" else 2)  # the output (and the final state)
     for a, b in zip(out, ref_out):
         torch.testing.assert_close(a.float(), b.float(), **F32)
     assert grads.keys() == ref_grads.keys()
@@ -150,24 +150,18 @@ def test_every_kernel_equals_archlabs_op(interpreted, backend, op):
         torch.testing.assert_close(grads[name], ref_grads[name], **F32, msg=lambda m: f"d{name}: {m}")
 
 
-@pytest.mark.parametrize("window", [None, 1, 16, 40])
-def test_fla_parallel_attention_equals_the_torch_path(interpreted, window):
-    """fla's attention kernel (``backend: fla`` of attention, swa and cross_attention) with GQA,
-    a window that is a block, less than one, or several, against the PyTorch path."""
-    interpreted("fla")
-    from fla.ops.attn import parallel_attn
+@pytest.mark.parametrize("backend, op", KERNEL_OPS, ids=[f"{b}-{op}" for b, op in KERNEL_OPS])
+def test_every_kernel_equals_archlabs_op(interpreted, backend, op):
+    interpreted(backend)
+    assert_same_as_torch(backend, op, op_inputs(op))
 
-    n = 100
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, n, heads, 32, generator=gen, requires_grad=True) for heads in (4, 2, 2))
-    positions = torch.arange(n)[None]
-    out = parallel_attn(q, k, v, window_size=window)
-    ref = attend(q, k, v, None) if window is None else local_attend(q, k, v, positions, positions, window)
-    torch.testing.assert_close(out, ref, **F32)
-    weights = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    for grad, ref_grad in zip(grads, torch.autograd.grad((ref * weights).sum(), (q, k, v))):
-        torch.testing.assert_close(grad, ref_grad, **F32)
+
+@pytest.mark.parametrize("window", [None, 1, 40])
+def test_fla_attention_with_any_window_equals_the_torch_path(interpreted, window):
+    """fla's attention (``backend: fla`` of attention, swa and cross_attention) over 111 positions
+    with no window (full causal), one of a position, or one across several of its blocks."""
+    interpreted("fla")
+    assert_same_as_torch("fla", "causal_attention", op_inputs("causal_attention", window=window))
 
 
 MODELS = [  # tiny spec, kernel backend, the overrides that put every block with such a kernel on it

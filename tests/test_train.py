@@ -254,6 +254,7 @@ def test_compiled_layers_train_as_eager(tmp_path):
     # 8 layer calls a pass (2 looped 3 times, 2 cross-decoder), training and evaluation: 4 graphs,
     # one per layer kind, with or without gradients; the count does not grow with depth or loops
     assert counters["stats"]["unique_graphs"] <= 4
+    assert not counters["graph_break"]  # the kernels were chosen before tracing
     for eager, compiled in zip(runs[False], runs[True]):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)

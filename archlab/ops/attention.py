@@ -11,8 +11,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from archlab.ops.dispatch import Kernels
+
 ATTENTION_KERNELS = ("flash_attn", "fla", "flex")  # backends for whole-sequence (training) attention
 ATTENTION_AUTO = ("flash_attn",)  # those ``auto`` takes: fla's and FlexAttention's speed is still to be measured
+
+
+def causal_kernels(block: str, backend: str) -> Kernels:
+    """The whole-sequence (training) attention of a block, on the backend its spec names."""
+    return Kernels(block, backend, ATTENTION_KERNELS, ("causal_attention",), ATTENTION_AUTO)
 
 
 def band_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -55,22 +62,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.view(batch, kv_heads, group, n, dim).permute(0, 3, 1, 2, 4).reshape(batch, n, heads, dim)
 
 
-def causal_attention(q, k, v, positions, window: int | None, backend: str) -> torch.Tensor:
-    """Attention of a whole sequence from position 0 over itself (training), on a backend."""
-    if backend == "flash_attn":
-        from flash_attn import flash_attn_func
-
-        return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
-    if backend == "fla":  # Triton; a window skips the key blocks outside it, with no mask in memory
-        from fla.ops.attn import parallel_attn
-
-        return parallel_attn(q, k, v, window_size=window)
-    if backend == "flex":
-        return flex_causal(q, k, v, window)
+def causal_attention(q, k, v, positions, window: int | None) -> torch.Tensor:
+    """Attention of a whole sequence from position 0 over itself (training): SDPA's fast causal
+    kernel, or blockwise SDPA with a window. The kernel backends adapt to this signature
+    (``archlab.ops.dispatch``)."""
     return attend(q, k, v, None) if window is None else local_attend(q, k, v, positions, positions, window)
 
 
-def flex_causal(q, k, v, window: int | None) -> torch.Tensor:
+def flex_causal(q, k, v, positions, window: int | None) -> torch.Tensor:
     """The same with PyTorch's FlexAttention: the band is a block mask, so empty blocks are skipped
     (compiled on CUDA; eager elsewhere, where only the forward pass is supported)."""
     n = q.shape[1]

@@ -41,6 +41,10 @@ KERNELS = {
     ("fla", "fused_recurrent_simple_gla"): "fla.ops.simple_gla:fused_recurrent_simple_gla",
     ("mamba_ssm", "mamba_chunk_scan_combined"): "mamba_ssm.ops.triton.ssd_combined:mamba_chunk_scan_combined",
     ("mamba_ssm", "selective_state_update"): "mamba_ssm.ops.triton.selective_state_update:selective_state_update",
+    ("torch", "causal_attention"): "archlab.ops.attention:causal_attention",
+    ("flex", "causal_attention"): "archlab.ops.attention:flex_causal",
+    ("flash_attn", "flash_attn_func"): "flash_attn:flash_attn_func",
+    ("fla", "parallel_attn"): "fla.ops.attn:parallel_attn",
 }
 
 
@@ -129,12 +133,30 @@ def _functional_state_update(in_place):
     return update
 
 
+def _causal_from_flash_attn(flash_attn_func):
+    def causal_attention(q, k, v, positions, window):
+        return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
+
+    return causal_attention
+
+
+def _causal_from_parallel_attn(parallel_attn):
+    """fla's Triton attention; a window skips the key blocks outside it, with no mask in memory."""
+
+    def causal_attention(q, k, v, positions, window):
+        return parallel_attn(q, k, v, window_size=window)
+
+    return causal_attention
+
+
 # (backend, op) -> (the backend's op that does the work, adapter to archlab's signature). Mamba2's
 # SSD is simple GLA with a per-head decay, so fla's simple_gla kernels run it where mamba-ssm is absent.
 ADAPTERS = {
     ("mamba_ssm", "selective_state_update"): ("selective_state_update", _functional_state_update),
     ("fla", "mamba_chunk_scan_combined"): ("chunk_simple_gla", chunk_scan_from_gla),
     ("fla", "selective_state_update"): ("fused_recurrent_simple_gla", state_update_from_gla),
+    ("flash_attn", "causal_attention"): ("flash_attn_func", _causal_from_flash_attn),
+    ("fla", "causal_attention"): ("parallel_attn", _causal_from_parallel_attn),
 }
 
 
@@ -166,7 +188,8 @@ def _bug_notice(block: str, op: str, reason: str) -> None:
 
 
 class Kernels:
-    """A block's core ops, chosen once per device type."""
+    """A block's core ops, chosen once per device type. A block keeps its own as ``self.kernels``,
+    where ``Model.compile_layers`` finds them to choose before tracing."""
 
     def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None):
         self.block, self.requested, self.backends, self.ops, self.auto = block, requested, backends, ops, auto

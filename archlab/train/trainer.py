@@ -115,9 +115,8 @@ class Trainer:
         self.accumulation = per_process // cfg.micro_batch_size
         torch.manual_seed(cfg.seed)
         self.model = build_model(spec, device=self.device)
-        if cfg.compile:  # layer by layer: the layers share compiled code, so this costs a layer or two to compile, not the unrolled model
-            for layer in self.model.layers:
-                layer.compile()
+        if cfg.compile:
+            self.model.compile_layers()
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.optimizer.weight_decay),
             lr=cfg.optimizer.lr,

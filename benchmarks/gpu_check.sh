@@ -3,13 +3,8 @@
 # torch, then check (benchmarks/gpu_check.py).
 #   bash benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
 # A machine with a package index gets `pip install -e .[cuda]` in a venv that sees the system's
-# torch. A machine without one installs the wheels in .whl/ instead, offline; fill it beforehand:
-#   rm -rf build && pip wheel --no-deps --no-build-isolation -w .whl .
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#       -d .whl pydantic pydantic-core annotated-types typing-inspection typing-extensions \
-#       fla-core==0.6.0 flash-linear-attention==0.6.0 einops
-#   MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip wheel --no-deps --no-build-isolation -w .whl mamba-ssm==2.3.2.post1
-# (mamba-ssm without its CUDA extensions, which need a toolkit: archlab calls only its Triton kernels)
+# torch. A machine without one installs the wheels in .whl/ instead, offline: fill it beforehand
+# with benchmarks/fill_wheels.sh, where an index is reachable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}

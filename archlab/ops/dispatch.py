@@ -134,6 +134,8 @@ def _functional_state_update(in_place):
 
 
 def _causal_from_flash_attn(flash_attn_func):
+    """flash-attn's window is the keys left and right of the query: W - 1 and 0."""
+
     def causal_attention(q, k, v, positions, window):
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
 

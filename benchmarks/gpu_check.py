@@ -46,8 +46,7 @@ from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
 from archlab.kv import PAGE_KERNELS
 from archlab.ops.dispatch import installed, runs_on
-from archlab.spec import load_yaml, validate_spec
-from archlab.train.config import TrainConfig, apply_overrides
+from archlab.train.config import TrainConfig
 from archlab.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,7 +242,7 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
              compile: bool = False, profile_steps: int = 0) -> dict:
     """Tokens/s and MFU of the trainer, past its first half of steps. With ``profile_steps``, the
     last that many steps run under the profiler, and the result says where their time went."""
-    spec = validate_spec(apply_overrides(load_yaml(spec_path), list(overrides)), spec_path)
+    spec = archlab.load_spec(spec_path, overrides)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this section's peak, not an earlier one's
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, 4_000_000).astype(np.uint32)

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 
 import archlab
 from archlab.bench import PeakMemory
-from archlab.spec import load_yaml, validate_spec
-from archlab.train.config import apply_overrides
+from archlab.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +43,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     args = parser.parse_args()
     path = ROOT / "specs" / "tiny" / "yoco-u.yaml"
-    spec = validate_spec(apply_overrides(load_yaml(path), ["vocab_size=100352"]), path)
+    spec = load_spec(path, ["vocab_size=100352"])
     torch.manual_seed(0)
     model = archlab.build_model(spec)
     tokens, targets = (torch.randint(0, spec.vocab_size, (args.batch, args.seq_len)) for _ in range(2))

@@ -1,8 +1,9 @@
 import os
 from pathlib import Path
 
-# fla's Triton kernels then run on the CPU, in Triton's interpreter (tests/test_fla_kernels.py).
-# Triton reads the flag when it decorates a kernel, so it is set before fla is first imported.
+# The Triton kernels of fla and mamba-ssm then run on the CPU, in Triton's interpreter
+# (tests/test_kernels_interpreted.py). Triton reads the flag when it decorates a kernel, so it is
+# set before either package is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest

@@ -27,8 +27,6 @@ import torch.nn.functional as F
 import archlab
 import archlab.ops.dispatch as dispatch
 from archlab.engine import Engine
-from archlab.spec import load_yaml, validate_spec
-from archlab.train.config import apply_overrides
 from conftest import ROOT
 
 pytestmark = [
@@ -127,14 +125,15 @@ def op_inputs(op: str, T: int = 37, B: int = 2, window: int | None = 16) -> dict
 
 def run_op(backend: str, op: str, inputs: dict, backward: bool):
     """Outputs, and the gradients of every float input under one fixed weighting of them."""
-    leaves = {k: v.clone().requires_grad_(backward) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    floats = {k for k, v in inputs.items() if torch.is_tensor(v) and v.is_floating_point()}
+    leaves = {k: v.clone().requires_grad_(backward) if k in floats else v for k, v in inputs.items()}
     out = dispatch.kernel(backend, op)(**leaves)
     out = [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]
     if not backward:
         return out, {}
     gen = torch.Generator().manual_seed(1)
     sum(t.float().mul(torch.randn(t.shape, generator=gen)).sum() for t in out).backward()
-    return out, {k: v.grad for k, v in leaves.items() if torch.is_tensor(v) and v.is_floating_point()}
+    return out, {k: leaves[k].grad for k in floats}
 
 
 def assert_same_as_torch(backend: str, op: str, inputs: dict) -> None:
@@ -175,7 +174,7 @@ MODELS = [  # tiny spec, kernel backend, the overrides that put every block with
 
 def tiny_with(name: str, overrides: list[str]) -> archlab.Model:
     path = ROOT / "specs" / "tiny" / f"{name}.yaml"
-    spec = validate_spec(apply_overrides(load_yaml(path), overrides), path)
+    spec = archlab.load_spec(path, overrides)
     torch.manual_seed(0)
     return archlab.build_model(spec)
 

@@ -9,8 +9,7 @@ import torch
 import archlab
 from archlab.engine import Engine
 from archlab.kv import CacheFull, KVRows, PagedKV, PageTable
-from archlab.spec import YocoLayout, load_yaml, validate_spec
-from archlab.train.config import apply_overrides
+from archlab.spec import YocoLayout
 from conftest import TINY
 
 YOCO = [p for p in TINY if isinstance(archlab.load_spec(p).layout, YocoLayout)]
@@ -110,7 +109,7 @@ def test_paged_generation_equals_rows(path, kernel):
 def test_parscale_streams_each_get_their_pages():
     """YOCO with two ParScale streams: a row, and pages, per (sequence, stream)."""
     path = TINY[0].parent / "yoco-u.yaml"
-    spec = validate_spec(apply_overrides(load_yaml(path), ["parscale.streams=2", "parscale.prefix_len=4"]), path)
+    spec = archlab.load_spec(path, ["parscale.streams=2", "parscale.prefix_len=4"])
     model = archlab.build_model(spec, dtype=torch.float64).eval()
     prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 21)]
     rows = Engine(model, prefill_chunk=7).generate(prompts, 4, keep_logits=True)

@@ -15,8 +15,8 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import equal_flops_steps
-from archlab.spec import ModelSpec, SpecError, load_yaml, validate_as, validate_spec
-from archlab.train.config import TrainConfig, set_dotted
+from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, validate_as, validate_spec
+from archlab.train.config import TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
 

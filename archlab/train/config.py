@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.spec import SpecError, load_yaml, validate_as
+from archlab.spec import apply_overrides, load_yaml, validate_as
 
 
 class Optimizer(Strict):
@@ -72,39 +70,6 @@ class TrainConfig(Strict):
                 " accumulated over whole micro-batches"
             )
         return root.found
-
-
-def set_dotted(data: dict, key: str, value: Any) -> dict:
-    """A copy of ``data`` with ``value`` at the dotted path ``key``; a number indexes a list
-    (``layout.self_decoder.blocks.0.window``). Missing mappings on the way are created."""
-    data = copy.deepcopy(data)
-    node: Any = data
-    parts = key.split(".")
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
-            part = int(part)
-        elif not isinstance(node, dict):
-            raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
-        if last:
-            node[part] = value
-        else:
-            if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
-                node[part] = {}
-            node = node[part]
-    return data
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``optimizer.lr=1e-3`` style overrides, values parsed as YAML."""
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
-        data = set_dotted(data, key, yaml.safe_load(value))
-    return data
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:

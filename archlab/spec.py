@@ -500,6 +500,10 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             if not part.isdigit() or int(part) >= len(node):
                 raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
             part = int(part)
+        elif isinstance(node, str):  # a shorthand such as a block named by its type alone
+            field = f"{part}: {_flow(value)}" if last else f"{part}: ..."
+            raise SpecError(key, [Problem(".".join(parts[:depth]), f"is the shorthand {node!r}: to set {part!r} in it, give the "
+                                          f"item whole, as {'.'.join(parts[:depth])}='{{type: {node}, {field}}}' for a block")])
         elif not isinstance(node, dict):
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
         if last:
@@ -509,6 +513,11 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
                 node[part] = {}
             node = node[part]
     return data
+
+
+def _flow(value: Any) -> str:
+    """``value`` as one line of YAML."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -6,6 +6,8 @@
 1. Parity: every block's kernel backend against its PyTorch backend (same weights, bf16): the
    training forward and input gradients, 16 decoding steps through the recurrent state, and the
    time of a forward and backward pass on each.
+   ``window``: the self-decoder's window attention alone at paper sizes, on SDPA over query
+   blocks of several sizes and on each kernel backend.
 2. Decode graphs: for each paper spec, decoding steps replayed from a captured CUDA graph give the
    eager steps' logits; ``paged``: the same for yoco-u, the graph reading a paged global K,V
    (pages of 256, one handed out during the replays; each page kernel) against eager steps over
@@ -16,7 +18,8 @@
    ``inference-paged``: yoco-u again with its global K,V in pages of 256, read by each kernel.
 4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast, on SDPA (``training``),
    with the window on fla's kernel (``training-fla``) or both attentions on FlexAttention
-   (``training-flex``), with each layer compiled (``training-compiled``); ``training-profile``:
+   (``training-flex``), with each layer compiled (``training-compiled``, and with the window on
+   fla: ``training-fla-compiled``); ``training-profile``:
    where a step's kernel time goes (matmuls, attention, the rest) and its heaviest kernels.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
@@ -150,6 +153,51 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, block
     return rows
 
 
+def window_kernels(device: torch.device, dtype: torch.dtype, batch: int, n: int, window: int, heads: int, kv_heads: int,
+                   dim: int, row_limit_s: int) -> list[dict]:
+    """The self-decoder's window attention alone, forward and backward, on every path that computes
+    it: SDPA over query blocks of several sizes (the PyTorch backend's default is W, computing
+    about twice the pairs the windows need), and the kernel backends. SDPA's causal flash kernel
+    over the whole sequence gives the scale. TFLOP/s count the pairs the windows need, fwd + bwd."""
+    from archlab.ops.attention import ATTENTION_KERNELS, attend, attention_pairs, causal_kernels, local_attend
+
+    torch.manual_seed(0)
+    q = torch.randn(batch, n, heads, dim, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(batch, n, kv_heads, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    positions = torch.arange(n, device=device)[None]
+    default = max(window, 64)
+    paths = {f"sdpa, blocks of {b}" + (" (default)" if b == default else ""):
+             (lambda b: lambda: local_attend(q, k, v, positions, positions, window, block=b))(b)
+             for b in sorted({default, 64, 128, 256}, key=lambda b: (b != default, b))}
+    paths.update({backend: (lambda f: lambda: f(q, k, v, positions, window))(causal_kernels("swa", backend)(device)["causal_attention"])
+                  for backend in ATTENTION_KERNELS
+                  if installed(backend) and runs_on(backend, device.type) and not (backend == "flex" and device.type != "cuda")})
+    paths["sdpa flash, whole causal (scale)"] = lambda: attend(q, k, v, None)
+
+    def grads(out):
+        return torch.autograd.grad(out.float().square().sum(), (q, k, v))
+
+    reference = next(iter(paths.values()))()  # the default
+    reference_grads = grads(reference)
+    rows = []
+    for name, run in paths.items():
+        row = {"path": name}
+        pairs = attention_pairs(n, 0, None if "whole" in name else window)
+        try:
+            with time_limit(row_limit_s):
+                out = run()
+                if "whole" not in name:
+                    row["rel_err"] = max(relative_error(a, b) for a, b in zip((out, *grads(out)), (reference, *reference_grads)))
+                row["ms"] = median_ms(lambda: grads(run()), device)
+            row["tflops"] = 3 * 4 * pairs * heads * dim * batch / (row["ms"] / 1e3) / 1e12
+            row["status"] = "ok" if row.get("rel_err", 0.0) < TOLERANCE else "MISMATCH"
+        except Exception as exc:
+            row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+        console.print(row)
+    return rows
+
+
 @torch.no_grad()
 def decode_parity(reference, kernel, x, device, steps: int = 16) -> float:
     """Feed the first tokens one at a time through each module's own state; compare outputs."""
@@ -277,7 +325,7 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
     return result
 
 
-TRAINING = ("training", "training-flex", "training-fla", "training-compiled")
+TRAINING = ("training", "training-flex", "training-fla", "training-compiled", "training-fla-compiled")
 KINDS = {  # fragments of op (CPU) or kernel (CUDA) names -> what the time went to; first match wins
     "attention": ("attention", "attn", "flash", "fmha", "flex"),
     "matmul": ("mm", "matmul", "linear", "gemm", "xmma", "nvjet"),
@@ -326,6 +374,11 @@ def report(results: dict) -> str:
         lines += [f"| {r['block']} | {r['backend']} | {cell(r, 'forward_rel_err', '.1e')} | {cell(r, 'grad_rel_err', '.1e')} | "
                   f"{cell(r, 'decode_rel_err', '.1e')} | {cell(r, 'torch_ms', '.1f')} | {cell(r, 'kernel_ms', '.1f')} | {r['status']} |"
                   for r in results["parity"]]
+    if "window" in results:
+        lines += ["", "## The self-decoder's window attention alone, forward and backward", "",
+                  "| path | rel err | ms | TFLOP/s of the needed pairs | status |", "|---|---|---|---|---|"]
+        lines += [f"| {r['path']} | {format(r['rel_err'], '.1e') if 'rel_err' in r else '-'} | {format(r['ms'], '.2f') if 'ms' in r else '-'} | "
+                  f"{format(r['tflops'], '.3g') if 'tflops' in r else '-'} | {r['status']} |" for r in results["window"]]
     graphed = [r for key in ("graphs", "paged") for r in results.get(key, [])]
     if graphed:
         lines += ["", "## Decoding from a captured CUDA graph against eager decoding over rows", "",
@@ -367,8 +420,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
-    parser.add_argument("--sections", default="parity,graphs,paged,training,training-profile,training-fla,training-flex,inference,inference-paged,eager,"
-                                              "training-compiled")
+    parser.add_argument("--sections", default="parity,window,graphs,paged,training,training-profile,training-fla,training-flex,inference,inference-paged,eager,"
+                                              "training-compiled,training-fla-compiled")
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
@@ -392,6 +445,8 @@ def main() -> None:
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  set(filter(None, args.blocks.split(","))), args.row_limit_s),
+        "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16,
+                                         *((1, 256, 64, 4, 2, 32) if smoke else (args.train_batch, 2048, 512, 16, 4, 128)), args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
@@ -405,6 +460,7 @@ def main() -> None:
         "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
         "training-fla": lambda: training(device, yoco_u, *train, overrides=fla_window),
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
+        "training-fla-compiled": lambda: training(device, yoco_u, *train, overrides=fla_window, compile=True),
         "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
     }
     results = {
@@ -416,7 +472,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.sections.split(","):
-        if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled"):
+        if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled", "training-fla-compiled"):
             continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
         console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
         try:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from archlab.block import BuildContext, MixerInput
-from archlab.ops.attention import attend, band_mask
+from archlab.ops.attention import attend, band_mask, local_attend
 from blocks.attention import AttentionSpec
 from blocks.gated_deltanet import GatedDeltaNetSpec
 from blocks.retnet import RetentionSpec
@@ -34,6 +34,18 @@ def test_masked_gqa_attention_folds_query_groups_exactly(window, n):
     positions = torch.arange(23)[None].expand(2, -1)
     out = attend(q[:, -n:], k, v, band_mask(positions[:, -n:], positions, window))
     torch.testing.assert_close(out, naive_window_attention(q, k, v, window)[:, -n:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("block", [None, 1, 3, 5, 8, 64])
+@pytest.mark.parametrize("n", [1, 13, 23])
+def test_blockwise_window_attention_with_any_block_size_matches_naive(block, n):
+    """Blocks smaller than, equal to and larger than the window W=5, over queries that follow
+    earlier positions (chunked prefill: the last n of 23) or start at 0 (n=23)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 23, 6, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64)
+    positions = torch.arange(23)[None]
+    out = local_attend(q[:, -n:], k, v, positions[:, -n:], positions, 5, block=block)
+    torch.testing.assert_close(out, naive_window_attention(q, k, v, 5)[:, -n:], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 16])

@@ -148,6 +148,7 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert {r["status"] for r in report["parity"] if r["backend"] == "flex"} == {"ok"}
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
+    assert [r["status"] for r in report["window"]] == ["ok"] * 4 and report["window"][0]["rel_err"] == 0  # its own reference
     assert {r["spec"] for r in report["inference_paged"] if r["status"] == "ok"} == {"yoco-u"}
     assert sum(report["training_profile"]["share"].values()) == pytest.approx(1.0)
     assert report["training_profile"]["share"]["matmul"] > 0

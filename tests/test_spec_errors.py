@@ -5,6 +5,7 @@ import textwrap
 import pytest
 
 import archlab
+from conftest import ROOT
 
 BASE = """
 schema_version: 1
@@ -109,6 +110,16 @@ def test_every_problem_is_reported_at_once(tmp_path):
     with pytest.raises(archlab.SpecError) as caught:
         archlab.load_spec(tmp_path / "s.yaml")
     assert len(caught.value.problems) == 2
+
+
+def test_override_inside_a_shorthand_names_the_whole_item_form():
+    spec = ROOT / "specs" / "tiny" / "yoco-u.yaml"  # its cross-decoder block is the shorthand cross_attention
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(spec, ["layout.cross_decoder.blocks.0.backend=flex"])
+    hint = "layout.cross_decoder.blocks.0='{type: cross_attention, backend: flex}'"
+    assert hint in str(caught.value)
+    override = hint.replace("'", "")
+    assert archlab.load_spec(spec, [override]).layout.cross_decoder.blocks[0].backend == "flex"  # the hint works
 
 
 def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):

@@ -120,16 +120,17 @@ def with_prefix(q, k, v, mask, prefix):
     return q, torch.cat((pk, k), 1), torch.cat((pv, v), 1), mask
 
 
-def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block=64):
+def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block: int | None = None):
     """Sliding-window attention in blocks, linear in the number of queries.
 
     Keys must be the contiguous positions that end at the last query (history first, then the
-    queries' own, as ``keys`` returns them). Each block of ``b`` queries attends to the
-    ``b + W - 1`` keys that can fall inside its windows, plus the prefix.
+    queries' own, as ``keys`` returns them). Each block of ``b`` queries (``block``; by default
+    W, at least 64) attends to the ``b + W - 1`` keys that can fall inside its windows, plus the
+    prefix: (b + W - 1) / W times the pairs the windows need.
     """
     batch, n, heads, dim = q.shape
     q_pos = q_pos.expand(batch, -1)
-    b = max(window, block)
+    b = block or max(window, 64)
     blocks = -(-n // b)
     front = window - (k.shape[1] - n)  # left-pad so the keys start W positions before the queries
     back = blocks * b - n

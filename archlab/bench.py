@@ -1,12 +1,16 @@
 """Inference measurements: prefill and decode throughput, peak memory, cache bytes per sequence.
 
 The same function backs ``archlab bench`` and the scripts under ``benchmarks/``. Times are wall
-clock on whatever device the model is on; on the CPU, peak memory is the process's resident set
-(sampled during the run), on CUDA the allocator's peak.
+clock on whatever device the model is on; on the CPU, peak memory is the rise of the process's
+resident set (sampled during the run, from a start where freed memory was handed back), on CUDA
+the allocator's peak.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import threading
 import time
@@ -61,6 +65,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
         else:
+            release_freed_memory()
             self.start, self.high, self.running = self._rss(), self._rss(), True
             self.thread = threading.Thread(target=self._sample, daemon=True)
             self.thread.start()
@@ -81,6 +86,20 @@ class PeakMemory:
             self.peak = (max(self.high, self._rss()) - self.start) / MB
 
 
+@functools.cache
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c"))
+
+
+def release_freed_memory() -> None:
+    """Return the memory the C allocator keeps after frees to the OS (glibc's malloc_trim), so that
+    a new allocation shows in the resident set rather than reusing pages already counted: without
+    it a measurement after a larger one can read below its own cache."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -90,8 +109,9 @@ def sync(device: torch.device) -> None:
 def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_chunk: int = 2048, seed: int = 0,
           prefill_rows: int | None = None, cuda_graph: bool = False, page_size: int | None = None,
           page_kernel: str = "torch") -> BenchRow:
-    """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily
-    (timed after one untimed step, which loads kernels or captures the CUDA graph).
+    """Prefill ``batch`` random prompts of ``seq_len`` tokens, then decode ``gen`` tokens greedily.
+    Each is timed after an untimed first call, which loads and tunes kernels (a prefill of one
+    chunk) or captures the CUDA graph (a decoding step).
 
     With ``prefill_rows`` (a divisor of ``batch``) only that many prompts are prefilled and timed;
     their cache rows are then copied into the rest of the batch, which decodes as a whole. A
@@ -105,6 +125,8 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
     engine = Engine(model, prefill_chunk, cuda_graph, page_size, page_kernel)
     generator = torch.Generator().manual_seed(seed)
     prompts = list(torch.randint(0, model.spec.vocab_size, (rows, seq_len), generator=generator).to(engine.device))
+    warm_up = min(seq_len, prefill_chunk)  # one chunk, untimed: the first call loads and tunes kernels
+    engine.prefill([p[:warm_up] for p in prompts], engine.new_cache(rows, warm_up + 1))
     with PeakMemory(engine.device) as peak:
         cache = engine.new_cache(batch, seq_len + 1 + gen)
         prefilled = cache if rows == batch else cache.take(torch.arange(rows, device=engine.device))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 import time
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -33,7 +34,7 @@ app = typer.Typer(
 out = Console()
 err = Console(stderr=True)
 
-SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, or folders searched for *.yaml")]
+SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, training runs, or folders searched for *.yaml")]
 PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V in pages of this many positions (YOCO layouts; 256 in the paper's serving stack)")]
 
 
@@ -42,10 +43,23 @@ PageKernelOption = Annotated[PageKernel, typer.Option(help="how decoding reads t
 CPU_CHECK_LIMIT = 20_000_000  # parameters; larger specs are built on the meta device only
 
 
+RUN_SPEC = "spec.yaml"  # a training run's copy of the spec it trained
+
+
+def _spec_file(path: Path) -> Path:
+    """A training run's folder stands for the spec it trained."""
+    return path / RUN_SPEC if (path / RUN_SPEC).is_file() else path
+
+
 def _expand(paths: list[Path]) -> list[Path]:
+    """Spec files; a folder gives its *.yaml, where a training run gives its spec alone (not its
+    training config)."""
     files: list[Path] = []
-    for path in paths:
-        files.extend(sorted(path.rglob("*.yaml")) if path.is_dir() else [path])
+    for path in map(_spec_file, paths):
+        if path.is_dir():
+            files.extend(f for f in sorted(path.rglob("*.yaml")) if f.name == RUN_SPEC or not (f.parent / RUN_SPEC).is_file())
+        else:
+            files.append(path)
     return files
 
 
@@ -79,14 +93,9 @@ def validate(paths: SpecPaths) -> None:
 
 
 @app.command()
-def show(path: Annotated[Path, typer.Argument(help="a spec file")]) -> None:
+def show(path: Annotated[Path, typer.Argument(help="a spec file or a training run")]) -> None:
     """Print the resolved spec (extends merged, defaults filled in) as YAML."""
-    try:
-        spec = load_spec(path)
-    except SpecError as exc:
-        _report(exc)
-        raise typer.Exit(1) from None
-    sys.stdout.write(spec_to_yaml(spec))
+    sys.stdout.write(spec_to_yaml(_load_one(path)))
 
 
 @app.command()
@@ -143,7 +152,7 @@ def build(
 
 def _load_one(path: Path) -> ModelSpec:
     try:
-        return load_spec(path)
+        return load_spec(_spec_file(path))
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None
@@ -340,6 +349,28 @@ def equal_flops(
     out.print(table)
 
 
+def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None) -> int:
+    """The optimizer steps a budget buys (--tokens rounds up, --flops down); a budget under one
+    step still trains one, and says so."""
+    from archlab.cost import Cost
+    from archlab.table import si
+
+    if tokens is None and flops is None:
+        return steps or cfg.steps
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    step_size = f"batch_size {cfg.batch_size} x seq_len {cfg.seq_len} = {tokens_per_step:,} tokens"
+    if tokens is not None:
+        option, amount, per_step = f"--tokens {tokens}", _tokens([tokens])[0], tokens_per_step
+        steps = -(-amount // per_step)
+    else:
+        option, amount, per_step = f"--flops {flops:g}", flops, Cost(spec).train_flops_per_token(cfg.seq_len) * tokens_per_step
+        step_size += f", {si(per_step)} FLOPs"
+        steps = int(amount // per_step)
+    if amount < per_step:
+        err.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
+    return max(1, steps)
+
+
 @app.command()
 def train(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec")],
@@ -353,7 +384,6 @@ def train(
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
-    from archlab.cost import Cost
     from archlab.train.checkpoint import CheckpointError
     from archlab.train.config import load_config
     from archlab.train.data import DataError
@@ -374,12 +404,7 @@ def train(
             cfg = load_config(str(saved))
         else:
             cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
-        per_step = cfg.batch_size * cfg.seq_len
-        if tokens is not None:
-            steps = -(-_tokens([tokens])[0] // per_step)
-        elif flops is not None:
-            steps = max(1, int(flops // (Cost(spec).train_flops_per_token(cfg.seq_len) * per_step)))
-        cfg = cfg.model_copy(update={"steps": steps or cfg.steps})
+        cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops)})
         Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -507,9 +532,15 @@ def _expand_list_options(argv: list[str]) -> list[str]:
     return out
 
 
+def _show_notice(message, category, filename, lineno, file=None, line=None) -> None:
+    """Library warnings (a kernel fallback, an ignored option) read as the command's own notices."""
+    err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     from archlab.ops.dispatch import BackendError
 
+    warnings.showwarning = _show_notice
     try:
         app(args=_expand_list_options(sys.argv[1:]))
     except (RegistryError, BackendError) as exc:

@@ -201,9 +201,9 @@ def readable(row: CostRow) -> dict:
         "train FLOPs/token": si(row.train_flops_per_token),
         "prefill FLOPs": si(row.prefill_flops),
         "decode FLOPs": si(row.decode_flops),
-        "KV global MiB": round(row.kv_global_bytes / MIB, 1),
-        "KV local MiB": round(row.kv_local_bytes / MIB, 1),
-        "KV total MiB": round(row.kv_total_bytes / MIB, 1),
+        "KV global MiB": row.kv_global_bytes / MIB,
+        "KV local MiB": row.kv_local_bytes / MIB,
+        "KV total MiB": row.kv_total_bytes / MIB,
     }
 
 

@@ -9,6 +9,7 @@ each row at its own position.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +112,10 @@ class Engine:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if page_kernel not in PAGE_KERNELS:
             raise ValueError(f"page_kernel must be one of {', '.join(PAGE_KERNELS)}, got {page_kernel!r}")
+        if page_size is not None and model.global_kv is None:
+            warnings.warn(f"{model.spec.name}: only a YOCO layout's global K,V is kept in pages; page_size={page_size} is ignored",
+                          stacklevel=2)
+            page_size = None
         self.model, self.prefill_chunk, self.page_size, self.page_kernel = model, prefill_chunk, page_size, page_kernel
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
@@ -154,13 +159,32 @@ class Engine:
             self._captured = CapturedDecode(self, cache, tokens, start)
         return self._captured(tokens, start)
 
+    def check_prompts(self, prompts: Sequence) -> list[torch.Tensor]:
+        """Prompts as 1-D token tensors (lists of ids are taken too), each at least one token long
+        and inside the vocabulary, or a ValueError that says which is not."""
+        vocab = self.model.spec.vocab_size
+        checked = []
+        for i, prompt in enumerate(prompts):
+            ids = torch.as_tensor(prompt)
+            if ids.ndim != 1:
+                raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got shape {list(ids.shape)}"
+                                 + (" (one prompt goes in a list: [ids])" if ids.ndim == 0 else ""))
+            if not len(ids):
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if ids.is_floating_point() or ids.is_complex():
+                raise ValueError(f"prompt {i} must hold integer token ids, got {ids.dtype}")
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"prompt {i} holds token id {int(ids.max() if ids.max() >= vocab else ids.min())}, "
+                                 f"outside the vocabulary of {vocab} (0..{vocab - 1})")
+            checked.append(ids.long())
+        return checked
+
     @torch.no_grad()
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
         predict each prompt's next token."""
+        prompts = self.check_prompts(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        if (lengths < 1).any():
-            raise ValueError("every prompt needs at least one token")
         for length in lengths.unique().tolist():
             group = (lengths == length).nonzero()[:, 0]
             sub = cache if len(group) == len(prompts) else cache.take(group)
@@ -188,6 +212,7 @@ class Engine:
         end the last tokens are written into the cache too, so it holds every token."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompts = self.check_prompts(prompts)
         cache = cache or self.cache_for([len(p) for p in prompts], max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
@@ -212,7 +237,7 @@ class Engine:
         sampling: Sampling = Sampling(),
         keep_logits: bool = False,
     ) -> Generation:
-        prompts = list(prompts)
+        prompts = self.check_prompts(prompts)
         cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []
@@ -227,7 +252,7 @@ class Engine:
 
 def generate(
     model: Model,
-    input_ids: torch.Tensor | Sequence[torch.Tensor],
+    input_ids: torch.Tensor | Sequence[torch.Tensor | Sequence[int]],
     max_new_tokens: int,
     *,
     temperature: float = 0.0,
@@ -238,7 +263,7 @@ def generate(
     prefill_chunk: int = 2048,
     page_size: int | None = None,
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` for each prompt (rows of a 2-D tensor, or 1-D tensors of
-    different lengths). Greedy unless a temperature is given."""
+    """Generate up to ``max_new_tokens`` for each prompt (rows of a 2-D tensor, or 1-D tensors or
+    lists of token ids, of different lengths). Greedy unless a temperature is given."""
     sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
     return Engine(model, prefill_chunk, page_size=page_size).generate(input_ids, max_new_tokens, sampling)

@@ -48,7 +48,7 @@ from archlab.cost import Cost, peak_flops
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
 from archlab.kv import PAGE_KERNELS
-from archlab.ops.dispatch import installed, runs_on
+from archlab.ops.dispatch import installed, runs_on, trains_on
 from archlab.train.config import TrainConfig
 from archlab.train.trainer import Trainer
 
@@ -131,7 +131,7 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, block
                 continue
             kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
             kernel.load_state_dict(reference.state_dict())
-            eager_flex = backend == "flex" and device.type != "cuda"  # FlexAttention has no CPU backward
+            eager_flex = not trains_on(backend, device.type)  # FlexAttention has no CPU backward
             console.print(f"{row['block']} / {backend} ...")
             try:
                 with time_limit(row_limit_s):
@@ -171,7 +171,7 @@ def window_kernels(device: torch.device, dtype: torch.dtype, batch: int, n: int,
              for b in sorted({default, 64, 128, 256}, key=lambda b: (b != default, b))}
     paths.update({backend: (lambda f: lambda: f(q, k, v, positions, window))(causal_kernels("swa", backend)(device)["causal_attention"])
                   for backend in ATTENTION_KERNELS
-                  if installed(backend) and runs_on(backend, device.type) and not (backend == "flex" and device.type != "cuda")})
+                  if installed(backend) and trains_on(backend, device.type)})
     paths["sdpa flash, whole causal (scale)"] = lambda: attend(q, k, v, None)
 
     def grads(out):

@@ -45,6 +45,19 @@ def test_validate_whole_zoo_and_show(tmp_path):
     assert archlab("validate", tmp_path / "resolved.yaml").returncode == 0
 
 
+def test_a_training_run_stands_for_its_spec(tmp_path):
+    """A run folder holds the spec it trained beside its training config; the spec commands read
+    the spec alone, from the run or from a folder of runs."""
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    (run / "spec.yaml").write_text(archlab("show", "specs/tiny/yoco-u.yaml").stdout)
+    (run / "config.yaml").write_text("steps: 5\nbatch_size: 4\n")
+    for command in (["validate", run], ["validate", tmp_path / "runs"], ["show", run], ["cost", run, "--seq-len", "1K"]):
+        result = archlab(*command)
+        assert result.returncode == 0, (command, result.stderr)
+        assert "yoco-u" in result.stdout, command
+
+
 def test_show_missing_file_is_a_clear_error():
     result = archlab("show", "specs/tiny/nope.yaml")
     assert result.returncode == 1

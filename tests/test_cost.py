@@ -197,3 +197,14 @@ def test_tiny_model_costs_run():
     row = Cost(spec).row(1024)
     assert row.kv_total_bytes == row.kv_global_bytes + row.kv_local_bytes
     assert row.prefill_flops > row.decode_flops > 0
+
+
+def test_the_readable_table_keeps_a_small_cache_visible():
+    """A tiny spec's window cache is tens of KiB: the table shows it, not a rounded 0."""
+    from archlab.cost import readable
+    from archlab.table import Format, render
+
+    row = Cost(archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml")).row(2048)
+    cells = dict(zip(*(line.strip("|").split(" | ") for line in render([readable(row)], Format.md).splitlines()[::2])))
+    assert 0 < row.kv_local_bytes < 2**20 / 20
+    assert float(cells["KV local MiB"]) == pytest.approx(row.kv_local_bytes / 2**20, rel=1e-2)

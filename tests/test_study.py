@@ -1,4 +1,4 @@
-"""Studies: shipped definitions, one worker end to end, failures, dead workers, PostgreSQL workers."""
+"""Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
 import os
 import signal
@@ -13,7 +13,8 @@ import yaml
 
 from archlab.spec import SpecError
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.runner import settled
+from archlab.study.report import report
+from archlab.study.runner import join, run_trial, settled, storage_url
 from conftest import ROOT
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
@@ -68,6 +69,7 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path):
     assert sorted(settled(trials)) == [("yoco", 0, 0), ("yoco", 0, 1), ("yoco-u", 0, 0), ("yoco-u", 0, 1)]
     assert all(sorted(t.intermediate_values) == [2, 4] for t in trials)  # reported for the pruner
     assert "| yoco-u |" in result.stdout and "vs baseline" in result.stdout and "4 complete" in result.stdout
+    assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in result.stderr.splitlines()) == 4  # a log, not a terminal
     for png in ("curves.png", "loss_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     again = archlab("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
@@ -87,6 +89,9 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
     assert failed and all("loss became" in t.user_attrs["failure"] for t in failed)
     assert sum(t.state.name == "COMPLETE" for t in trials) == 2  # the other variant still ran
     assert "0/2" in result.stdout  # pruned/failed column of the failing variant
+    assert "4 planned: 2 complete, 0 running, 0 waiting, 2 failed, 0 pruned" in result.stdout and "incomplete" not in result.stdout
+    listed = result.stdout.split("## Failed trials")[1]
+    assert all(f"| {t.number} | exploding | 0 | {t.user_attrs['lr']:.2g} | TrainError: loss became" in listed for t in failed)
 
 
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
@@ -114,6 +119,24 @@ def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
     assert len(done) == 4 and all(t.state.name == "COMPLETE" for t in done.values())
     retry = [t for t in done.values() if t.system_attrs.get("failed_trial") == stale[0].number]
     assert len(retry) == 1
+    # the report counts the planned trial once, by its retry, and says what became of the first attempt
+    assert "4 planned: 4 complete, 0 running, 0 waiting, 0 failed, 0 pruned; 1 lost their worker" in result.stdout
+    assert result.stdout.count("| 0/0 |") == 2
+    assert f"| {stale[0].number} | {stale[0].params['variant']} |" in result.stdout
+    assert "stopped sending heartbeats after step" in result.stdout and f"| trial {retry[0].number}, complete |" in result.stdout
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
+    study = load_study(str(mini(tmp_path, "partial")))
+    out = tmp_path / "out"
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)
+    optuna_study._pop_waiting_trial_id()  # claimed by a worker still training it
+    text = report(study, optuna_study, out, url)
+    assert "4 planned: 1 complete, 1 running, 2 waiting, 0 failed, 0 pruned; **incomplete**: the table covers only the 1 of 4 that have finished" in text
+    assert "Failed trials" not in text
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path):

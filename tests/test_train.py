@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from archlab.train.config import TrainConfig
 from archlab.train.data import RecallTask, TokenSource
@@ -22,7 +24,7 @@ SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_s
 
 def archlab(*args, **kwargs):
     return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "COLUMNS": "200"}, **kwargs)
+                          timeout=600, env={**os.environ, "COLUMNS": "500"}, **kwargs)  # no line breaks inside a message
 
 
 def losses(run_dir):
@@ -51,6 +53,7 @@ def test_killed_run_resumes_bitwise(tmp_path):
     resumed = archlab("train", spec, "--out", killed, "--resume", "--steps", "120")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr
+    assert "total goes from" not in resumed.stderr  # the same total: the same schedule, nothing to say
 
     reference = tmp_path / "reference"
     straight = archlab("train", spec, "--out", reference, *common)
@@ -96,6 +99,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
         (["--set", "optimizer.learning_rate=1"], ["optimizer.learning_rate", "unknown key"]),
         (["--set", "seq_len=5000000"], ["sequence length 5000000 needs at least 5000001 tokens"]),
         (["--set", "lr"], ["expected KEY=VALUE"]),
+        (["--set", "layout.cross_decoder.blocks.0.backend=flex"],
+         ["layout.cross_decoder.blocks.0.backend", "--set reaches only the training config", "a spec that `extends` it"]),
     ],
 )
 def test_bad_input_is_a_clear_error(tmp_path, args, fragments):
@@ -122,12 +127,13 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
     again = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4")
     clean_failure(again, "already holds a run", "--resume")
     latest = sorted((run / "checkpoints").glob("step-*"))[-1]
-    weights = latest / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
-    clean_failure(resumed, "is damaged", "remove it to resume from the one before")
-    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for damaged, fragment in (("trainer.pt", "trainer.pt does not load"), ("model.safetensors", "is damaged")):
+        (latest / damaged).write_bytes(b"garbage" * 30)
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+        clean_failure(resumed, fragment, "remove it to resume from the one before")
+        assert "weights_only" not in resumed.stderr  # torch's advice to load it unsafely is not passed on
+        assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     other = archlab("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
     clean_failure(other, "different spec")
 
@@ -140,6 +146,7 @@ def test_token_files_tokenizer_and_budgets(tmp_path):
     assert result.returncode == 0, result.stderr
     records = losses(run)
     assert len(records) == 4  # 2048 tokens / (8 x 64) per step
+    assert "less than one step" not in result.stderr
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert "moe_max_load" in first and first["moe_max_load"] >= 1.0
 
@@ -175,6 +182,96 @@ def test_mqar_reports_accuracy(tmp_path):
     assert result.returncode == 0, result.stderr
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0.0 <= last["eval_acc"] <= 1.0 and last["eval_loss"] > 0
+    # not a terminal: a plain line per logged step as it happens, the evaluation's accuracy with it
+    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
+    assert "loss" in lines[0] and "lr" in lines[0] and "tok/s" in lines[0] and "eval" not in lines[0]
+    assert f"acc {last['eval_acc']:.1%}" in lines[-1]
+
+
+def test_a_terminal_gets_the_live_display(tmp_path):
+    import io
+
+    import archlab
+    from rich.console import Console
+
+    from archlab.train.trainer import Trainer
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml")
+    cfg = TrainConfig.model_validate({"batch_size": 4, "micro_batch_size": 4, "seq_len": 32, "data": {"source": "mqar"},
+                                      "eval_interval": 2, "eval_batches": 1, "log_interval": 1})
+    screen = io.StringIO()
+    Trainer(spec, cfg, tmp_path / "run", Console(file=screen, force_terminal=True, force_interactive=True, width=200)).fit(2)
+    assert "train" in screen.getvalue() and "acc " in screen.getvalue()
+    assert "step 1/2" not in screen.getvalue()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="FlexAttention trains on CUDA")
+def test_flex_attention_refuses_to_train_off_cuda_before_writing(tmp_path):
+    from archlab.spec import load_yaml, set_dotted
+
+    data = load_yaml(ROOT / "specs" / "tiny" / "yoco-u.yaml")
+    block = {"type": "swa", "window": 16, "n_heads": 4, "n_kv_heads": 2, "backend": "flex"}
+    (tmp_path / "flex.yaml").write_text(yaml.safe_dump(set_dotted(data, "layout.self_decoder.blocks", [block])))
+    run = tmp_path / "run"
+    result = archlab("train", tmp_path / "flex.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3")
+    clean_failure(result, "swa: backend flex has no backward pass on the CPU", "backend: torch or auto, or on a CUDA device")
+    assert not run.exists()
+
+
+def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(tmp_path):
+    run, first, second = tmp_path / "run", tmp_path / "first", tmp_path / "second"
+    for corpus, text in ((first, "zzzz qqqq "), (second, "the quick brown fox. ")):
+        corpus.mkdir()
+        (corpus / "a.txt").write_text(text * 400)
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "nothere/", *SMALL), "no such file")
+    # a retry may fail after tokenizing (seq_len too long for the data): that corpus must not outlive it
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", first, *SMALL, "--set", "seq_len=100000"),
+                  "sequence length 100000")
+    assert (run / "data" / "train.npy").is_file()
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume"),
+                  "nothing to resume", "start it without --resume")
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL, "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["source"] == str(second)
+    from tokenizers import Tokenizer
+
+    tokens = np.load(run / "data" / "train.npy")[:10].tolist()
+    assert Tokenizer.from_file(str(run / "tokenizer.json")).decode(tokens) == "the quick "
+
+    shutil.rmtree(run / "checkpoints")  # metrics alone are still a run
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL),
+                  "holds the metrics of a run", "choose a new --out")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
+    run = tmp_path / "run"
+    schedule = ["--set", "schedule.warmup_steps=1", "--set", "optimizer.lr=3e-3"]
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *schedule,
+                   "--steps", "4").returncode == 0
+    extended = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+    assert extended.returncode == 0, extended.stderr
+    cfg = TrainConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    assert cfg.steps == 8  # the steps trained, and what a later --resume continues to
+    before, after = 3e-3 * lr_factor(4, 4, cfg), 3e-3 * lr_factor(4, 8, cfg)
+    assert "from 4 to 8 steps" in extended.stderr
+    assert f"the learning rate of step 5 is {after:.2e}, not {before:.2e}" in extended.stderr
+    fifth = json.loads((run / "metrics.jsonl").read_text().splitlines()[4])
+    assert fifth["step"] == 5 and fifth["lr"] == pytest.approx(after)
+    shrunk = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    clean_failure(shrunk, "at step 8, past the 6 steps asked")
+
+
+def test_budgets_under_a_step_and_an_all_warmup_run_are_noticed(tmp_path):
+    for budget in (["--tokens", "10"], ["--flops", "5"]):
+        run = tmp_path / budget[0].strip("-")
+        result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *budget)
+        assert result.returncode == 0, result.stderr
+        assert f"{' '.join(budget)} is less than one step (batch_size 8 x seq_len 64 = 512 tokens" in result.stderr
+        assert "the whole run is warm-up" in result.stderr  # warmup_steps 20 >= 1 step
+        assert len(losses(run)) == 1
 
 
 def test_evaluation_runs_in_micro_batches_with_the_same_result(tmp_path):

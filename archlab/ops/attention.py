@@ -7,6 +7,7 @@ Shared by the attention blocks, the cross-decoder and the model's global K,V.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -92,9 +93,19 @@ def band_block_mask(n: int, window: int | None, device: str):
 
 @functools.cache
 def flex_kernel(device_type: str):
+    """FlexAttention compiled on CUDA; eager elsewhere, by choice, so without torch's warning that
+    eager FlexAttention is unfused."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention) if device_type == "cuda" else flex_attention
+    if device_type == "cuda":
+        return torch.compile(flex_attention)
+
+    def eager(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(*args, **kwargs)
+
+    return eager
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -64,6 +64,11 @@ def runs_on(backend: str, device_type: str) -> bool:
     return backend in ("torch", "flex") or device_type == "cuda"
 
 
+def trains_on(backend: str, device_type: str) -> bool:
+    """Whether a backend also has a backward pass there: FlexAttention's is CUDA's alone."""
+    return runs_on(backend, device_type) and (backend != "flex" or device_type == "cuda")
+
+
 @cache
 def _notice(block: str, kernels: tuple[str, ...]) -> None:
     packages = ", ".join(PACKAGES[k][1] for k in kernels if k in PACKAGES) or "none"

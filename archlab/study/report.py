@@ -4,6 +4,7 @@ study run across machines reports the same way)."""
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import optuna
@@ -11,17 +12,22 @@ from optuna.trial import TrialState
 
 from archlab.cost import Cost
 from archlab.study.definition import Study
-from archlab.study.runner import settled
+from archlab.study.runner import latest, planned_as, settled
 from archlab.table import Format, render, si, tokens_label
 
 MIB = 2**20
+
+
+def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
+    """A trial's learning rate: its grid point, or the value TPE sampled (None before it runs)."""
+    return trial.user_attrs.get("lr", trial.params.get("lr"))
 
 
 def _best_lr(trials: list[optuna.trial.FrozenTrial], maximize: bool) -> tuple[float, list[optuna.trial.FrozenTrial]]:
     """The learning rate whose completed seeds score best on average, and those trials."""
     by_lr: dict[float, list] = {}
     for t in trials:
-        by_lr.setdefault(t.user_attrs.get("lr", t.params.get("lr")), []).append(t)
+        by_lr.setdefault(_lr(t), []).append(t)
     choose = max if maximize else min
     lr = choose(by_lr, key=lambda k: statistics.mean(t.value for t in by_lr[k]))
     return lr, by_lr[lr]
@@ -60,6 +66,49 @@ def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
     for row in rows:
         mean = means.get(row["variant"])
         row["vs baseline"] = f"{mean - baseline:+.4f}" if baseline is not None and mean is not None else "-"
+    return rows
+
+
+def _planned(study: Study) -> set[tuple]:
+    return {(p["variant"], p["seed"], p["slot"]) for p in study.plan()}
+
+
+def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
+    """How far the study has got, counting each planned trial once, by its latest attempt (a trial
+    whose worker died counts as its retry), so the header agrees with the table."""
+    planned = _planned(study)
+    attempts = [t for key, t in latest(trials).items() if key in planned]
+    count = Counter(t.state.name.lower() for t in attempts)
+    finished = count["complete"] + count["fail"] + count["pruned"]
+    waiting = len(planned) - finished - count["running"]  # queued, or not yet queued by any worker
+    line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running']} running, {waiting} waiting,"
+            f" {count['fail']} failed, {count['pruned']} pruned")
+    if finished < len(planned):
+        line += f"; **incomplete**: the table covers only the {finished} of {len(planned)} that have finished"
+    retries = sum(len(t.system_attrs.get("retry_history", [])) for t in attempts)
+    if retries:
+        line += f"; {retries} lost their worker and ran again (see Failed trials)"
+    return line
+
+
+def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
+    """Every failed attempt at a planned trial and why it failed; one whose worker died also says
+    what became of its retry."""
+    planned = _planned(study)
+    retry_of = {t.system_attrs["retry_history"][-1]: t for t in trials if t.system_attrs.get("retry_history")}
+    rows = []
+    for t in trials:
+        if t.state != TrialState.FAIL or planned_as(t) not in planned:
+            continue
+        variant, seed, _ = planned_as(t)
+        if "failure" in t.user_attrs:
+            why = t.user_attrs["failure"].splitlines()[0][:200]
+        else:  # failed by the heartbeat check, which records no reason
+            last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else ""
+            why = f"its worker {t.user_attrs.get('worker', '')} stopped sending heartbeats{last}"
+        lr, retry = _lr(t), retry_of.get(t.number)
+        rows.append({"trial": t.number, "variant": variant, "seed": seed, "lr": f"{lr:.2g}" if lr else "-", "why": why.replace("|", "\\|"),
+                     "retried as": f"trial {retry.number}, {retry.state.name.lower()}" if retry else "-"})
     return rows
 
 
@@ -103,7 +152,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     """Write report.md and the plots into ``out``; return the markdown."""
     definition = study.definition
     trials = optuna_study.get_trials(deepcopy=False)
-    counts = {state.name.lower(): sum(t.state == state for t in trials) for state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)}
+    failed = failures(study, trials)
     plots = plot(study, optuna_study, out)
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
@@ -111,10 +160,11 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f"- budget: {'equal steps' if definition.budget == 'steps' else 'equal training FLOPs (the baseline' + chr(39) + 's)'};"
         f" {study.config.batch_size} x {study.config.seq_len} tokens per step; data: {study.config.data.source};"
         f" seeds {definition.seeds}; lr {definition.sampler} over [{definition.lr.low:g}, {definition.lr.high:g}]",
-        f"- trials: {counts['complete']} complete, {counts['pruned']} pruned, {counts['fail']} failed;"
-        f" storage `{storage}` (open it with `optuna-dashboard {storage}`)",
+        progress(study, trials),
+        f"- storage `{storage}` (open it with `optuna-dashboard {storage}`)",
         f"- baseline: `{definition.baseline}`; lower val loss is better\n" if definition.metric == "val_loss" else f"- baseline: `{definition.baseline}`; higher accuracy is better\n",
         render(summarize(study, optuna_study), Format.md),
+        *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",
     ]

@@ -162,16 +162,22 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
             optuna_study.tell(trial, state=TrialState.FAIL)
 
 
-def settled(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
-    """The finished trial of each planned (variant, seed, slot), leaving out trials that went
-    stale and were run again."""
+def planned_as(trial: optuna.trial.FrozenTrial) -> tuple:
+    """The (variant, seed, lr slot) a trial was planned as, known before it runs."""
+    fixed = trial.system_attrs.get("fixed_params", trial.params)
+    return fixed["variant"], fixed["seed"], fixed["slot"]
+
+
+def latest(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
+    """The latest attempt at each planned (variant, seed, slot), in whatever state: a trial that
+    went stale gives way to its retry."""
     retried = {n for t in trials for n in t.system_attrs.get("retry_history", [])}
-    out = {}
-    for t in trials:
-        if t.state.is_finished() and t.number not in retried:
-            fixed = t.system_attrs.get("fixed_params", t.params)
-            out[(fixed["variant"], fixed["seed"], fixed["slot"])] = t
-    return out
+    return {planned_as(t): t for t in trials if t.number not in retried}
+
+
+def settled(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
+    """The finished trial of each planned (variant, seed, slot)."""
+    return {key: t for key, t in latest(trials).items() if t.state.is_finished()}
 
 
 def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:
@@ -181,7 +187,8 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
     optuna_study = join(study, out, url, grace_period)
     planned = len(study.plan())
     columns = [TextColumn(f"[bold]{optuna_study.study_name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[now]}"), TimeElapsedColumn()]
-    with Progress(*columns, console=console) as progress:
+    live = console.is_interactive  # a terminal; a log file gets a plain line per trial instead
+    with Progress(*columns, console=console, disable=not live) as progress:
         task = progress.add_task("study", total=planned, now="")
         while True:
             fail_stale_trials(optuna_study)  # a dead worker's trial: failed, and queued again
@@ -194,6 +201,11 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
                 time.sleep(heartbeat_interval(grace_period))
                 continue
             params = optuna_study._storage.get_trial(trial_id).system_attrs.get("fixed_params", {})
-            progress.update(task, now=f"{params.get('variant')} seed {params.get('seed')} lr slot {params.get('slot')}")
+            now = f"{params.get('variant')} seed {params.get('seed')} lr slot {params.get('slot')}"
+            progress.update(task, now=now)
             run_trial(study, optuna_study, trial_id, out)
+            if not live:
+                trial = optuna_study._storage.get_trial(trial_id)
+                outcome = trial.state.name.lower() + (f", {study.definition.metric} {trial.value:.4f}" if trial.value is not None else "")
+                console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False)
     return optuna_study

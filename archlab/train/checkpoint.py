@@ -58,18 +58,25 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
         )
 
 
+def _damaged(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged ({why}); remove it to resume from the one before")
+
+
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
     try:
         _load_weights(path, model)
-        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
         info = json.loads((path / "state.json").read_text())
     except CheckpointError:
         raise
-    except (SafetensorError, OSError, RuntimeError, ValueError, EOFError, KeyError, pickle.UnpicklingError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged ({type(exc).__name__}: {exc}); remove it to resume from the one before"
-        ) from None
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+    try:
+        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
+        # which would run whatever code a damaged or planted file holds
+        raise _damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
     return trainer_state, info
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.spec import apply_overrides, load_yaml, validate_as
+from archlab.spec import SpecError, apply_overrides, load_yaml, validate_as
 
 
 class Optimizer(Strict):
@@ -73,5 +73,10 @@ class TrainConfig(Strict):
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
-    data = load_yaml(path) if path else {}
-    return validate_as(TrainConfig, apply_overrides(data, list(overrides)), path or "--set")
+    data = apply_overrides(load_yaml(path) if path else {}, list(overrides))
+    keys = [item.partition("=")[0] for item in overrides]
+    strays = [key for key in keys if key.split(".")[0] not in TrainConfig.model_fields]
+    if strays:  # most often a spec field, which pydantic alone would call an unknown key
+        raise SpecError("--set", [Problem(key, "not a training config field: --set reaches only the training config; a spec"
+                                               " field belongs in the spec file, or in a spec that `extends` it") for key in strays])
+    return validate_as(TrainConfig, data, path or "--set")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from contextlib import nullcontext
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from archlab.cost import Cost, peak_flops
 from archlab.ffn import MoEFFN
 from archlab.loss import IGNORE
 from archlab.model import Model, build_model
+from archlab.ops.dispatch import BackendError, Kernels, trains_on
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import TrainConfig
@@ -77,6 +79,15 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def status_line(record: dict) -> str:
+    """What the console shows of a record: the step's numbers and its evaluation, if it had one."""
+    parts = [f"loss {record['loss']:.3f}", f"lr {record['lr']:.2e}", f"{record['tok_s']:,.0f} tok/s"]
+    parts += [f"MFU {record['mfu']:.1%}"] if "mfu" in record else []
+    parts += [f"eval {record['eval_loss']:.3f}"] if "eval_loss" in record else []
+    parts += [f"acc {record['eval_acc']:.1%}"] if "eval_acc" in record else []
+    return "  ".join(parts)
+
+
 def scored(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [M, V] and targets [M] of the positions that count."""
     logits, targets = logits.float().flatten(0, 1), batch.targets.flatten().to(logits.device)
@@ -115,6 +126,7 @@ class Trainer:
         self.accumulation = per_process // cfg.micro_batch_size
         torch.manual_seed(cfg.seed)
         self.model = build_model(spec, device=self.device)
+        self._refuse_untrainable_kernels()
         if cfg.compile:
             self.model.compile_layers()
         self.optimizer = torch.optim.AdamW(
@@ -130,23 +142,40 @@ class Trainer:
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
 
+    def _refuse_untrainable_kernels(self) -> None:
+        """Choose every block's kernels now, so that one which cannot train here fails before the run
+        directory is touched, not in the first backward pass (FlexAttention runs forward on any
+        device, but has a backward pass on CUDA only)."""
+        device = self.device.type
+        for module in self.model.modules():
+            kernels = getattr(module, "kernels", None)
+            if isinstance(kernels, Kernels) and not trains_on(backend := kernels.backend(device), device):
+                raise BackendError(f"{kernels.block}: backend {backend} has no backward pass on the {device.upper()}; train"
+                                   " with backend: torch or auto, or on a CUDA device")
+
     # -- the run directory --------------------------------------------------------------------
 
-    def _start_run_dir(self, resume: bool) -> int:
-        """Create or reopen the run directory; return the step to start from."""
-        spec_file, metrics = self.run_dir / "spec.yaml", self.run_dir / "metrics.jsonl"
+    def _start_run_dir(self, steps: int, resume: bool) -> int:
+        """Create or reopen the run directory; return the step to start from. A folder is a run once
+        it holds a checkpoint or metrics; one where an attempt failed before either starts afresh."""
+        metrics = self.run_dir / "metrics.jsonl"
         found = checkpoint.checkpoints(self.run_dir)
         if not resume:
-            if found or spec_file.exists():
+            if found:
                 raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
+            if metrics.exists():
+                raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
+                                 " over, or choose a new --out")
             self.world.barrier()  # every process has looked before the first one writes
             if self.world.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                spec_file.write_text(spec_to_yaml(self.spec))
-                (self.run_dir / "config.yaml").write_text(yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+                self._drop_stale_corpus()
+                (self.run_dir / "spec.yaml").write_text(spec_to_yaml(self.spec))
+                self._write_config(steps)
             return 0
         if not found:
-            raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint")
+            start_over = "" if metrics.exists() else "; start it without --resume"
+            raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
@@ -154,11 +183,50 @@ class Trainer:
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
         step = int(info["step"])
+        if step > steps:
+            raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
         if self.world.main and metrics.exists():  # drop what was logged after the checkpoint
             kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
             metrics.write_text("".join(line + "\n" for line in kept))
-        self.console.print(f"resuming from {found[-1]} (step {step})", highlight=False)
+        self._say(f"resuming from {found[-1]} (step {step})")
+        self._adopt_total(step, steps)
         return step
+
+    def _adopt_total(self, step: int, steps: int) -> None:
+        """Resuming with a new total rescales the cosine decay to it (the schedule is a function of
+        the step and the total): say what that does to the learning rate, and record the total."""
+        if not self.world.main:  # the first process alone reads and writes the run directory's files
+            return
+        planned = yaml.safe_load((self.run_dir / "config.yaml").read_text())["steps"]
+        if planned == steps:
+            return
+        before, after = (self.cfg.optimizer.lr * lr_factor(step, total, self.cfg) for total in (planned, steps))
+        self._say(
+            f"[yellow]notice[/]: the run's total goes from {planned} to {steps} steps, so its cosine decay now ends at step"
+            f" {steps}: the learning rate of step {step + 1} is {after:.2e}, not {before:.2e}; config.yaml now says steps: {steps}"
+        )
+        self._write_config(steps)
+
+    def _write_config(self, steps: int) -> None:
+        config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+    def _drop_stale_corpus(self) -> None:
+        """A failed attempt's tokenized corpus in the run directory serves a retry on the same data
+        and vocabulary; for any other it would be read back in place of the new data."""
+        config, spec_file = self.run_dir / "config.yaml", self.run_dir / "spec.yaml"
+        if self.cfg.data.cache or not config.is_file():
+            return
+        old_data = yaml.safe_load(config.read_text()).get("data")
+        old_vocab = yaml.safe_load(spec_file.read_text()).get("vocab_size") if spec_file.is_file() else None
+        if (old_data, old_vocab) != (self.cfg.data.model_dump(mode="json"), self.spec.vocab_size):
+            shutil.rmtree(self.run_dir / "data", ignore_errors=True)
+            (self.run_dir / "tokenizer.json").unlink(missing_ok=True)
+
+    def _say(self, text: str) -> None:
+        """A line on the console, from the first process only."""
+        if self.world.main:
+            self.console.print(text, highlight=False)
 
     def _log(self, record: dict) -> None:
         if self.world.main:
@@ -201,7 +269,10 @@ class Trainer:
         evaluation (a study reports it to its pruner, which may stop the run by raising);
         ``on_step(step, record)`` every training step as it ends, before any evaluation or
         checkpoint (a profiler's step marker, say)."""
-        start = self._start_run_dir(resume)
+        start = self._start_run_dir(steps, resume)
+        if self.cfg.schedule.warmup_steps >= steps:
+            self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
+                      " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")
         data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
         if self.world.main:
             data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
@@ -214,7 +285,8 @@ class Trainer:
         last_saved = checkpoint.checkpoints(self.run_dir)[-1] if resume else None
         records: list[dict] = []
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
-        with Progress(*columns, console=self.console, disable=not self.world.main) as progress:
+        live = self.console.is_interactive  # a terminal; a log file gets a plain line per logged step instead
+        with Progress(*columns, console=self.console, disable=not (live and self.world.main)) as progress:
             task = progress.add_task("train", total=steps, completed=start, status="")
             for step in range(start, steps):
                 began = time.perf_counter()
@@ -234,14 +306,13 @@ class Trainer:
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:
                     self._log(record)
                     records.append(record)
+                    if not live:
+                        self._say(f"step {done}/{steps}  {status_line(record)}")
                 if on_eval is not None and "eval_loss" in record:
                     on_eval(done, record)
                 if done % self.cfg.checkpoint_interval == 0 or done == steps:
                     last_saved = self._save(done) or last_saved
-                status = f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {record['tok_s']:,.0f} tok/s"
-                status += f"  MFU {record['mfu']:.1%}" if "mfu" in record else ""
-                status += f"  eval {record['eval_loss']:.3f}" if "eval_loss" in record else ""
-                progress.update(task, completed=done, status=status)
+                progress.update(task, completed=done, status=status_line(record))
         return records
 
     def _step(self, step: int, steps: int, data, model) -> dict:

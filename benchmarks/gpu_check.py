@@ -153,14 +153,16 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, block
     return rows
 
 
-def window_kernels(device: torch.device, dtype: torch.dtype, batch: int, n: int, window: int, heads: int, kv_heads: int,
-                   dim: int, row_limit_s: int) -> list[dict]:
-    """The self-decoder's window attention alone, forward and backward, on every path that computes
-    it: SDPA over query blocks of several sizes (the PyTorch backend's default is W, computing
-    about twice the pairs the windows need), and the kernel backends. SDPA's causal flash kernel
-    over the whole sequence gives the scale. TFLOP/s count the pairs the windows need, fwd + bwd."""
+def window_kernels(device: torch.device, dtype: torch.dtype, spec_path: str, batch: int, n: int, row_limit_s: int) -> list[dict]:
+    """The self-decoder's window attention of a spec alone, forward and backward, on every path that
+    computes it: SDPA over query blocks of several sizes (the PyTorch backend's default is W,
+    computing about twice the pairs the windows need), and the kernel backends. SDPA's causal flash
+    kernel over the whole sequence gives the scale. TFLOP/s count the pairs the windows need, fwd + bwd."""
     from archlab.ops.attention import ATTENTION_KERNELS, attend, attention_pairs, causal_kernels, local_attend
 
+    spec = archlab.load_spec(spec_path)
+    block = spec.layout.self_decoder.blocks[0]
+    window, (heads, kv_heads, dim) = block.window, block.shape(spec.d_model)
     torch.manual_seed(0)
     q = torch.randn(batch, n, heads, dim, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(batch, n, kv_heads, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -427,6 +429,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-seq-len", type=int, default=2048, help="tokens per sequence in training (the paper pretrains at 8,192)")
     parser.add_argument("--row-limit-s", type=int, default=150, help="give up on a parity row after this many seconds")
     parser.add_argument("--section-limit-s", type=int, default=420, help="give up on a section after this many seconds")
     args = parser.parse_args()
@@ -439,14 +442,13 @@ def main() -> None:
     lengths = [256, 1024] if smoke else [int(n) for n in args.lengths.split(",")]
     chunk = 64 if smoke else args.prefill_chunk
     yoco_u = str(folder / "yoco-u.yaml")
-    train = (4, 64, 6) if smoke else (args.train_batch, 2048, 16)  # batch, seq_len, steps
+    train = (4, 64, 6) if smoke else (args.train_batch, args.train_seq_len, 16)  # batch, seq_len, steps
     flex = ["layout.self_decoder.blocks.0.backend=flex", "layout.cross_decoder.blocks.0.backend=flex"]
     fla_window = ["layout.self_decoder.blocks.0.backend=fla"]  # the cross-decoder's full causal attention stays on SDPA's flash kernel
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  set(filter(None, args.blocks.split(","))), args.row_limit_s),
-        "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16,
-                                         *((1, 256, 64, 4, 2, 32) if smoke else (args.train_batch, 2048, 512, 16, 4, 128)), args.row_limit_s),
+        "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16, yoco_u, *train[:2], args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,

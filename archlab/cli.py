@@ -32,7 +32,7 @@ app = typer.Typer(
     add_completion=False,
 )
 out = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # messages whole: a log file is not a terminal to wrap them for
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, training runs, or folders searched for *.yaml")]
 PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V in pages of this many positions (YOCO layouts; 256 in the paper's serving stack)")]

@@ -24,6 +24,7 @@ from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
 from archlab.table import Format, parse_tokens, render
+from archlab.train.checkpoint import RUN_SPEC
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -41,9 +42,6 @@ PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V i
 PageKernel = Enum("PageKernel", {k: k for k in PAGE_KERNELS}, type=str)
 PageKernelOption = Annotated[PageKernel, typer.Option(help="how decoding reads the pages: batched matmuls (torch) or FlexAttention (flex)")]
 CPU_CHECK_LIMIT = 20_000_000  # parameters; larger specs are built on the meta device only
-
-
-RUN_SPEC = "spec.yaml"  # a training run's copy of the spec it trained
 
 
 def _spec_file(path: Path) -> Path:
@@ -66,7 +64,7 @@ def _expand(paths: list[Path]) -> list[Path]:
 def _report(exc: SpecError) -> None:
     err.print(f"[bold red]error[/] in [bold]{escape(exc.source)}[/]:", highlight=False)
     for problem in exc.problems:
-        err.print(f"  [cyan]{escape(problem.loc)}[/]: {escape(problem.msg)}", highlight=False, soft_wrap=True)
+        err.print(f"  [cyan]{escape(problem.loc)}[/]: {escape(problem.msg)}", highlight=False)
 
 
 def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
@@ -399,7 +397,7 @@ def train(
                 raise TrainError("a resumed run keeps the config it started with; drop --config, --set and --data")
             if not saved.is_file():
                 raise TrainError(f"nothing to resume in {out}: no config.yaml")
-            if load_spec(out / "spec.yaml") != spec:
+            if load_spec(out / RUN_SPEC) != spec:
                 raise TrainError(f"{out} was trained with a different spec than {spec_path}")
             cfg = load_config(str(saved))
         else:
@@ -534,7 +532,7 @@ def _expand_list_options(argv: list[str]) -> list[str]:
 
 def _show_notice(message, category, filename, lineno, file=None, line=None) -> None:
     """Library warnings (a kernel fallback, an ignored option) read as the command's own notices."""
-    err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False, soft_wrap=True)
+    err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False)
 
 
 def main() -> None:

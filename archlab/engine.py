@@ -179,11 +179,13 @@ class Engine:
             checked.append(ids.long())
         return checked
 
-    @torch.no_grad()
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
         predict each prompt's next token."""
-        prompts = self.check_prompts(prompts)
+        return self._prefill(self.check_prompts(prompts), cache)
+
+    @torch.no_grad()
+    def _prefill(self, prompts: list[torch.Tensor], cache: Cache) -> torch.Tensor:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         for length in lengths.unique().tolist():
             group = (lengths == length).nonzero()[:, 0]
@@ -199,7 +201,6 @@ class Engine:
         cache.check()
         return logits
 
-    @torch.no_grad()
     def stream(
         self,
         prompts: Sequence[torch.Tensor],
@@ -210,15 +211,18 @@ class Engine:
         """Yield (tokens [B], logits [B, V], finished [B]) once per new token. Rows that met a stop
         token keep decoding (their tokens are to be ignored) until every row has stopped. At the
         end the last tokens are written into the cache too, so it holds every token."""
+        return self._stream(self.check_prompts(prompts), max_new_tokens, sampling, cache)
+
+    @torch.no_grad()
+    def _stream(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, cache: Cache | None):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompts = self.check_prompts(prompts)
         cache = cache or self.cache_for([len(p) for p in prompts], max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
         stops = torch.tensor(sampling.stop_tokens, dtype=torch.long, device=self.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
-        logits = self.prefill(prompts, cache)
+        logits = self._prefill(prompts, cache)
         for i in range(max_new_tokens):
             tokens = sampling.choose(logits, generator)
             done_before = finished.clone()
@@ -241,7 +245,7 @@ class Engine:
         cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []
-        for tokens, logits, done in self.stream(prompts, max_new_tokens, sampling, cache):
+        for tokens, logits, done in self._stream(prompts, max_new_tokens, sampling, cache):
             for row, token in enumerate(tokens.tolist()):
                 if not done[row]:
                     out[row].append(token)

@@ -7,6 +7,8 @@ that does not share its K,V re-projects it from its own input at every iteration
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -107,11 +109,14 @@ class Model(nn.Module):
         chosen first, for the device the model is on: choosing imports them, which a trace cannot
         follow, and each layer's graph would be split there."""
         device = next(self.parameters()).device
-        for module in self.modules():
-            if isinstance(getattr(module, "kernels", None), Kernels):
-                module.kernels(device)
+        for kernels in self.block_kernels():
+            kernels(device)
         for layer in self.layers:
             layer.compile()
+
+    def block_kernels(self) -> Iterator[Kernels]:
+        """Every block's choice of kernels (each block keeps its own as ``kernels``)."""
+        return (m.kernels for m in self.modules() if isinstance(getattr(m, "kernels", None), Kernels))
 
     def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -65,8 +65,8 @@ def runs_on(backend: str, device_type: str) -> bool:
 
 
 def trains_on(backend: str, device_type: str) -> bool:
-    """Whether a backend also has a backward pass there: FlexAttention's is CUDA's alone."""
-    return runs_on(backend, device_type) and (backend != "flex" or device_type == "cuda")
+    """PyTorch's ops train anywhere; FlexAttention (its backward pass) and the kernel packages on CUDA."""
+    return backend == "torch" or device_type == "cuda"
 
 
 @cache

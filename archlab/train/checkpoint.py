@@ -20,6 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 
+RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
+
+
 class CheckpointError(Exception):
     """A checkpoint that cannot be used, said in words."""
 
@@ -90,9 +93,9 @@ def load_trained(path: Path):
 
     run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
     found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
-    if not (run_dir / "spec.yaml").is_file() or not found:
+    if not (run_dir / RUN_SPEC).is_file() or not found:
         raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
-    spec = load_spec(run_dir / "spec.yaml")
+    spec = load_spec(run_dir / RUN_SPEC)
     model = build_model(spec)
     try:
         _load_weights(found[-1], model)

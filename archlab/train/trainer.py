@@ -28,7 +28,7 @@ from archlab.cost import Cost, peak_flops
 from archlab.ffn import MoEFFN
 from archlab.loss import IGNORE
 from archlab.model import Model, build_model
-from archlab.ops.dispatch import BackendError, Kernels, trains_on
+from archlab.ops.dispatch import BackendError, trains_on
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import TrainConfig
@@ -147,9 +147,8 @@ class Trainer:
         directory is touched, not in the first backward pass (FlexAttention runs forward on any
         device, but has a backward pass on CUDA only)."""
         device = self.device.type
-        for module in self.model.modules():
-            kernels = getattr(module, "kernels", None)
-            if isinstance(kernels, Kernels) and not trains_on(backend := kernels.backend(device), device):
+        for kernels in self.model.block_kernels():
+            if not trains_on(backend := kernels.backend(device), device):
                 raise BackendError(f"{kernels.block}: backend {backend} has no backward pass on the {device.upper()}; train"
                                    " with backend: torch or auto, or on a CUDA device")
 
@@ -170,7 +169,7 @@ class Trainer:
             if self.world.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 self._drop_stale_corpus()
-                (self.run_dir / "spec.yaml").write_text(spec_to_yaml(self.spec))
+                (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
                 self._write_config(steps)
             return 0
         if not found:
@@ -214,7 +213,7 @@ class Trainer:
     def _drop_stale_corpus(self) -> None:
         """A failed attempt's tokenized corpus in the run directory serves a retry on the same data
         and vocabulary; for any other it would be read back in place of the new data."""
-        config, spec_file = self.run_dir / "config.yaml", self.run_dir / "spec.yaml"
+        config, spec_file = self.run_dir / "config.yaml", self.run_dir / checkpoint.RUN_SPEC
         if self.cfg.data.cache or not config.is_file():
             return
         old_data = yaml.safe_load(config.read_text()).get("data")

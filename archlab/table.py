@@ -14,9 +14,14 @@ class Format(str, Enum):
     json = "json"
 
 
+def _three_digits(value: float) -> str:
+    """Three significant digits, trailing zeros kept so a column reads alike: 4.00 beside 16.0."""
+    return f"{value:#.3g}".rstrip(".") if value else "0"
+
+
 def _cell(value) -> str:
     if isinstance(value, float):
-        return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
+        return f"{value:,.1f}" if abs(value) >= 10 else _three_digits(value)
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
@@ -39,10 +44,11 @@ def render(rows: list[dict], fmt: Format) -> str:
 
 def si(value: float) -> str:
     """1.29e9 -> '1.29G': three significant digits with an SI prefix."""
+    value = float(f"{value:.3g}")  # round first, so 999.9 reads 1.00K, not 1.00e+03
     for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(value) >= scale:
-            return f"{value / scale:.3g}{prefix}"
-    return f"{value:.3g}"
+            return f"{_three_digits(value / scale)}{prefix}"
+    return _three_digits(value)
 
 
 def tokens_label(n: int) -> str:

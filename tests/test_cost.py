@@ -208,3 +208,14 @@ def test_the_readable_table_keeps_a_small_cache_visible():
     cells = dict(zip(*(line.strip("|").split(" | ") for line in render([readable(row)], Format.md).splitlines()[::2])))
     assert 0 < row.kv_local_bytes < 2**20 / 20
     assert float(cells["KV local MiB"]) == pytest.approx(row.kv_local_bytes / 2**20, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [(0, "0"), (4, "4.00"), (9.4e9, "9.40G"), (63e9, "63.0G"), (263e12, "263T"), (999.9, "1.00K"), (1.294e9, "1.29G")],
+)
+def test_si_keeps_three_digits(value, text):
+    """Every figure in a column carries three digits, and rounding up moves to the next prefix."""
+    from archlab.table import si
+
+    assert si(value) == text

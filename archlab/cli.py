@@ -444,7 +444,7 @@ Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the d
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", help="study directory; default runs/studies/NAME-SCALE")]
 GracePeriod = Annotated[int, typer.Option(help="seconds without a heartbeat before a trial counts as dead")]
-StudyData = Annotated[str | None, typer.Option(help="override the study's data source")]
+StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)")]
 
 
 def _study_errors(action):
@@ -477,9 +477,7 @@ def study_run(
     from archlab.study.runner import default_dir, storage_url, work
 
     def action():
-        loaded = load_study(study, scale)
-        if data:
-            loaded.config = loaded.config.model_copy(update={"data": loaded.config.data.model_copy(update={"source": data})})
+        loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         optuna_study = work(loaded, where, storage, err, grace_period)
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(loaded, where, storage)))
@@ -494,19 +492,22 @@ def study_report(
     scale: Scale = "tiny",
     storage: Storage = None,
     out: StudyOut = None,
+    data: StudyData = None,
 ) -> None:
     """The study's table (markdown) and plots (PNG), from its storage."""
     from archlab.study.definition import load_study
     from archlab.study.report import report
-    from archlab.study.runner import default_dir, open_study, storage_url
+    from archlab.study.runner import check_unchanged, default_dir, open_study, storage_url
 
     def action():
-        loaded = load_study(study, scale)
+        loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         url = storage_url(loaded, where, storage)
         if url.startswith("sqlite") and not (where / "optuna.db").is_file():
             raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first")])
-        sys.stdout.write(report(loaded, open_study(loaded, url), where, url))
+        optuna_study = open_study(loaded, url)
+        check_unchanged(loaded, optuna_study)
+        sys.stdout.write(report(loaded, optuna_study, where, url))
 
     _study_errors(action)
 

@@ -14,7 +14,7 @@ import yaml
 from archlab.spec import SpecError
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import report
-from archlab.study.runner import join, run_trial, settled, storage_url
+from archlab.study.runner import StudyChanged, check_unchanged, join, run_trial, settled, storage_url
 from conftest import ROOT
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
@@ -137,6 +137,44 @@ def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
     text = report(study, optuna_study, out, url)
     assert "4 planned: 1 complete, 1 running, 2 waiting, 0 failed, 0 pruned; **incomplete**: the table covers only the 1 of 4 that have finished" in text
     assert "Failed trials" not in text
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(tmp_path):
+    path, out = mini(tmp_path, "edited", steps=2), tmp_path / "out"
+    study = load_study(str(path))
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)  # yoco, seed 0, lr slot 0 (lr 0.002)
+    trained = optuna_study.get_trials()[0]
+
+    def edit(**changes):
+        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
+        return load_study(str(path))
+
+    edit(lr={"low": 0.001, "high": 0.004, "points": 2})
+    for command in ("run", "report"):
+        result = archlab("study", command, path, "--out", out)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert "holds 1 trial that trained under another definition" in result.stderr
+        assert "yoco seed 0 lr slot 0: lr 0.002 -> 0.001" in result.stderr
+    after = trials_of(url, "edited")
+    assert len(after) == 4 and after[0].state.name == "COMPLETE" and after[0].value == trained.value  # kept as it was
+    # a change that no started trial trained under, and a new seed, are fine: the new seed's trials are planned
+    edited = edit(lr={"low": 0.002, "high": 0.008, "points": 2}, seeds=[0, 1])
+    check_unchanged(edited, optuna_study)
+    assert len(join(edited, out, url, grace_period=60).get_trials()) == 8
+    edited = edit(variants={"yoco": {"spec": "yoco.yaml", "set": {"init_std": 0.01}}, "yoco-u": {"spec": "yoco-u.yaml"}})
+    with pytest.raises(StudyChanged, match=r"spec\.init_std 0\.02 -> 0\.01"):
+        check_unchanged(edited, optuna_study)
+    # a trial recorded before trials kept their setup is checked by the lr and steps it kept
+    legacy = optuna.create_study(study_name="edited-tiny")
+    legacy.add_trial(optuna.trial.create_trial(
+        params={"variant": "yoco", "seed": 0, "slot": 1}, value=2.0, user_attrs={"lr": 0.004, "steps": 2},
+        distributions={"variant": optuna.distributions.CategoricalDistribution(["yoco", "yoco-u"]),
+                       "seed": optuna.distributions.CategoricalDistribution([0, 1]), "slot": optuna.distributions.IntDistribution(0, 1)}))
+    with pytest.raises(StudyChanged, match=r"yoco seed 0 lr slot 1: lr 0\.004 -> 0\.008\n"):
+        check_unchanged(edited, legacy)
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path):

@@ -95,6 +95,18 @@ class Study:
     def name(self) -> str:
         return self.definition.name
 
+    def setup(self, variant: str, slot: int) -> dict:
+        """Everything a planned trial trains with besides its seed. It is recorded with the trial,
+        because a result trained otherwise does not answer the study as it now stands."""
+        lr = self.definition.lr
+        return {
+            "spec": self.specs[variant].model_dump(mode="json", exclude={"name", "description"}),
+            "train": self.config.model_dump(mode="json", exclude={"steps": True, "seed": True, "optimizer": {"lr"}}),
+            "steps": self.steps(variant),
+            "lr": lr.grid()[slot] if self.definition.sampler == "grid" else [lr.low, lr.high],
+            "metric": self.definition.metric,
+        }
+
     def steps(self, variant: str) -> int:
         """Training steps of a variant: the config's, or those with the baseline's FLOPs."""
         steps = self.config.steps
@@ -122,6 +134,10 @@ def find_study(name_or_path: str) -> Path:
     return shipped
 
 
-def load_study(name_or_path: str, scale: str = "tiny") -> Study:
+def load_study(name_or_path: str, scale: str = "tiny", data: str | None = None) -> Study:
+    """A study at one scale; ``data`` replaces the scale's data source for every trial."""
     path = find_study(name_or_path)
-    return Study(validate_as(StudySpec, load_yaml(path), str(path)), path, scale)
+    study = Study(validate_as(StudySpec, load_yaml(path), str(path)), path, scale)
+    if data:
+        study.config = study.config.model_copy(update={"data": study.config.data.model_copy(update={"source": data})})
+    return study

@@ -16,6 +16,7 @@ import socket
 import time
 import warnings
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -51,6 +52,56 @@ def storage_url(study: Study, out: Path, url: str | None) -> str:
 
 class StorageError(Exception):
     """The study's storage cannot be opened, said in words."""
+
+
+class StudyChanged(StorageError):
+    """The storage holds trials that trained under another definition of the study."""
+
+
+def _flat(value, prefix: str = "") -> Iterator[tuple[str, object]]:
+    """(dotted path, leaf) pairs of nested dicts and lists."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
+    if items is None:
+        yield prefix, value
+        return
+    for key, item in items:
+        yield from _flat(item, f"{prefix}.{key}" if prefix else str(key))
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    before, after = dict(_flat(old)), dict(_flat(new))
+
+    def shown(side: dict, key: str) -> str:
+        value = side.get(key, "(absent)")
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+    return [f"{key} {shown(before, key)} -> {shown(after, key)}"
+            for key in sorted(before.keys() | after.keys()) if before.get(key, ...) != after.get(key, ...)]
+
+
+def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
+    """Refuse a storage whose trials trained under another definition (another spec, training
+    config, learning rate or step count for the same variant, seed and lr slot): their results
+    would be reported as this study's. Trials not yet started, and added variants or seeds, train
+    under the definition as it stands and are fine. Trials recorded before setups were kept are
+    checked by the learning rate and steps they kept."""
+    changed = []
+    for key, trial in latest(optuna_study.get_trials(deepcopy=False)).items():
+        if trial.state is TrialState.WAITING or key[0] not in study.specs or key[2] >= study.definition.lr.points:
+            continue
+        kept = trial.user_attrs
+        recorded = kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept})
+        current = study.setup(key[0], key[2])
+        if differences := _differences(recorded, {name: current.get(name) for name in recorded}):
+            changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {'; '.join(differences[:3])}"
+                           + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
+    if changed:
+        shown = changed[:5] + ([f"  ... and {len(changed) - 5} more trials"] if len(changed) > 5 else [])
+        raise StudyChanged(
+            f"the storage of {optuna_study.study_name} holds {len(changed)} trial{'s' * (len(changed) > 1)} that trained under another "
+            "definition of the study:\n" + "\n".join(shown) + "\nput the definition back, or run the study "
+            "afresh with another --out (or --storage); the trials already there are kept"
+        )
 
 
 def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
@@ -112,6 +163,7 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     also creates the storage's tables)."""
     with planning_lock(url, out, f"{study.name}-{study.scale}"):
         optuna_study = open_study(study, url, grace_period)
+        check_unchanged(study, optuna_study)
         for params in study.plan():
             optuna_study.enqueue_trial(params, skip_if_exists=True)
         cfg = study.config
@@ -140,6 +192,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
         }
     )
     trial.set_user_attr("steps", steps)
+    trial.set_user_attr("setup", study.setup(variant, slot))  # what it trained as (check_unchanged)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
     metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
 

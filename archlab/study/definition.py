@@ -95,6 +95,10 @@ class Study:
     def name(self) -> str:
         return self.definition.name
 
+    def planned(self) -> set[tuple]:
+        """The (variant, seed, lr slot) of every planned trial: what the report covers."""
+        return {(p["variant"], p["seed"], p["slot"]) for p in self.plan()}
+
     def setup(self, variant: str, slot: int) -> dict:
         """Everything a planned trial trains with besides its seed. It is recorded with the trial,
         because a result trained otherwise does not answer the study as it now stands."""

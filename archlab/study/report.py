@@ -33,10 +33,16 @@ def _best_lr(trials: list[optuna.trial.FrozenTrial], maximize: bool) -> tuple[fl
     return lr, by_lr[lr]
 
 
-def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
+def _reported(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
+    """The finished trial of each planned (variant, seed, lr slot): what the table and plots show."""
+    planned = study.planned()
+    return {key: t for key, t in settled(trials).items() if key in planned}
+
+
+def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     definition = study.definition
     maximize = definition.metric != "val_loss"
-    done = settled(optuna_study.get_trials(deepcopy=False))
+    done = _reported(study, trials)
     rows, means, baseline = [], {}, None
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
@@ -69,14 +75,10 @@ def summarize(study: Study, optuna_study: optuna.Study) -> list[dict]:
     return rows
 
 
-def _planned(study: Study) -> set[tuple]:
-    return {(p["variant"], p["seed"], p["slot"]) for p in study.plan()}
-
-
 def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
     """How far the study has got, counting each planned trial once, by its latest attempt (a trial
     whose worker died counts as its retry), so the header agrees with the table."""
-    planned = _planned(study)
+    planned = study.planned()
     attempts = [t for key, t in latest(trials).items() if key in planned]
     count = Counter(t.state.name.lower() for t in attempts)
     finished = count["complete"] + count["fail"] + count["pruned"]
@@ -94,7 +96,7 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
 def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     """Every failed attempt at a planned trial and why it failed; one whose worker died also says
     what became of its retry."""
-    planned = _planned(study)
+    planned = study.planned()
     retry_of = {t.system_attrs["retry_history"][-1]: t for t in trials if t.system_attrs.get("retry_history")}
     rows = []
     for t in trials:
@@ -112,7 +114,7 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
     return rows
 
 
-def plot(study: Study, optuna_study: optuna.Study, out: Path) -> list[Path]:
+def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> list[Path]:
     """Validation curves of each variant's best learning rate (mean over seeds): against steps,
     and against training FLOPs."""
     import matplotlib
@@ -121,7 +123,7 @@ def plot(study: Study, optuna_study: optuna.Study, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     maximize = study.definition.metric != "val_loss"
-    done = settled(optuna_study.get_trials(deepcopy=False))
+    done = _reported(study, trials)
     figures = {"curves": plt.subplots(figsize=(7, 4.5)), "loss_vs_flops": plt.subplots(figsize=(7, 4.5))}
     for variant in study.specs:
         complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
@@ -153,7 +155,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     definition = study.definition
     trials = optuna_study.get_trials(deepcopy=False)
     failed = failures(study, trials)
-    plots = plot(study, optuna_study, out)
+    plots = plot(study, trials, out)
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
         f"{definition.question or definition.description}\n",
@@ -164,7 +166,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         progress(study, trials),
         f"- storage `{storage}` (open it with `optuna-dashboard {storage}`)",
         f"- baseline: `{definition.baseline}`; lower val loss is better\n" if definition.metric == "val_loss" else f"- baseline: `{definition.baseline}`; higher accuracy is better\n",
-        render(summarize(study, optuna_study), Format.md),
+        render(summarize(study, trials), Format.md),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",

@@ -70,13 +70,13 @@ def _flat(value, prefix: str = "") -> Iterator[tuple[str, object]]:
 
 def _differences(old: dict, new: dict) -> list[str]:
     before, after = dict(_flat(old)), dict(_flat(new))
+    absent = object()
 
-    def shown(side: dict, key: str) -> str:
-        value = side.get(key, "(absent)")
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    def shown(value) -> str:
+        return "(absent)" if value is absent else f"{value:.6g}" if isinstance(value, float) else str(value)
 
-    return [f"{key} {shown(before, key)} -> {shown(after, key)}"
-            for key in sorted(before.keys() | after.keys()) if before.get(key, ...) != after.get(key, ...)]
+    pairs = ((key, before.get(key, absent), after.get(key, absent)) for key in sorted(before.keys() | after.keys()))
+    return [f"{key} {shown(was)} -> {shown(now)}" for key, was, now in pairs if was != now]
 
 
 def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
@@ -85,9 +85,9 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
     would be reported as this study's. Trials not yet started, and added variants or seeds, train
     under the definition as it stands and are fine. Trials recorded before setups were kept are
     checked by the learning rate and steps they kept."""
-    changed = []
+    changed, planned = [], study.planned()
     for key, trial in latest(optuna_study.get_trials(deepcopy=False)).items():
-        if trial.state is TrialState.WAITING or key[0] not in study.specs or key[2] >= study.definition.lr.points:
+        if trial.state is TrialState.WAITING or key not in planned:
             continue
         kept = trial.user_attrs
         recorded = kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept})
@@ -178,12 +178,13 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     variant = trial.suggest_categorical("variant", list(definition.variants))
     seed = trial.suggest_categorical("seed", definition.seeds)
     slot = trial.suggest_int("slot", 0, definition.lr.points - 1)
+    setup = study.setup(variant, slot)
     if definition.sampler == "grid":
-        lr = definition.lr.grid()[slot]
+        lr = setup["lr"]
         trial.set_user_attr("lr", lr)
     else:
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
-    spec, cfg, steps = study.specs[variant], study.config, study.steps(variant)
+    spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
     cfg = cfg.model_copy(
         update={
             "seed": seed,
@@ -192,7 +193,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
         }
     )
     trial.set_user_attr("steps", steps)
-    trial.set_user_attr("setup", study.setup(variant, slot))  # what it trained as (check_unchanged)
+    trial.set_user_attr("setup", setup)  # what it trained as (check_unchanged)
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
     metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
 

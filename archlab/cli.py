@@ -31,6 +31,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",  # reflows docstrings in the command list, where "rich" keeps their line breaks
 )
 out = Console()
 err = Console(stderr=True, soft_wrap=True)  # messages whole: a log file is not a terminal to wrap them for
@@ -436,6 +437,7 @@ study_app = typer.Typer(
     help="Studies on Optuna: controlled architecture experiments. `archlab study NAME` runs a shipped"
     f" study: {', '.join(_shipped_studies())}.",
     no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(study_app, name="study")
 

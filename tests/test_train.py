@@ -50,17 +50,35 @@ def test_killed_run_resumes_bitwise(tmp_path):
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
+    started = max((killed / "checkpoints").glob("step-*"))
+    shutil.copytree(started, tmp_path / started.name)  # the resumed run removes it later (keep_checkpoints)
     resumed = archlab("train", spec, "--out", killed, "--resume", "--steps", "120")
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr
     assert "total goes from" not in resumed.stderr  # the same total: the same schedule, nothing to say
 
-    reference = tmp_path / "reference"
-    straight = archlab("train", spec, "--out", reference, *common)
+    reference = tmp_path / "reference"  # keeps every checkpoint, for the message below
+    straight = archlab("train", spec, "--out", reference, *common, "--set", "keep_checkpoints=24")
     assert straight.returncode == 0, straight.stderr
     assert len(losses(reference)) == 120
-    assert losses(killed) == losses(reference)  # bitwise: the same floats, step for step
+    assert losses(killed) == losses(reference), where_they_part(killed, reference, tmp_path / started.name)  # bitwise
     assert len(list((killed / "checkpoints").glob("step-*"))) == 3  # keep_checkpoints
+
+
+def where_they_part(resumed, reference, started) -> str:
+    """The first step whose loss differs, and whether the checkpoint the run resumed from holds the
+    reference's weights at that step: if it does, the difference arose in the resumed process's
+    arithmetic; if not, in the killed process's last updates."""
+    from safetensors.torch import load_file
+
+    parted = next(((s, x, y) for (s, x), (_, y) in zip(losses(resumed), losses(reference)) if x != y), None)
+    if parted is None:
+        return f"{len(losses(resumed))} steps logged by the resumed run, {len(losses(reference))} by the reference"
+    step, a, b = parted
+    weights = [load_file(folder / "model.safetensors") for folder in (started, reference / "checkpoints" / started.name)]
+    differ = [name for name in weights[0] if not torch.equal(weights[0][name], weights[1][name])]
+    return (f"step {step}: resumed {a!r}, reference {b!r}; the resumed run started from {started.name}, whose weights"
+            f" differ from the reference's in {differ or 'no tensor'}")
 
 
 def test_distributed_gloo_matches_one_process(tmp_path):

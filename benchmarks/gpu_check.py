@@ -24,18 +24,24 @@
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
 cut short keeps what it measured. A section that fails records its error and the next one runs.
+Each section (parity: each block type) runs in a process of its own, killed with whatever it
+started if it outlives its limit: a kernel or compiler hung in native code never returns to
+Python for the limit's alarm to stop it, and would hold the rest of the device time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +61,7 @@ from archlab.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(stderr=True)
 TOLERANCE = 3e-2  # relative error of a bf16 kernel against the bf16 PyTorch path (both ~1e-2 from fp64)
+KILL_GRACE_S = 60  # past a section's limit, for its own alarm to land and its result to be written
 
 # (block spec, kernel backends to compare with "torch")
 PARITY = [
@@ -106,51 +113,82 @@ def time_limit(seconds: int):
             signal.alarm(max(1, round(outer_left - (time.monotonic() - began))))
 
 
-def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, blocks: set[str] | None,
-           row_limit_s: int) -> list[dict]:
+def run_apart(command: list[str], seconds: float) -> str | None:
+    """Run ``command`` as a process group of its own; kill the group when it ends or after
+    ``seconds``, so nothing it started (compile workers, say) outlives it. Return why it gave no
+    result, or None."""
+    proc = subprocess.Popen(command, start_new_session=True)
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return f"killed after {seconds:.0f} s: hung where the section's own limit could not stop it"
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return None if proc.returncode == 0 else f"exited with status {proc.returncode}"
+
+
+def block_label(fields: dict) -> str:
+    return fields["type"] + (" gated" if fields.get("gated") else "")
+
+
+def parity_rows(blocks: str, device: torch.device) -> list[tuple[str, dict]]:
+    """Each parity row as (PARITY_INDEX:BACKEND, the row so far), in PARITY's order, for the block
+    types in ``blocks`` (all when empty). Backends that cannot run here come marked skipped; the
+    others run one per process."""
+    wanted = set(filter(None, blocks.split(",")))
+    rows = []
+    for i, (fields, backends) in enumerate(PARITY):
+        if wanted and fields["type"] not in wanted:
+            continue
+        for backend in backends:
+            row = {"block": block_label(fields), "backend": backend}
+            if not installed(backend) or not runs_on(backend, device.type):
+                row["status"] = "skipped (not available here)"
+            rows.append((f"{i}:{backend}", row))
+    return rows
+
+
+def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, which: str, row_limit_s: int) -> list[dict]:
+    """One parity row (``which``: PARITY_INDEX:BACKEND): a block's kernel backend against its
+    PyTorch backend with the same weights, in the forward pass, input gradients and 16 decoding
+    steps, and a forward and backward pass's time on each."""
     from archlab.spec import _resolve_blocks, block_specs
 
     _resolve_blocks()
-    rows = []
-    for fields, backends in PARITY:
-        if blocks and fields["type"] not in blocks:
-            continue
-        spec_class = block_specs()[fields["type"]]
-        ctx = BuildContext(d_model=d_model, rope_theta=10_000.0)
-        torch.manual_seed(0)
-        reference = spec_class.model_validate({**fields, "backend": "torch"}).build(ctx).to(device, dtype)
-        x = torch.randn(2, n, d_model, device=device, dtype=dtype, requires_grad=True)
-        causal = MixerInput(torch.arange(n, device=device)[None], causal=True)
-        ref_out = reference(x, causal)
-        (ref_grad,) = torch.autograd.grad(ref_out.float().square().sum(), x)
-        ref_ms = median_ms(lambda: reference(x, causal).float().square().sum().backward(), device)
-        for backend in backends:
-            row = {"block": fields["type"] + (" gated" if fields.get("gated") else ""), "backend": backend}
-            if not installed(backend) or not runs_on(backend, device.type):
-                rows.append({**row, "status": "skipped (not available here)"})
-                continue
-            kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
-            kernel.load_state_dict(reference.state_dict())
-            eager_flex = not trains_on(backend, device.type)  # FlexAttention has no CPU backward
-            console.print(f"{row['block']} / {backend} ...")
-            try:
-                with time_limit(row_limit_s):
-                    with torch.no_grad() if eager_flex else nullcontext():
-                        out = kernel(x, causal)
-                    row["forward_rel_err"] = relative_error(out, ref_out)
-                    if not eager_flex:
-                        (grad,) = torch.autograd.grad(out.float().square().sum(), x)
-                        row["grad_rel_err"] = relative_error(grad, ref_grad)
-                        row["torch_ms"] = ref_ms
-                        row["kernel_ms"] = median_ms(lambda: kernel(x, causal).float().square().sum().backward(), device)
-                    row["decode_rel_err"] = decode_parity(reference, kernel, x.detach(), device)
-                worst = max(v for k, v in row.items() if k.endswith("rel_err"))
-                row["status"] = "ok" if worst < TOLERANCE else "MISMATCH"
-            except Exception as exc:  # a kernel that cannot run is a finding, not a crash of the check
-                row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
-            rows.append(row)
-            console.print(row)
-    return rows
+    index, backend = which.split(":")
+    fields = PARITY[int(index)][0]
+    row = {"block": block_label(fields), "backend": backend}
+    spec_class = block_specs()[fields["type"]]
+    ctx = BuildContext(d_model=d_model, rope_theta=10_000.0)
+    torch.manual_seed(0)
+    reference = spec_class.model_validate({**fields, "backend": "torch"}).build(ctx).to(device, dtype)
+    x = torch.randn(2, n, d_model, device=device, dtype=dtype, requires_grad=True)
+    causal = MixerInput(torch.arange(n, device=device)[None], causal=True)
+    kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
+    kernel.load_state_dict(reference.state_dict())
+    eager_flex = not trains_on(backend, device.type)  # FlexAttention has no CPU backward
+    console.print(f"{row['block']} / {backend} ...")
+    try:
+        with time_limit(row_limit_s):
+            ref_out = reference(x, causal)
+            with torch.no_grad() if eager_flex else nullcontext():
+                out = kernel(x, causal)
+            row["forward_rel_err"] = relative_error(out, ref_out)
+            if not eager_flex:
+                (ref_grad,) = torch.autograd.grad(ref_out.float().square().sum(), x)
+                (grad,) = torch.autograd.grad(out.float().square().sum(), x)
+                row["grad_rel_err"] = relative_error(grad, ref_grad)
+                row["torch_ms"] = median_ms(lambda: reference(x, causal).float().square().sum().backward(), device)
+                row["kernel_ms"] = median_ms(lambda: kernel(x, causal).float().square().sum().backward(), device)
+            row["decode_rel_err"] = decode_parity(reference, kernel, x.detach(), device)
+        worst = max(v for k, v in row.items() if k.endswith("rel_err"))
+        row["status"] = "ok" if worst < TOLERANCE else "MISMATCH"
+    except Exception as exc:  # a kernel that cannot run is a finding, not a crash of the check
+        row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
+    console.print(row)
+    return [row]
 
 
 def window_kernels(device: torch.device, dtype: torch.dtype, spec_path: str, batch: int, n: int, row_limit_s: int) -> list[dict]:
@@ -434,8 +472,11 @@ def main() -> None:
     parser.add_argument("--train-seq-len", type=int, default=2048, help="tokens per sequence in training (the paper pretrains at 8,192)")
     parser.add_argument("--row-limit-s", type=int, default=150, help="give up on a parity row after this many seconds")
     parser.add_argument("--section-limit-s", type=int, default=420, help="give up on a section after this many seconds")
+    parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)  # run the one section named, write its outcome here
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # with --part: the parity row, as PARITY_INDEX:BACKEND
+    parser.add_argument("--began", type=float, help=argparse.SUPPRESS)  # the whole check's start, for --deadline-s
     args = parser.parse_args()
-    began = time.monotonic()
+    began = args.began or time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
     device = torch.device("cpu" if smoke else "cuda")
     folder = ROOT / "specs" / ("tiny" if smoke else "paper")
@@ -449,7 +490,7 @@ def main() -> None:
     fla_window = ["layout.self_decoder.blocks.0.backend=fla"]  # the cross-decoder's full causal attention stays on SDPA's flash kernel
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
-                                 set(filter(None, args.blocks.split(","))), args.row_limit_s),
+                                 args.row, args.row_limit_s),
         "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16, yoco_u, *train[:2], args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
@@ -467,6 +508,16 @@ def main() -> None:
         "training-fla-compiled": lambda: training(device, yoco_u, *train, overrides=fla_window, compile=True),
         "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
     }
+    if args.part:  # one section, in the process the whole check started for it
+        try:
+            with time_limit(args.section_limit_s):
+                outcome = {"result": sections[args.sections]()}
+        except Exception:
+            outcome = {"error": traceback.format_exc()}
+            console.print(outcome["error"])
+        args.part.write_text(json.dumps(outcome, default=str))
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds run_apart: its section goes too
     results = {
         "device": device_name(device),
         "torch": torch.__version__,
@@ -475,20 +526,31 @@ def main() -> None:
         "errors": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.sections.split(","):
-        if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled", "training-fla-compiled"):
-            continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
-        console.rule(f"{name} ({time.monotonic() - began:.0f} s in)")
-        try:
-            with time_limit(args.section_limit_s):
-                results[{"eager": "inference_eager", "inference-paged": "inference_paged", "training-profile": "training_profile"}.get(name, name)] = sections[name]()
-        except Exception:
-            results["errors"][name] = traceback.format_exc()
-            console.print(results["errors"][name])
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-        (args.out / "gpu_check.md").write_text(report(results))
+    with tempfile.TemporaryDirectory() as tmp:
+        part = Path(tmp) / "section.json"
+        for name in args.sections.split(","):
+            if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled", "training-fla-compiled"):
+                continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
+            key = {"eager": "inference_eager", "inference-paged": "inference_paged", "training-profile": "training_profile"}.get(name, name)
+            units = [(f"{name} ({row['block']}, {row['backend']})", ["--row", which], row)
+                     for which, row in parity_rows(args.blocks, device)] if name == "parity" else [(name, [], None)]
+            for label, extra, row in units:
+                if row and "status" in row:  # a parity row whose backend cannot run here
+                    results.setdefault(key, []).append(row)
+                    continue
+                console.rule(f"{label} ({time.monotonic() - began:.0f} s in)")
+                part.unlink(missing_ok=True)
+                why = run_apart([sys.executable, __file__, *sys.argv[1:], "--sections", name, *extra, "--part", str(part),
+                                 "--began", str(began)], args.section_limit_s + KILL_GRACE_S)
+                outcome = json.loads(part.read_text()) if part.exists() else {"error": why or "it wrote no result"}
+                if "error" in outcome:
+                    results["errors"][label] = outcome["error"]
+                elif name == "parity":
+                    results.setdefault(key, []).extend(outcome["result"])
+                else:
+                    results[key] = outcome["result"]
+                (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+                (args.out / "gpu_check.md").write_text(report(results))
     print(report(results))
     print(f"total {time.monotonic() - began:.0f} s")
     if results["errors"]:

@@ -146,6 +146,7 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert {r["status"] for r in report["parity"] if r["backend"] == "flex"} == {"ok"}
+    assert "parity (swa, flex)" in result.stderr and "parity (attention, flex)" in result.stderr  # a process each
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
     assert [r["status"] for r in report["window"]] == ["ok"] * 4 and report["window"][0]["rel_err"] == 0  # its own reference
@@ -178,6 +179,38 @@ def test_the_gpu_checks_time_limits_nest():
         with time_limit(1):
             with time_limit(60):
                 spin()
+
+
+def test_the_gpu_check_kills_a_section_its_alarm_cannot_stop(tmp_path):
+    """A section hung where SIGALRM cannot reach (here: one that ignores it) is killed at its
+    limit, with what it started, and the check goes on; a section that ends is left to end."""
+    import sys
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import run_apart
+
+    started = tmp_path / "started"
+    hung = ("import signal, subprocess, sys, time; signal.signal(signal.SIGALRM, signal.SIG_IGN); signal.alarm(1);"
+            f" child = subprocess.Popen(['sleep', '600']); open({str(started)!r}, 'w').write(str(child.pid)); time.sleep(600)")
+    began = time.monotonic()
+    assert run_apart([sys.executable, "-c", hung], 5) == "killed after 5 s: hung where the section's own limit could not stop it"
+    assert time.monotonic() - began < 30
+    stat = Path(f"/proc/{started.read_text()}/stat")
+
+    def running() -> bool:  # a killed process is gone, or a zombie until its new parent reaps it
+        try:
+            return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(), "the section's own child outlived it"
+    assert run_apart([sys.executable, "-c", "pass"], 60) is None
+    assert run_apart([sys.executable, "-c", "raise SystemExit(3)"], 60) == "exited with status 3"
 
 
 def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):

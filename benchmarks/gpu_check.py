@@ -24,7 +24,7 @@
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
 cut short keeps what it measured. A section that fails records its error and the next one runs.
-Each section (parity: each block type) runs in a process of its own, killed with whatever it
+Each section (parity: each block and backend) runs in a process of its own, killed with what it
 started if it outlives its limit: a kernel or compiler hung in native code never returns to
 Python for the limit's alarm to stop it, and would hold the rest of the device time.
 """

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from archlab.block import float32_or_wider
 from archlab.spec import FFN, MoE, SwiGLU
 
 
@@ -41,7 +42,7 @@ class MoEFFN(nn.Module):
 
     def forward(self, x: torch.Tensor, aux_losses: list) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).float().softmax(dim=-1)
+        probs = self.router(tokens).to(float32_or_wider(x.dtype)).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(tokens)

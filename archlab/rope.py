@@ -6,18 +6,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from archlab.block import float32_or_wider
+
 
 class Rotary(nn.Module):
+    """The frequencies are worked out on each call, in float64, then used in float32 (or the
+    model's dtype if wider), as training uses them. A buffer would be cast with the model: in a
+    bfloat16 model its rounding moved the angle at position 4,096 by up to 5 radians."""
+
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, N, H, D]; positions: [B or 1, N]."""
-        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # [B or 1, N, D/2]
+        wide = float32_or_wider(x.dtype)
+        exponents = torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float64) / self.head_dim
+        angles = positions.to(wide)[..., None] * (self.theta**-exponents).to(wide)  # [B or 1, N, D/2]
         turn = torch.polar(torch.ones_like(angles), angles)[:, :, None]  # e^(i angle), broadcast over heads
-        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        pairs = torch.view_as_complex(x.to(wide).reshape(*x.shape[:-1], -1, 2))
         return torch.view_as_real(pairs * turn).flatten(-2).to(x.dtype)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 
@@ -95,14 +95,15 @@ class GatedDeltaNet(nn.Module):
         self.o_proj = nn.Linear(value_width, d, bias=False)
 
     def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Conv tails of q, k, v and the delta-rule state, in fp32 as the ops keep them."""
+        """Conv tails of q, k, v and the delta-rule state."""
         tail = self.q_conv.kernel_size[0] - 1
         key_width, value_width = self.q_conv.in_channels, self.v_conv.in_channels
+        zeros = partial(torch.zeros, dtype=float32_or_wider(dtype))
         return {
-            "q_conv": torch.zeros(batch, key_width, tail),
-            "k_conv": torch.zeros(batch, key_width, tail),
-            "v_conv": torch.zeros(batch, value_width, tail),
-            "S": torch.zeros(batch, self.heads, self.head_dim, self.value_dim),
+            "q_conv": zeros(batch, key_width, tail),
+            "k_conv": zeros(batch, key_width, tail),
+            "v_conv": zeros(batch, value_width, tail),
+            "S": zeros(batch, self.heads, self.head_dim, self.value_dim),
         }
 
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
@@ -115,8 +116,9 @@ class GatedDeltaNet(nn.Module):
         q = F.normalize(conv("q_conv", self.q_proj), dim=-1)
         k = F.normalize(conv("k_conv", self.k_proj), dim=-1)
         v = conv("v_conv", self.v_proj)
-        beta = self.b_proj(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        wide = float32_or_wider(x.dtype)
+        beta = self.b_proj(x).to(wide).sigmoid()
+        g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide) + self.dt_bias)
         ops = self.kernels(x.device)
         chunked = partial(ops["chunk_gated_delta_rule"], chunk_size=self.chunk_size)
         if inp.state is None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 
@@ -87,10 +87,10 @@ class Mamba2(nn.Module):
         self.out_proj = nn.Linear(self.inner, ctx.d_model, bias=False)
 
     def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Conv tail of x, B, C and the SSM state, in fp32 as the ops keep them."""
+        """Conv tail of x, B, C and the SSM state."""
         return {
-            "conv": torch.zeros(batch, self.conv_dim, self.conv.kernel_size[0] - 1),
-            "ssm": torch.zeros(batch, self.heads, self.head_dim, self.d_state),
+            "conv": torch.zeros(batch, self.conv_dim, self.conv.kernel_size[0] - 1, dtype=float32_or_wider(dtype)),
+            "ssm": torch.zeros(batch, self.heads, self.head_dim, self.d_state, dtype=float32_or_wider(dtype)),
         }
 
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
@@ -101,7 +101,7 @@ class Mamba2(nn.Module):
         xs, B, C = xbc.split([self.inner, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
         xs = xs.reshape(batch, n, self.heads, self.head_dim)
         B, C = B.reshape(batch, n, self.groups, self.d_state), C.reshape(batch, n, self.groups, self.d_state)
-        A = -self.A_log.float().exp()
+        A = -self.A_log.to(float32_or_wider(x.dtype)).exp()
         ops = self.kernels(x.device)
         if ssm_state is not None and n == 1:  # a decoding step uses the recurrent form
             y, new_ssm = ops["selective_state_update"](

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked, float32_or_wider
 from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
 
@@ -78,7 +78,7 @@ class Retention(nn.Module):
         self.rotary = Rotary(self.head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
 
     def new_state(self, batch: int, capacity: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {"S": torch.zeros(batch, self.heads, self.head_dim, self.value_dim)}  # fp32, as the ops keep it
+        return {"S": torch.zeros(batch, self.heads, self.head_dim, self.value_dim, dtype=float32_or_wider(dtype))}
 
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
@@ -90,7 +90,7 @@ class Retention(nn.Module):
         chunk_op, step_op = self.kernels(x.device).values()
         chunked, recurrent = partial(chunk_op, chunk_size=self.chunk_size), step_op
         if self.gated:  # decay per token and head
-            g = F.logsigmoid(self.decay_proj(x).float()) / 16
+            g = F.logsigmoid(self.decay_proj(x).to(float32_or_wider(x.dtype))) / 16
             chunked, recurrent = partial(chunked, g=g), partial(recurrent, g=g)
         state = inp.state
         if state is None:

@@ -88,6 +88,27 @@ def test_rope_is_relative():
     assert not torch.isclose(score(7, 3), score(7, 4))
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
+def test_rope_keeps_its_angles_in_any_model_dtype(dtype, tolerance):
+    """A model cast to bfloat16 (to serve) or float64 (a reference) rotates by the angles worked
+    out from first principles in float64, to its dtype's precision. When the frequencies were a
+    buffer, casting the model cast them: in bfloat16, angles at position 4,096 were off by radians."""
+    import archlab
+    from archlab.rope import Rotary
+    from conftest import ROOT
+
+    model = archlab.build_model(archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml"), dtype=dtype)
+    rope = next(m for m in model.modules() if isinstance(m, Rotary))
+    d = rope.head_dim
+    x = torch.randn(1, 64, 2, d).to(dtype)
+    positions = torch.arange(4096 - 64, 4096)[None]
+    angle = positions[0, :, None].double() * rope.theta ** (-2 * torch.arange(d // 2, dtype=torch.float64) / d)
+    cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+    even, odd = x.double()[..., 0::2], x.double()[..., 1::2]
+    expected = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    assert (rope(x, positions).double() - expected).abs().max() / expected.abs().max() < tolerance
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_retention_block_chunk_sizes_agree(gated):
     """The block's output does not depend on the chunk size of its core op (chunks are exact)."""

@@ -128,13 +128,6 @@ class BlockSpec(Strict):
         """
 
 
-def float32_or_wider(dtype: torch.dtype) -> torch.dtype:
-    """The dtype in which a model of ``dtype`` keeps what the kernels keep in float32 (recurrent
-    and conv states, gates, rotations, router scores): float32, or the model's dtype if wider,
-    so that a float64 model, a reference, rounds nothing to float32."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def chunked(n: int, chunk: int) -> int:
     """Tokens a chunked op computes on: n padded up to whole chunks."""
     return -(-n // chunk) * chunk

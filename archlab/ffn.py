@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archlab.block import float32_or_wider
+from archlab.ops.common import float32_or_wider
 from archlab.spec import FFN, MoE, SwiGLU
 
 

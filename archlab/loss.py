@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from archlab.ops.common import float32_or_wider
+
 IGNORE = -100  # a target that is not counted, as in F.cross_entropy
 CHUNK_ELEMENTS = 2**27  # float32 logits per chunk: 512 MiB
 
@@ -20,7 +22,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         counted = (targets != IGNORE).sum().clamp(min=1)
-        accumulate = torch.promote_types(dtype, torch.float32)
+        accumulate = float32_or_wider(dtype)
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)

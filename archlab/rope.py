@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from archlab.block import float32_or_wider
+from archlab.ops.common import float32_or_wider
 
 
 class Rotary(nn.Module):

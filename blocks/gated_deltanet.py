@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked, float32_or_wider
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
+from archlab.ops.common import float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked, float32_or_wider
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
+from archlab.ops.common import float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 

@@ -1,12 +1,19 @@
-"""Pieces shared by the linear-recurrent ops (state setup, chunking)."""
+"""Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking)."""
 import torch
 import torch.nn.functional as F
+
+
+def float32_or_wider(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which a model of ``dtype`` keeps what the kernels keep in float32 (recurrent
+    and conv states, gates, rotations, router scores): float32, or the model's dtype if wider,
+    so that a float64 model, a reference, rounds nothing to float32."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def setup_state(q, v, scale, initial_state):
     """Compute dtype, default scale 1/sqrt(K) and the starting state (zeros if none given)."""
     B, _, H, K = q.shape
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = float32_or_wider(q.dtype)
     S = q.new_zeros(B, H, K, v.shape[-1], dtype=dtype) if initial_state is None else initial_state.to(dtype)
     return dtype, K ** -0.5 if scale is None else scale, S
 

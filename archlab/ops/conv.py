@@ -6,6 +6,8 @@ Layout is channel-first like causal_conv1d: x [B, D, T], weight [D, W], conv sta
 import torch
 import torch.nn.functional as F
 
+from archlab.ops.common import float32_or_wider
+
 
 def _activate(y, activation):
     if activation is None:
@@ -23,7 +25,7 @@ def causal_conv1d_fn(x, weight, bias=None, initial_states=None, return_final_sta
     """
     B, D, T = x.shape
     W = weight.shape[1]
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = float32_or_wider(x.dtype)
     past = x.new_zeros(B, D, W - 1, dtype=dtype) if initial_states is None else initial_states.to(dtype)
     xp = torch.cat([past, x.to(dtype)], dim=-1)  # [B, D, W-1+T]
     out = F.conv1d(xp, weight.to(dtype).unsqueeze(1), None if bias is None else bias.to(dtype), groups=D)
@@ -38,7 +40,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     functional (returns the new state, no in-place write) so it stays autograd-friendly, and its
     state is exactly causal_conv1d_fn's final_states, so prefill -> decode hands over directly.
     """
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = float32_or_wider(x.dtype)
     window = torch.cat([conv_state.to(dtype), x.to(dtype).unsqueeze(-1)], dim=-1)  # [B, D, W]
     out = (window * weight.to(dtype)).sum(-1)
     if bias is not None:

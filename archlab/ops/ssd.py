@@ -9,6 +9,8 @@ Computed in fp32 (fp64 stays fp64); outputs keep x's dtype, states are fp32.
 import torch
 import torch.nn.functional as F
 
+from archlab.ops.common import float32_or_wider
+
 
 def _dt(dt, dt_bias, dt_softplus):
     dt = dt if dt_bias is None else dt + dt_bias
@@ -32,7 +34,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     (pass arguments after chunk_size by keyword).
     """
     b, l, h, p = x.shape
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = float32_or_wider(x.dtype)
     xf = x.to(dtype)
     dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)  # clamped unconditionally, as the kernel
 
@@ -67,7 +69,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     autograd-friendly. No dt_limit clamp, as mamba_ssm's step.
     """
     b, h, p = x.shape
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = float32_or_wider(x.dtype)
     xf = x.to(dtype)
     dt = _dt(dt.to(dtype).reshape(b, h, -1), None if dt_bias is None else dt_bias.reshape(h, -1), dt_softplus)
     dt = dt[..., None]  # [b, h, p or 1, 1]
@@ -82,7 +84,7 @@ def _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
     """SSD inputs [b, l, h, ...] as simple GLA's: q = C, k = B (groups expanded to heads),
     v = dt x, g = dt A (log decay per head and token), with the kernels' dt processing."""
     h = x.shape[2]
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = float32_or_wider(x.dtype)
     dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)
     q, k = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (C, B))
     return q, k, (x.to(dtype) * dt[..., None]).to(x.dtype), dt * A.to(dtype)

@@ -40,9 +40,16 @@ class MoEFFN(nn.Module):
         nn.init.normal_(self.gate_up, std=std)
         nn.init.normal_(self.down, std=std)
 
+    def route(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Router scores, multiplied out in float32 (or wider), autocast or not: in bfloat16 their
+        rounding sent a few tokens in a thousand to another set of experts."""
+        wide = float32_or_wider(tokens.dtype)
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.to(wide), self.router.weight.to(wide))
+
     def forward(self, x: torch.Tensor, aux_losses: list) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        probs = self.router(tokens).to(float32_or_wider(x.dtype)).softmax(dim=-1)
+        probs = self.route(tokens).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         out = torch.zeros_like(tokens)

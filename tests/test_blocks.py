@@ -109,6 +109,26 @@ def test_rope_keeps_its_angles_in_any_model_dtype(dtype, tolerance):
     assert (rope(x, positions).double() - expected).abs().max() / expected.abs().max() < tolerance
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "autocast"])
+def test_moe_routes_bf16_tokens_as_float64_would(autocast):
+    """The router multiplies out its scores in float32, in a bfloat16 model (to serve) as under
+    autocast (to train). In bfloat16 their rounding sent a few tokens in a thousand to another
+    set of experts than the same weights and tokens do in float64."""
+    from archlab.ffn import MoEFFN
+    from archlab.spec import MoE
+
+    torch.manual_seed(0)
+    moe = MoEFFN(64, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=16))
+    moe = moe if autocast else moe.bfloat16()
+    tokens = torch.randn(16384, 64).bfloat16()
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        scores = moe.route(tokens)
+    exact = tokens.double() @ moe.router.weight.double().T
+    experts = lambda s: s.topk(moe.top_k).indices.sort(-1).values  # noqa: E731
+    assert scores.dtype == torch.float32
+    assert torch.equal(experts(scores), experts(exact))
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_retention_block_chunk_sizes_agree(gated):
     """The block's output does not depend on the chunk size of its core op (chunks are exact)."""

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
 import warnings
+from contextlib import contextmanager
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
@@ -24,7 +27,8 @@ from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
 from archlab.table import Format, parse_tokens, render
-from archlab.train.checkpoint import RUN_SPEC
+from archlab.train.checkpoint import RUN_SPEC, CheckpointError
+from archlab.train.config import SEED_LIMIT
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -70,8 +74,10 @@ def _report(exc: SpecError) -> None:
 
 def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
     """Load every spec, reporting each bad one; returns the good ones and the count of bad."""
-    good, bad = [], 0
-    for path in _expand(paths):
+    good, bad, files = [], 0, _expand(paths)
+    if not files:
+        err.print(f"[bold red]error[/]: no spec files found in {' '.join(map(str, paths))}", highlight=False)
+    for path in files:
         try:
             good.append((path, load_spec(path)))
         except SpecError as exc:
@@ -86,8 +92,9 @@ def validate(paths: SpecPaths) -> None:
     good, bad = _load_all(paths)
     for path, spec in good:
         out.print(f"[green]ok[/]    {path}  ({spec.name})", highlight=False)
+    if bad:
+        err.print(f"{bad} of {bad + len(good)} spec(s) invalid")
     if bad or not good:
-        err.print(f"{bad} of {bad + len(good)} spec(s) invalid" if good or bad else "no spec files found")
         raise typer.Exit(1)
 
 
@@ -122,10 +129,13 @@ def _describe_structure(model) -> str:
 @app.command()
 def build(
     paths: SpecPaths,
-    seq_len: Annotated[int, typer.Option(help="tokens in the CPU forward/backward check")] = 64,
+    seq_len: Annotated[int, typer.Option(min=1, help="tokens in the CPU forward/backward check")] = 64,
 ) -> None:
     """Validate and build every spec; run a forward and backward pass on the CPU for those small
-    enough, and build the rest on the meta device. Prints parameters and structure per spec."""
+    enough (forward only where a kernel has no CPU backward), and build the rest on the meta
+    device. Prints parameters and structure per spec."""
+    from archlab.ops.dispatch import trains_on
+
     good, bad = _load_all(paths)
     table = Table("spec", "structure", "params", "check")
     failed = 0
@@ -135,14 +145,18 @@ def build(
         check = "built on meta"
         if params <= CPU_CHECK_LIMIT:
             model = build_model(spec)
+            forward_only = sorted({f"{k.block}: {b}" for k in model.block_kernels() if not trains_on(b := k.backend("cpu"), "cpu")})
             tokens = torch.randint(0, spec.vocab_size, (2, seq_len))
             start = time.perf_counter()
-            logits, aux = model(tokens, return_aux=True)
-            (logits.float().logsumexp(-1).mean() + aux).backward()
+            with torch.set_grad_enabled(not forward_only):
+                logits, aux = model(tokens, return_aux=True)
+            if not forward_only:
+                (logits.float().logsumexp(-1).mean() + aux).backward()
             grads_ok = all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
             ok = bool(logits.isfinite().all()) and grads_ok
             failed += not ok
-            check = f"{'[green]ok' if ok else '[red]non-finite'}[/] fwd+bwd {time.perf_counter() - start:.1f}s"
+            passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
+            check = f"{'[green]ok' if ok else '[red]non-finite'}[/] {passes} {time.perf_counter() - start:.1f}s"
         table.add_row(spec.name, _describe_structure(model), f"{params:,}", check)
     out.print(table)
     if bad or failed or not good:
@@ -164,6 +178,21 @@ def _tokens(values: list[str]) -> list[int]:
         raise typer.BadParameter(str(exc)) from None
 
 
+@contextmanager
+def _fits_in_memory(what: str, remedy: str):
+    """An allocation larger than the machine, named by what asked for it rather than by the
+    allocator's internals."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
+        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            raise
+        asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
+        size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
+        err.print(f"[bold red]error[/]: {what} does not fit in memory{size}; {remedy}", highlight=False)
+        raise typer.Exit(1) from None
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -175,7 +204,10 @@ class TextCodec:
         if tokenizer_file is not None:
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            try:
+                self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+                raise CheckpointError(f"tokenizer {tokenizer_file} does not load ({exc})") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode())
@@ -194,7 +226,7 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
-    seed: int | None = None,
+    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1)] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     page_size: PageSize = None,
@@ -202,11 +234,16 @@ def generate(
 ) -> None:
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
-    from archlab.train.checkpoint import CheckpointError, load_trained
+    from archlab.train.checkpoint import load_trained
 
+    try:
+        sampling = Sampling(temperature, top_k, top_p, seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     if source.is_dir():
         try:
             spec, model, checkpoint, tokenizer = load_trained(source)
+            codec = TextCodec(tokenizer)
         except SpecError as exc:
             _report(exc)
             raise typer.Exit(1) from None
@@ -219,10 +256,10 @@ def generate(
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
         model = build_model(spec)
         err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
+        codec = TextCodec(None)
     if tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
-    codec = TextCodec(tokenizer)
     stop_tokens = []
     for text in stop or ():
         ids = codec.encode(text)
@@ -230,11 +267,14 @@ def generate(
             raise typer.BadParameter(f"--stop {text!r} is {len(ids)} tokens; give text that is one token")
         stop_tokens += ids
     engine = Engine(model.eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
-    sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
+    sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     ids = torch.tensor(codec.encode(prompt) or [0])
+    paged = f" in pages of {page_size:,}" if page_size else ""
+    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens{paged}",
+                         "lower --max-new-tokens" + " or --page-size" * bool(page_size)):
+        cache = engine.cache_for([len(ids)], max_new_tokens)
     sys.stdout.write(prompt)
     start, new = time.perf_counter(), []
-    cache = engine.cache_for([len(ids)], max_new_tokens)
     shown = ""
     for tokens, _, done in engine.stream([ids], max_new_tokens, sampling, cache):
         if done[0]:
@@ -252,6 +292,31 @@ def generate(
         f" + {size.local:,} B local per sequence",
         highlight=False,
     )
+
+
+def _check_device(name: str) -> None:
+    """Refuse a device the benchmark cannot run on before any spec is built for it."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise typer.BadParameter(f"--device {name!r} is not a device; give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"--device {name}: the benchmark runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise typer.BadParameter(f"--device {name}: {why}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise typer.BadParameter(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+
+
+def _check_plot_path(path: Path) -> None:
+    """Refuse a plot that could not be written, before the benchmark spends its time."""
+    if path.is_dir():
+        raise typer.BadParameter(f"--plot {path} is a folder; give a file such as {path / 'bench.png'}")
+    if path.suffix.lower() != ".png":
+        raise typer.BadParameter(f"--plot {path}: the plot is a PNG; give a file name ending in .png")
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"--plot {path}: no folder {path.parent}")
 
 
 @app.command()
@@ -284,6 +349,9 @@ def bench(
         raise typer.BadParameter(f"--prefill-rows {prefill_rows} must divide --batch {batch}")
     if cuda_graph and not device.startswith("cuda"):
         raise typer.BadParameter(f"--cuda-graph needs --device cuda, got {device}")
+    _check_device(device)
+    if plot_path is not None:
+        _check_plot_path(plot_path)
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)
@@ -295,8 +363,11 @@ def bench(
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
-                rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
-                                    page_size=page_size, page_kernel=page_kernel.value))
+                paged = f" in pages of {page_size:,}" if page_size else ""
+                with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens){paged}",
+                                     "lower --seq-len, --batch or --gen" + " or --page-size" * bool(page_size)):
+                    rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                                        page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:
@@ -362,6 +433,8 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
         option, amount, per_step = f"--tokens {tokens}", _tokens([tokens])[0], tokens_per_step
         steps = -(-amount // per_step)
     else:
+        if not math.isfinite(flops):
+            raise typer.BadParameter(f"--flops must be a finite number, got {flops}")
         option, amount, per_step = f"--flops {flops:g}", flops, Cost(spec).train_flops_per_token(cfg.seq_len) * tokens_per_step
         step_size += f", {si(per_step)} FLOPs"
         steps = int(amount // per_step)
@@ -391,6 +464,8 @@ def train(
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
     try:
+        if out.exists() and not out.is_dir():
+            raise TrainError(f"--out {out} is a file; a run is a folder")
         spec = load_spec(spec_path)
         if resume:
             saved = out / "config.yaml"
@@ -475,7 +550,7 @@ def study_run(
 ) -> None:
     """Run (or join, or resume) a study as one worker, then print its report."""
     from archlab.study.definition import load_study
-    from archlab.study.report import report
+    from archlab.study.report import all_failed, report
     from archlab.study.runner import default_dir, storage_url, work
 
     def action():
@@ -483,6 +558,11 @@ def study_run(
         where = out or default_dir(loaded)
         optuna_study = work(loaded, where, storage, err, grace_period)
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(loaded, where, storage)))
+        if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
+            planned = len(loaded.planned())
+            err.print(f"[bold red]error[/]: no trial succeeded ({planned} of {planned} failed); why each failed is under"
+                      f" Failed trials in {where / 'report.md'}", highlight=False)
+            raise typer.Exit(1)
         err.print(f"report and plots in {where}", highlight=False)
 
     _study_errors(action)
@@ -547,6 +627,10 @@ def main() -> None:
     except (RegistryError, BackendError) as exc:
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         sys.exit(2)
+    except OSError as exc:  # a path given (--out, --doc, data.cache, ...) that cannot be read or written
+        where = f"{exc.filename}: " if exc.filename else ""
+        err.print(f"[bold red]error[/]: {escape(where + (exc.strerror or str(exc)))}", highlight=False)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -252,7 +252,7 @@ class ModelSpec(Strict):
     schema_version: Literal[1]
     name: str
     description: str = ""
-    vocab_size: PositiveInt
+    vocab_size: int = Field(gt=0, le=2**31 - 1)  # bounded, so that a typo is refused here rather than by the allocator
     d_model: PositiveInt
     norm: Norm = RMSNorm()
     ffn: FFN = SwiGLU()
@@ -408,6 +408,9 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
     if path.resolve() in {p.resolve() for p in chain}:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
+    if path.is_dir():
+        origin = f" (extended from {chain[-1]})" if chain else ""
+        raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
     if not path.is_file():
         origin = f"extended from {chain[-1]}" if chain else "no such file"
         raise SpecError(str(path), [Problem("<file>", f"not found ({origin})")])
@@ -526,7 +529,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
-        data = set_dotted(data, key, yaml.safe_load(value))
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+        data = set_dotted(data, key, parsed)
     return data
 
 

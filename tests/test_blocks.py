@@ -48,6 +48,18 @@ def test_blockwise_window_attention_with_any_block_size_matches_naive(block, n):
     torch.testing.assert_close(out, naive_window_attention(q, k, v, 5)[:, -n:], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("window", [23, 24, 10**6])
+@pytest.mark.parametrize("n", [9, 23])
+def test_a_window_past_the_keys_is_plain_causal_attention(window, n):
+    """A window at least as long as the keys sees every one of them, and takes memory for them
+    alone: a window of a million over 23 positions allocates no more than one of 23."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 23, 6, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64)
+    positions = torch.arange(23)[None]
+    out = local_attend(q[:, -n:], k, v, positions[:, -n:], positions, window)
+    torch.testing.assert_close(out, naive_window_attention(q, k, v, None)[:, -n:], rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("window", [None, 1, 5, 16])
 @pytest.mark.parametrize("n", [1, 9, 37])
 def test_sliding_window_attention_matches_naive_and_fla(window, n):

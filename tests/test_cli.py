@@ -6,9 +6,18 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
 import yaml
+from safetensors.torch import load_file, save_file, save_model
 
+from archlab import build_model, load_spec
+from archlab.cli import main
+from archlab.spec import spec_to_yaml
+from archlab.train.checkpoint import CheckpointError, load
 from conftest import ROOT
+
+SPEC = "specs/tiny/transformer.yaml"
 
 
 def archlab(*args, cwd=ROOT, env=None):
@@ -210,3 +219,141 @@ def test_bench_rejects_a_bad_length():
     result = archlab("bench", "specs/tiny/yoco.yaml", "--seq-len", "lots")
     assert result.returncode != 0
     assert "not a token count" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The command run in this process, for the many bad inputs that fail before any real work:
+    returns (exit code, stdout, stderr). An exception it lets out fails the test, as a traceback would."""
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.chdir(ROOT)
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["archlab", *map(str, args)])
+        with pytest.raises(SystemExit) as exited:
+            main()
+        captured = capsys.readouterr()
+        return exited.value.code, captured.out, captured.err
+
+    return run
+
+
+def expand(args, **paths):
+    return [str(a).format(**paths) for a in args]
+
+
+# (name, command, exit code, what stderr must say); {dir}: an empty folder, {file}: a file, {run}: a new run
+# folder, {text}: a text corpus
+BAD_PATHS = [
+    ("train --out a file", ["train", SPEC, "--out", "{file}", "--steps", "1"], 1, "--out {file} is a file; a run is a folder"),
+    ("train --out under a file", ["train", SPEC, "--out", "{file}/run", "--steps", "1"], 1, "error: {file}/run: Not a directory"),
+    ("train data.cache unwritable", ["train", SPEC, "--out", "{run}", "--steps", "1", "--data", "{text}", "--set", "data.cache=/proc/archlab"], 1,
+     "error: /proc/archlab: No such file or directory"),
+    ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 1, "error: {dir}/absent/cost.md: No such file or directory"),
+    ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 1, "error: {dir}: Is a directory"),
+    ("bench --plot in no folder", ["bench", SPEC, "--plot", "{dir}/absent/bench.png"], 2, "--plot {dir}/absent/bench.png: no folder {dir}/absent"),
+    ("bench --plot not png", ["bench", SPEC, "--plot", "{dir}/bench.txt"], 2, "the plot is a PNG; give a file name ending in .png"),
+    ("bench --plot a folder", ["bench", SPEC, "--plot", "{dir}"], 2, "--plot {dir} is a folder"),
+    ("cost an empty folder", ["cost", "{dir}"], 1, "error: no spec files found in {dir}"),
+    ("bench an empty folder", ["bench", "{dir}"], 1, "error: no spec files found in {dir}"),
+    ("show a folder", ["show", "{dir}"], 1, "<file>: is a folder, not a YAML file"),
+    ("train --config a folder", ["train", SPEC, "--out", "{run}", "--config", "{dir}"], 1, "<file>: is a folder, not a YAML file"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", [c[1:] for c in BAD_PATHS], ids=[c[0] for c in BAD_PATHS])
+def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message):
+    paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt"}
+    paths["dir"].mkdir()
+    paths["file"].write_text("kept\n")
+    paths["text"].write_text("a small corpus\n" * 100)
+    code_, _, stderr = cli(*expand(args, **paths))
+    assert code_ == code and message.format(**paths) in stderr, stderr
+    assert paths["file"].read_text() == "kept\n" and not any(paths["dir"].iterdir())  # nothing there was touched
+
+
+# (command, what stderr must say): options out of bounds are refused before any work (exit 2)
+BAD_OPTIONS = [
+    (["build", SPEC, "--seq-len", "0"], "Invalid value for '--seq-len'"),
+    (["generate", SPEC, "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
+    (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),
+    (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
+    (["bench", SPEC, "--device", "meta"], "--device meta: the benchmark runs on cpu or cuda"),
+    (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_OPTIONS, ids=[" ".join(c[0][:1] + c[0][-2:]) for c in BAD_OPTIONS])
+def test_an_option_out_of_bounds_is_refused(cli, tmp_path, args, message):
+    code, _, stderr = cli(*expand(args, tmp=tmp_path))
+    assert code == 2 and message in stderr, stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", SPEC, "--max-new-tokens", 10**13], "a cache for 16 prompt + 10,000,000,000,000 new tokens does not fit in memory (asked for "),
+    (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", 10**13], "yoco: a batch of 1 x (16 prompt + 10,000,000,000,000 new tokens) does not fit"),
+    (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", "1", "--page-size", 10**14], "in pages of 100,000,000,000,000 does not fit"),
+], ids=["generate", "bench", "bench pages"])
+def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
+    code, _, stderr = cli(*args)
+    assert code == 1 and message in stderr and "bytes)" in stderr, stderr
+
+
+def test_build_checks_a_kernel_without_a_cpu_backward_forward_only(cli, tmp_path):
+    spec = tmp_path / "flex.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: flex\n"
+                    "layout: {self_decoder: {blocks: [{type: swa, window: 16, n_heads: 4, n_kv_heads: 2, backend: flex}]}}\n")
+    code, out, stderr = cli("build", spec, "--seq-len", "16")
+    assert code == 0, stderr
+    assert "ok fwd only (no CPU backward for swa: flex)" in out
+
+
+def fake_run(root, config="steps: 1\n", weights=lambda t: t):
+    """A training run as ``generate`` reads it, without training: the spec, its config and one
+    checkpoint of random weights, each passed through ``weights``."""
+    spec = load_spec(ROOT / SPEC)
+    checkpoint = root / "checkpoints" / "step-00000001"
+    checkpoint.mkdir(parents=True)
+    (root / "spec.yaml").write_text(spec_to_yaml(spec))
+    (root / "config.yaml").write_text(config)
+    save_model(build_model(spec), str(checkpoint / "model.safetensors"))
+    saved = load_file(checkpoint / "model.safetensors")
+    save_file({name: weights(t) for name, t in saved.items()}, checkpoint / "model.safetensors")
+    return root
+
+
+# (config.yaml, tokenizer.json or None, what the weights become, what stderr must say)
+BAD_RUNS = [
+    ("x: [\n", None, None, "config.yaml does not read as YAML"),
+    ("- 1\n", None, None, "config.yaml is not a training config"),
+    ("data: [1]\n", None, None, "config.yaml is not a training config"),
+    ("steps: 1\n", "garbage", None, "tokenizer.json does not load"),
+    ("steps: 1\n", "", None, "tokenizer.json does not load"),
+    ("steps: 1\n", None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
+    ("steps: 1\n", None, lambda t: t.long(), "does not fit this model (weights of another dtype: ['embed.weight: torch.int64, not torch.float32'"),
+    ("steps: 1\n", None, lambda t: t.half(), "weights of another dtype: ['embed.weight: torch.float16, not torch.float32'"),
+]
+
+
+@pytest.mark.parametrize("config,tokenizer,weights,message", BAD_RUNS,
+                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "nan", "int64", "float16"])
+def test_generate_refuses_a_damaged_run(cli, tmp_path, config, tokenizer, weights, message):
+    run = fake_run(tmp_path / "run", config, weights or (lambda t: t))
+    if tokenizer is not None:
+        (run / "tokenizer.json").write_text(tokenizer)
+    code, out, stderr = cli("generate", run, "--max-new-tokens", "2")
+    assert code == 1 and message in stderr and out == "", stderr
+
+
+def test_resume_refuses_weights_of_another_dtype(tmp_path):
+    run = fake_run(tmp_path, weights=lambda t: t.half())
+    with pytest.raises(CheckpointError, match=r"step-00000001 does not fit this model \(weights of another dtype"):
+        load(run / "checkpoints" / "step-00000001", build_model(load_spec(ROOT / SPEC)))
+
+
+def test_a_sound_fake_run_generates(cli, tmp_path):
+    """The damaged runs above differ from this one only in what each damages."""
+    code, out, stderr = cli("generate", fake_run(tmp_path), "--prompt", "ab", "--max-new-tokens", "2")
+    assert code == 0 and out.startswith("ab"), stderr

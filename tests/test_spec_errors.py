@@ -47,6 +47,8 @@ CASES = [
     ("schema version", {"s.yaml": BASE.replace("schema_version: 1", "schema_version: 7")}, "s.yaml",
      ["schema_version", "unsupported schema_version 7", "version 1"]),
     ("missing field", {"s.yaml": BASE.replace("vocab_size: 64\n", "")}, "s.yaml", ["vocab_size", "Field required"]),
+    ("huge vocabulary", {"s.yaml": BASE.replace("vocab_size: 64", "vocab_size: 99999999999999999999999")}, "s.yaml",
+     ["vocab_size:", "less than or equal to 2147483647"]),
     ("heads vs width", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 5")}, "s.yaml",
      ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
     ("kv heads vs heads", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 4, n_kv_heads: 3")}, "s.yaml",
@@ -89,12 +91,15 @@ CASES = [
      ["extends", "cycle", "a.yaml -> ", "b.yaml -> ", "a.yaml"]),
     ("extends not a path", {"s.yaml": "extends: [1, 2]\nname: x\n"}, "s.yaml", ["extends", "must be a path"]),
     ("missing spec file", {}, "absent.yaml", ["absent.yaml", "not found"]),
+    ("a folder", {"d/s.yaml": BASE}, "d", ["<file>: is a folder, not a YAML file"]),
+    ("extends a folder", {"s.yaml": "extends: d\nname: x\n", "d/t.yaml": BASE}, "s.yaml", ["is a folder, not a YAML file (extended from"]),
 ]
 
 
 @pytest.mark.parametrize("name,files,target,fragments", CASES, ids=[c[0] for c in CASES])
 def test_malformed_spec_message(tmp_path, name, files, target, fragments):
     for fname, text in files.items():
+        (tmp_path / fname).parent.mkdir(exist_ok=True)
         (tmp_path / fname).write_text(textwrap.dedent(text))
     with pytest.raises(archlab.SpecError) as caught:
         archlab.load_spec(tmp_path / target)
@@ -148,3 +153,21 @@ def test_show_output_is_a_valid_spec(tmp_path):
     assert text.startswith("schema_version: 1\n")
     (tmp_path / "shown.yaml").write_text(text)
     assert archlab.load_spec(tmp_path / "shown.yaml") == original
+
+
+@pytest.mark.parametrize("override,fragments", [
+    ("seq_len=[", ["seq_len=[: the value is not YAML"]),
+    ("seed=-1", ["seed:", "greater than or equal to 0"]),
+    (f"seed={2**70}", ["seed:", "less than 9223372036854775808"]),
+    ("optimizer.betas=[2, 0.9]", ["optimizer.betas[0]:", "less than 1"]),
+    ("optimizer.betas=[.nan, .nan]", ["optimizer.betas[0]:", "optimizer.betas[1]:"]),
+], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas"])
+def test_bad_training_config_override_is_named(override, fragments):
+    from archlab.train.config import load_config
+
+    with pytest.raises(archlab.SpecError) as caught:
+        load_config(None, [override])
+    message = str(caught.value)
+    assert message.startswith("--set")
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"

@@ -94,6 +94,23 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
     assert all(f"| {t.number} | exploding | 0 | {t.user_attrs['lr']:.2g} | TrainError: loss became" in listed for t in failed)
 
 
+def test_a_study_whose_every_trial_failed_fails(tmp_path):
+    variants = {"yoco": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
+    out = tmp_path / "out"
+    result = archlab("study", "run", mini(tmp_path, "doomed", variants, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), "--out", out)
+    assert result.returncode == 1 and "Traceback" not in result.stderr and "notice" not in result.stderr
+    assert f"no trial succeeded (1 of 1 failed); why each failed is under Failed trials in {out / 'report.md'}" in result.stderr
+    assert "TrainError: loss became" in (out / "report.md").read_text()
+
+
+def test_an_unreachable_storage_is_named(tmp_path):
+    url = "postgresql://nobody@127.0.0.1:1/none"  # nothing listens on port 1
+    for command in ("run", "report"):
+        result = archlab("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert f"cannot open the study storage {url}" in result.stderr or "no database driver for postgresql" in result.stderr
+
+
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
     path, out = mini(tmp_path, "killed", steps=150), tmp_path / "out"
     url = f"sqlite:///{out / 'optuna.db'}"
@@ -203,6 +220,9 @@ def test_bad_study_definitions_are_named(tmp_path):
     data["baseline"] = "gpt"
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(SpecError, match="'gpt' is not one of the variants"):
+        load_study(str(path))
+    path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "seeds": [0, -1]}))
+    with pytest.raises(SpecError, match=r"seeds\[1\]: Input should be greater than or equal to 0"):
         load_study(str(path))
     with pytest.raises(SpecError, match="no scale 'huge'"):
         load_study("loop-position", "huge")

@@ -137,9 +137,12 @@ def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block: int | None =
     Keys must be the contiguous positions that end at the last query (history first, then the
     queries' own, as ``keys`` returns them). Each block of ``b`` queries (``block``; by default
     W, at least 64) attends to the ``b + W - 1`` keys that can fall inside its windows, plus the
-    prefix: (b + W - 1) / W times the pairs the windows need.
+    prefix: (b + W - 1) / W times the pairs the windows need. A window longer than the keys
+    sees them all, as one of their length does: it is clamped to that, so that memory scales with
+    the keys rather than the window.
     """
     batch, n, heads, dim = q.shape
+    window = min(window, k.shape[1])
     q_pos = q_pos.expand(batch, -1)
     b = block or max(window, 64)
     blocks = -(-n // b)

@@ -16,7 +16,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import equal_flops_steps
 from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, validate_as, validate_spec
-from archlab.train.config import TrainConfig
+from archlab.train.config import Seed, TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
 
@@ -55,7 +55,7 @@ class StudySpec(Strict):
     baseline: str
     variants: dict[str, Variant] = Field(min_length=1)
     budget: Literal["steps", "flops"] = "steps"  # flops: every variant gets the baseline's training FLOPs
-    seeds: list[int] = Field([0], min_length=1)
+    seeds: list[Seed] = Field([0], min_length=1)
     lr: LearningRates = LearningRates()
     sampler: Literal["grid", "tpe"] = "grid"
     pruner: Literal["none", "median", "hyperband"] = "none"

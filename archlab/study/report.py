@@ -39,6 +39,12 @@ def _reported(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[tupl
     return {key: t for key, t in settled(trials).items() if key in planned}
 
 
+def all_failed(study: Study, trials: list[optuna.trial.FrozenTrial]) -> bool:
+    """Whether every planned trial has finished and failed: a study with no result to report."""
+    done = _reported(study, trials)
+    return len(done) == len(study.planned()) and all(t.state == TrialState.FAIL for t in done.values())
+
+
 def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     definition = study.definition
     maximize = definition.metric != "val_loss"
@@ -142,7 +148,8 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         ax.set_ylabel(label)
         ax.set_title(f"{study.name} ({study.scale}): {label}, best lr per variant, mean over seeds")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.lines:  # nothing completed yet: an empty plot, without matplotlib's warning of an empty legend
+            ax.legend()
         fig.tight_layout()
         paths.append(out / f"{name}.png")
         fig.savefig(paths[-1], dpi=110)

@@ -104,6 +104,12 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
         )
 
 
+def _unopenable(url: str, exc: Exception) -> StorageError:
+    if isinstance(exc, ImportError):
+        return StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'")
+    return StorageError(f"cannot open the study storage {url}: {exc}")
+
+
 def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
     try:
         storage = RDBStorage(
@@ -113,10 +119,8 @@ def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
             engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
         )
-    except ImportError:
-        raise StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'") from None
-    except Exception as exc:  # unreachable server, bad URL, wrong credentials
-        raise StorageError(f"cannot open the study storage {url}: {exc}") from None
+    except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials
+        raise _unopenable(url, exc) from None
     pruners = {
         "none": optuna.pruners.NopPruner(),
         "median": optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
@@ -138,9 +142,13 @@ def planning_lock(url: str, out: Path, key: str):
     if url.startswith("postgresql"):
         import sqlalchemy
 
-        engine = sqlalchemy.create_engine(url)
+        try:
+            engine = sqlalchemy.create_engine(url)
+            conn = engine.connect()
+        except (ImportError, sqlalchemy.exc.SQLAlchemyError) as exc:
+            raise _unopenable(url, exc) from None
         lock = zlib.crc32(key.encode()) & 0x7FFFFFFF
-        with engine.connect() as conn:
+        with conn:
             conn.execute(sqlalchemy.text("SELECT pg_advisory_lock(:k)"), {"k": lock})
             try:
                 yield

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 
@@ -54,6 +54,12 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
 
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
+    expected = model.state_dict()
+    with safe_open(path / "model.safetensors", "pt") as f:  # loading would convert another dtype silently
+        saved = {name: f.get_tensor(name).dtype for name in f.keys() if name in expected}
+    wrong = [f"{name}: {dtype}, not {expected[name].dtype}" for name, dtype in saved.items() if dtype != expected[name].dtype]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path} does not fit this model (weights of another dtype: {sorted(wrong)[:3]})")
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise CheckpointError(
@@ -80,14 +86,15 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
         raise _damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
+    step = info.get("step") if isinstance(info, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     return trainer_state, info
 
 
 def load_trained(path: Path):
     """(spec, model with the latest weights, the checkpoint used, tokenizer.json or None) of a
     run directory or one of its checkpoint folders."""
-    import yaml
-
     from archlab.model import build_model
     from archlab.spec import load_spec
 
@@ -101,7 +108,25 @@ def load_trained(path: Path):
         _load_weights(found[-1], model)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {found[-1]} is damaged ({type(exc).__name__}: {exc})") from None
-    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
-    data_dir = Path((config.get("data") or {}).get("cache") or run_dir)
-    tokenizer = data_dir / "tokenizer.json"
+    broken = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    if broken:  # generating from it would print garbage and succeed
+        raise CheckpointError(f"checkpoint {found[-1]} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
+    tokenizer = _data_dir(run_dir) / "tokenizer.json"
     return spec, model, found[-1], (tokenizer if tokenizer.is_file() else None)
+
+
+def _data_dir(run_dir: Path) -> Path:
+    """Where a run's tokenizer is: its config's ``data.cache``, or the run itself."""
+    import yaml
+
+    file = run_dir / "config.yaml"
+    if not file.is_file():
+        return run_dir
+    try:
+        config = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} does not read as YAML ({getattr(exc, 'problem', None) or exc})") from None
+    data = (config.get("data") or {}) if isinstance(config, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("cache"), (str, type(None))):
+        raise CheckpointError(f"{file} is not a training config: expected a mapping, whose data.cache (if any) is a folder")
+    return Path(data.get("cache") or run_dir)

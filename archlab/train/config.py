@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.spec import SpecError, apply_overrides, load_yaml, validate_as
 
+SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
+
 
 class Optimizer(Strict):
     """AdamW; weight decay applies to matrices only (not norms, biases or 1-D gates)."""
 
     lr: PositiveFloat = 3e-3
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     eps: PositiveFloat = 1e-8
     weight_decay: float = Field(0.1, ge=0)
 
@@ -54,7 +58,7 @@ class TrainConfig(Strict):
     grad_clip: float = Field(1.0, ge=0)  # 0: off
     precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     compile: bool = False
-    seed: int = 0
+    seed: Seed = 0
     eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 4
     log_interval: PositiveInt = 10

@@ -136,6 +136,9 @@ def test_empty_corpus_and_bad_token_file(tmp_path):
     np.save(tokens, np.arange(5000) % 300)  # ids beyond the vocabulary of 256
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r2", "--data", tokens, *SMALL),
                   "token id 299 >= vocab_size 256")
+    np.save(tokens, np.arange(5000) % 200 - 5)
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r3", "--data", tokens, *SMALL),
+                  "has token id -5; ids start at 0")
 
 
 def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
@@ -262,6 +265,69 @@ def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(tmp_pat
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL),
                   "holds the metrics of a run", "choose a new --out")
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(tmp_path):
+    """A fresh run replaces only what a failed attempt of its own left; a folder holding anything
+    else is refused untouched. A shared tokenized corpus serves only the data it was made from."""
+    home = tmp_path / "home"
+    (home / "data").mkdir(parents=True)
+    for name in ("corpus.txt", "other.txt"):
+        (home / "data" / name).write_text("the quick brown fox. " * 400)
+    before = {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
+    for attempt in (["--set", "seq_len=5000000"], []):
+        result = archlab("train", "specs/tiny/transformer.yaml", "--out", home, "--data", home / "data" / "corpus.txt",
+                         *SMALL, "--steps", "1", *attempt)
+        clean_failure(result, "holds files that are not a training run's (data/corpus.txt, data/other.txt)", "choose an empty or new --out")
+        assert before == {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
+
+    shared, first, second = tmp_path / "shared", tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text("zzzz qqqq " * 400)
+    second.write_text("the quick brown fox. " * 400)
+    cache = ["--set", f"data.cache={shared}", *SMALL, "--steps", "1"]
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "a", "--data", first, *cache).returncode == 0
+    made = {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
+    other = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "b", "--data", second, *cache)
+    clean_failure(other, f"{shared / 'data'} holds a corpus tokenized with source {str(first)!r}, not this run's",
+                  "give the run another data.cache")
+    assert made == {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
+    again = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "c", "--data", first, *cache)
+    assert again.returncode == 0, again.stderr  # the same data reads the corpus back
+
+
+def test_a_resume_that_fails_changes_nothing(tmp_path):
+    """Damage found on resuming (a metrics line, the corpus, the step) stops it before any file is
+    written; a last metrics line cut short by a kill is dropped, as what came after the checkpoint."""
+    finished = tmp_path / "finished"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", finished, *SMALL, "--steps", "4",
+                   "--set", "checkpoint_interval=2").returncode == 0
+
+    def damaged(name, damage):
+        run = tmp_path / name
+        shutil.copytree(finished, run)
+        damage(run)
+        return run
+
+    def append(text):
+        return lambda run: (run / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text() + text)
+
+    def blank_line(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (run / "metrics.jsonl").write_text("".join(lines[:2] + ["\n"] + lines[2:]))
+
+    for run, fragment in ((damaged("blank", blank_line), "metrics.jsonl, line 3, is not a metrics record"),
+                          (damaged("stepless", append('{"loss": 1.0}\n')), "line 5, is not a metrics record"),
+                          (damaged("corpus", lambda run: (run / "data" / "val.npy").unlink()), "tokenized corpus in"),
+                          (damaged("state", lambda run: (run / "checkpoints" / "step-00000004" / "state.json").write_text(
+                              '{"step": "x"}')), "state.json gives no step count")):
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"), fragment)
+        assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}, run.name
+
+    cut = damaged("cut", append('{"step": 5, "lo'))
+    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", cut, "--resume", "--steps", "6")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [step for step, _ in losses(cut)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):

@@ -7,6 +7,7 @@ distributed run each take their slice of the same global batch.
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,13 +203,46 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
         raise DataError(f"token file {str(path)!r} must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}")
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise DataError(f"token file {str(path)!r} has token id {int(tokens.max())} >= vocab_size {vocab_size}")
+    if len(tokens) and int(tokens.min()) < 0:
+        raise DataError(f"token file {str(path)!r} has token id {int(tokens.min())}; ids start at 0")
     return tokens
 
 
-def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path):
+CORPUS_FILES = ("train.npy", "val.npy", "corpus.json")  # a tokenized corpus, in data_dir / "data"
+
+
+def _made_from(cfg: Data, vocab_size: int) -> dict:
+    """What decides a tokenized corpus's tokens: the same answer reads back the same tokens."""
+    return {**cfg.model_dump(mode="json", exclude={"cache", "token_dtype"}), "vocab_size": vocab_size}
+
+
+def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool) -> None:
+    """A tokenized corpus made from other data would be read back in place of this data: replace
+    it where ``replace`` allows (the run's own folder, on a fresh start), refuse otherwise."""
+    cache = data_dir / "data"
+    try:
+        made_from = json.loads((cache / "corpus.json").read_text())
+    except FileNotFoundError:
+        return  # none yet, or tokenized before corpora said what they were made from
+    except ValueError:
+        made_from = None
+    wanted = _made_from(cfg, vocab_size)
+    if made_from == wanted:
+        return
+    if not replace:
+        differs = (", ".join(f"{key} {made_from.get(key)!r}" for key in wanted if made_from.get(key) != wanted[key])
+                   if isinstance(made_from, dict) else "what its unreadable corpus.json does not say")
+        raise DataError(f"{cache} holds a corpus tokenized with {differs}, not this run's; give the run another data.cache,"
+                        f" or remove {cache} to tokenize again")
+    for name in CORPUS_FILES:
+        (cache / name).unlink(missing_ok=True)
+    (data_dir / "tokenizer.json").unlink(missing_ok=True)
+
+
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False):
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
-    the same tokens."""
+    the same tokens. A corpus there made from other data is replaced if ``replace``, else refused."""
     if cfg.source in ("mqar", "copy"):
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
@@ -217,6 +251,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path)
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
     cache = data_dir / "data"
+    _drop_other_corpus(cfg, vocab_size, data_dir, replace)
     if not (cache / "train.npy").is_file():
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
         tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer else train_tokenizer(texts, vocab_size)
@@ -227,6 +262,11 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path)
         cache.mkdir(parents=True, exist_ok=True)
         tokenizer.save(str(data_dir / "tokenizer.json"))
         np.save(cache / "val.npy", ids[cut:])
+        (cache / "corpus.json").write_text(json.dumps(_made_from(cfg, vocab_size), indent=2))
         np.save(cache / "train.npy", ids[:cut])  # last: its presence marks the cache complete
-    train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
+    try:
+        train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"the tokenized corpus in {cache} is damaged ({type(exc).__name__}: {exc}); remove {cache}"
+                        " to tokenize it again") from None
     return TokenSource(train, val, seq_len, seed, repr(cfg.source))

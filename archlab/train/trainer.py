@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from collections.abc import Callable
@@ -31,8 +30,12 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError, trains_on
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
-from archlab.train.config import TrainConfig
-from archlab.train.data import Batch, prepare
+from archlab.train.config import TrainConfig, load_config
+from archlab.train.data import CORPUS_FILES, Batch, prepare
+
+
+# what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
+START_FILES = {checkpoint.RUN_SPEC, "config.yaml", "tokenizer.json", "data", "checkpoints"}
 
 
 class TrainError(Exception):
@@ -156,7 +159,8 @@ class Trainer:
 
     def _start_run_dir(self, steps: int, resume: bool) -> int:
         """Create or reopen the run directory; return the step to start from. A folder is a run once
-        it holds a checkpoint or metrics; one where an attempt failed before either starts afresh."""
+        it holds a checkpoint or metrics; one where an attempt failed before either starts afresh.
+        A resumed run's files are left as they are until its data is ready (``_continue_record``)."""
         metrics = self.run_dir / "metrics.jsonl"
         found = checkpoint.checkpoints(self.run_dir)
         if not resume:
@@ -165,10 +169,10 @@ class Trainer:
             if metrics.exists():
                 raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                                  " over, or choose a new --out")
+            self._refuse_foreign_files()
             self.world.barrier()  # every process has looked before the first one writes
             if self.world.main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._drop_stale_corpus()
                 (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
                 self._write_config(steps)
             return 0
@@ -181,22 +185,53 @@ class Trainer:
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
-        step = int(info["step"])
+        step = info["step"]
         if step > steps:
             raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
-        if self.world.main and metrics.exists():  # drop what was logged after the checkpoint
-            kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= step]
-            metrics.write_text("".join(line + "\n" for line in kept))
         self._say(f"resuming from {found[-1]} (step {step})")
-        self._adopt_total(step, steps)
         return step
+
+    def _refuse_foreign_files(self) -> None:
+        """A fresh run writes only its own files (and replaces those of an attempt that failed), so a
+        folder holding anything else is someone's data, not a run to start in."""
+        if not self.run_dir.is_dir():
+            return
+        corpus = self.run_dir / "data"
+        foreign = [p for p in self.run_dir.iterdir() if p.name not in START_FILES]
+        foreign += [p for p in corpus.iterdir() if p.name not in CORPUS_FILES] if corpus.is_dir() else []
+        if foreign:
+            named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
+            raise TrainError(f"{self.run_dir} holds files that are not a training run's ({', '.join(named[:5])}"
+                             f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
+
+    def _continue_record(self, step: int, steps: int) -> None:
+        """Resuming at ``step``: drop what metrics.jsonl logged after it, and record a new total.
+        Read before anything is written: a damaged line stops the resume with the file as it was."""
+        metrics = self.run_dir / "metrics.jsonl"
+        if self.world.main and metrics.exists():
+            text = metrics.read_text()
+            lines, kept = text.splitlines(), []
+            for number, line in enumerate(lines, 1):
+                try:
+                    logged = json.loads(line)["step"]
+                    if not isinstance(logged, int):
+                        raise TypeError
+                except (ValueError, TypeError, KeyError):
+                    if number == len(lines) and not text.endswith("\n"):
+                        continue  # a kill cut the last line short
+                    raise TrainError(f"{metrics}, line {number}, is not a metrics record ({line[:60]!r}); mend or remove"
+                                     " it to resume") from None
+                if logged <= step:
+                    kept.append(line)
+            metrics.write_text("".join(line + "\n" for line in kept))
+        self._adopt_total(step, steps)
 
     def _adopt_total(self, step: int, steps: int) -> None:
         """Resuming with a new total rescales the cosine decay to it (the schedule is a function of
         the step and the total): say what that does to the learning rate, and record the total."""
         if not self.world.main:  # the first process alone reads and writes the run directory's files
             return
-        planned = yaml.safe_load((self.run_dir / "config.yaml").read_text())["steps"]
+        planned = load_config(str(self.run_dir / "config.yaml")).steps
         if planned == steps:
             return
         before, after = (self.cfg.optimizer.lr * lr_factor(step, total, self.cfg) for total in (planned, steps))
@@ -209,18 +244,6 @@ class Trainer:
     def _write_config(self, steps: int) -> None:
         config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said
         (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-
-    def _drop_stale_corpus(self) -> None:
-        """A failed attempt's tokenized corpus in the run directory serves a retry on the same data
-        and vocabulary; for any other it would be read back in place of the new data."""
-        config, spec_file = self.run_dir / "config.yaml", self.run_dir / checkpoint.RUN_SPEC
-        if self.cfg.data.cache or not config.is_file():
-            return
-        old_data = yaml.safe_load(config.read_text()).get("data")
-        old_vocab = yaml.safe_load(spec_file.read_text()).get("vocab_size") if spec_file.is_file() else None
-        if (old_data, old_vocab) != (self.cfg.data.model_dump(mode="json"), self.spec.vocab_size):
-            shutil.rmtree(self.run_dir / "data", ignore_errors=True)
-            (self.run_dir / "tokenizer.json").unlink(missing_ok=True)
 
     def _say(self, text: str) -> None:
         """A line on the console, from the first process only."""
@@ -273,11 +296,14 @@ class Trainer:
             self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
                       " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")
         data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
+        own_fresh_start = not (resume or self.cfg.data.cache)  # may replace the corpus of a failed attempt
         if self.world.main:
-            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
+            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir, own_fresh_start)
         self.world.barrier()
         if not self.world.main:
             data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
+        if resume:
+            self._continue_record(start, steps)
         model = self.model
         if self.world.size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)

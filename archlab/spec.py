@@ -424,7 +424,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc}")]) from None
     if not isinstance(data, dict):
-        raise SpecError(str(path), [Problem("<root>", f"a spec is a YAML mapping, got {type(data).__name__}")])
+        raise SpecError(str(path), [Problem("<root>", f"the file must be a YAML mapping (key: value lines), got {type(data).__name__}")])
     parent = data.pop("extends", None)
     if parent is None:
         return data

@@ -32,7 +32,7 @@ layout:
 # (name, files {name: text}, spec to load, [fragments the message must contain])
 CASES = [
     ("yaml syntax", {"s.yaml": "name: [unclosed\n"}, "s.yaml", ["YAML syntax error", "line 2"]),
-    ("not a mapping", {"s.yaml": "- a\n- b\n"}, "s.yaml", ["a spec is a YAML mapping, got list"]),
+    ("not a mapping", {"s.yaml": "- a\n- b\n"}, "s.yaml", ["the file must be a YAML mapping (key: value lines), got list"]),
     ("wrong type", {"s.yaml": BASE.replace("d_model: 32", "d_model: wide")}, "s.yaml",
      ["d_model:", "valid integer", "'wide'"]),
     ("negative width", {"s.yaml": BASE.replace("d_model: 32", "d_model: -4")}, "s.yaml",

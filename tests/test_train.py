@@ -2,6 +2,7 @@
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -139,6 +140,10 @@ def test_empty_corpus_and_bad_token_file(tmp_path):
     np.save(tokens, np.arange(5000) % 200 - 5)
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r3", "--data", tokens, *SMALL),
                   "has token id -5; ids start at 0")
+    tokens.write_bytes(pickle.dumps(list(range(5000))))  # a pickle, named .npy
+    objects = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
+    clean_failure(objects, "could not be read: it holds Python objects, not token ids")
+    assert "allow_pickle" not in objects.stderr
 
 
 def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
@@ -288,8 +293,8 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(tmp_path
     assert archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "a", "--data", first, *cache).returncode == 0
     made = {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
     other = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "b", "--data", second, *cache)
-    clean_failure(other, f"{shared / 'data'} holds a corpus tokenized with source {str(first)!r}, not this run's",
-                  "give the run another data.cache")
+    clean_failure(other, f"{shared / 'data'} holds a corpus tokenized with source {str(first)!r}, not this data's",
+                  "give this data another data.cache")
     assert made == {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
     again = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "c", "--data", first, *cache)
     assert again.returncode == 0, again.stderr  # the same data reads the corpus back

@@ -198,7 +198,9 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
     try:
         tokens = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=cfg.token_dtype, mode="r")
     except (ValueError, OSError) as exc:
-        raise DataError(f"token file {str(path)!r} could not be read: {exc}") from None
+        # numpy's word on an array of objects advises allow_pickle, which would run the file's code
+        why = "it holds Python objects, not token ids" if "allow_pickle" in str(exc) else exc
+        raise DataError(f"token file {str(path)!r} could not be read: {why}") from None
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise DataError(f"token file {str(path)!r} must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}")
     if len(tokens) and int(tokens.max()) >= vocab_size:
@@ -230,10 +232,11 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     if made_from == wanted:
         return
     if not replace:
-        differs = (", ".join(f"{key} {made_from.get(key)!r}" for key in wanted if made_from.get(key) != wanted[key])
-                   if isinstance(made_from, dict) else "what its unreadable corpus.json does not say")
-        raise DataError(f"{cache} holds a corpus tokenized with {differs}, not this run's; give the run another data.cache,"
-                        f" or remove {cache} to tokenize again")
+        made = "whose corpus.json does not read"
+        if isinstance(made_from, dict):
+            made = "tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in wanted if made_from.get(key) != wanted[key])
+        raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
+                        f" (a study: another --out), or remove {cache} to tokenize again")
     for name in CORPUS_FILES:
         (cache / name).unlink(missing_ok=True)
     (data_dir / "tokenizer.json").unlink(missing_ok=True)

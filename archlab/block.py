@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 
 class Strict(BaseModel):
-    """Base of every spec model: unknown keys are errors, values are immutable once validated."""
+    """Base of every spec model: unknown keys are errors, numbers are finite, values are immutable
+    once validated."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)

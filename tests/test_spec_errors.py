@@ -37,6 +37,8 @@ CASES = [
      ["d_model:", "valid integer", "'wide'"]),
     ("negative width", {"s.yaml": BASE.replace("d_model: 32", "d_model: -4")}, "s.yaml",
      ["d_model:", "greater than 0"]),
+    ("infinite rope theta", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: .inf}, blocks")},
+     "s.yaml", ["layout.self_decoder.position.theta:", "finite number"]),
     ("unknown key", {"s.yaml": BASE + "dropout: 0.1\n"}, "s.yaml", ["dropout:", "unknown key"]),
     ("unknown nested key", {"s.yaml": BASE.replace("window: 8", "window: 8, widow: 3")}, "s.yaml",
      ["layout.self_decoder.blocks[0].widow", "unknown key"]),

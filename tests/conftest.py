@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 # The Triton kernels of fla and mamba-ssm then run on the CPU, in Triton's interpreter
@@ -28,3 +29,22 @@ def _seed():
 def tiny_model(name: str):
     spec = archlab.load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")
     return spec, archlab.build_model(spec)
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The command run in this process, for the many bad inputs that fail before any real work:
+    returns (exit code, stdout, stderr). An exception it lets out fails the test, as a traceback would."""
+    monkeypatch.setenv("COLUMNS", "500")  # no line breaks inside a message
+    monkeypatch.chdir(ROOT)
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["archlab", *map(str, args)])
+        from archlab.cli import main
+
+        with pytest.raises(SystemExit) as exited:
+            main()
+        captured = capsys.readouterr()
+        return exited.value.code, captured.out, captured.err
+
+    return run

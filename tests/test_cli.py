@@ -12,7 +12,6 @@ import yaml
 from safetensors.torch import load_file, save_file, save_model
 
 from archlab import build_model, load_spec
-from archlab.cli import main
 from archlab.spec import spec_to_yaml
 from archlab.train.checkpoint import CheckpointError, load
 from conftest import ROOT
@@ -219,23 +218,6 @@ def test_bench_rejects_a_bad_length():
     result = archlab("bench", "specs/tiny/yoco.yaml", "--seq-len", "lots")
     assert result.returncode != 0
     assert "not a token count" in result.stderr and "Traceback" not in result.stderr
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """The command run in this process, for the many bad inputs that fail before any real work:
-    returns (exit code, stdout, stderr). An exception it lets out fails the test, as a traceback would."""
-    monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.chdir(ROOT)
-
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["archlab", *map(str, args)])
-        with pytest.raises(SystemExit) as exited:
-            main()
-        captured = capsys.readouterr()
-        return exited.value.code, captured.out, captured.err
-
-    return run
 
 
 def expand(args, **paths):

@@ -272,7 +272,13 @@ def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(tmp_pat
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
-def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(tmp_path):
+def refused(outcome, *fragments):
+    """An in-process command (the ``cli`` fixture) that failed with one clear message."""
+    code, _, stderr = outcome
+    assert code not in (0, None) and all(fragment in stderr for fragment in fragments), stderr
+
+
+def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp_path):
     """A fresh run replaces only what a failed attempt of its own left; a folder holding anything
     else is refused untouched. A shared tokenized corpus serves only the data it was made from."""
     home = tmp_path / "home"
@@ -281,31 +287,31 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(tmp_path
         (home / "data" / name).write_text("the quick brown fox. " * 400)
     before = {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
     for attempt in (["--set", "seq_len=5000000"], []):
-        result = archlab("train", "specs/tiny/transformer.yaml", "--out", home, "--data", home / "data" / "corpus.txt",
-                         *SMALL, "--steps", "1", *attempt)
-        clean_failure(result, "holds files that are not a training run's (data/corpus.txt, data/other.txt)", "choose an empty or new --out")
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", home, "--data", home / "data" / "corpus.txt", *SMALL,
+                    "--steps", "1", *attempt),
+                "holds files that are not a training run's (data/corpus.txt, data/other.txt)", "choose an empty or new --out")
         assert before == {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
 
     shared, first, second = tmp_path / "shared", tmp_path / "first.txt", tmp_path / "second.txt"
     first.write_text("zzzz qqqq " * 400)
     second.write_text("the quick brown fox. " * 400)
     cache = ["--set", f"data.cache={shared}", *SMALL, "--steps", "1"]
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "a", "--data", first, *cache).returncode == 0
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "a", "--data", first, *cache)[0] == 0
     made = {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
-    other = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "b", "--data", second, *cache)
-    clean_failure(other, f"{shared / 'data'} holds a corpus tokenized with source {str(first)!r}, not this data's",
-                  "give this data another data.cache")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "b", "--data", second, *cache),
+            f"{shared / 'data'} holds a corpus tokenized with source {str(first)!r}, not this data's",
+            "give this data another data.cache")
     assert made == {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
-    again = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "c", "--data", first, *cache)
-    assert again.returncode == 0, again.stderr  # the same data reads the corpus back
+    again = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "c", "--data", first, *cache)
+    assert again[0] == 0, again[2]  # the same data reads the corpus back
 
 
-def test_a_resume_that_fails_changes_nothing(tmp_path):
+def test_a_resume_that_fails_changes_nothing(cli, tmp_path):
     """Damage found on resuming (a metrics line, the corpus, the step) stops it before any file is
     written; a last metrics line cut short by a kill is dropped, as what came after the checkpoint."""
     finished = tmp_path / "finished"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", finished, *SMALL, "--steps", "4",
-                   "--set", "checkpoint_interval=2").returncode == 0
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", finished, *SMALL, "--steps", "4",
+               "--set", "checkpoint_interval=2")[0] == 0
 
     def damaged(name, damage):
         run = tmp_path / name
@@ -326,12 +332,12 @@ def test_a_resume_that_fails_changes_nothing(tmp_path):
                           (damaged("state", lambda run: (run / "checkpoints" / "step-00000004" / "state.json").write_text(
                               '{"step": "x"}')), "state.json gives no step count")):
         before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-        clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"), fragment)
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"), fragment)
         assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}, run.name
 
     cut = damaged("cut", append('{"step": 5, "lo'))
-    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", cut, "--resume", "--steps", "6")
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = cli("train", "specs/tiny/transformer.yaml", "--out", cut, "--resume", "--steps", "6")
+    assert resumed[0] == 0, resumed[2]
     assert [step for step, _ in losses(cut)] == [1, 2, 3, 4, 5, 6]
 
 

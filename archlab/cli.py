@@ -179,9 +179,9 @@ def _tokens(values: list[str]) -> list[int]:
 
 
 @contextmanager
-def _fits_in_memory(what: str, remedy: str):
-    """An allocation larger than the machine, named by what asked for it rather than by the
-    allocator's internals."""
+def _fits_in_memory(what: str, options: str, page_size: int | None):
+    """An allocation larger than the machine, named by what asked for it (``what``, in pages of
+    ``page_size`` if paged) and the options that size it, rather than by the allocator's internals."""
     try:
         yield
     except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
@@ -189,7 +189,8 @@ def _fits_in_memory(what: str, remedy: str):
             raise
         asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
         size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
-        err.print(f"[bold red]error[/]: {what} does not fit in memory{size}; {remedy}", highlight=False)
+        paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
+        err.print(f"[bold red]error[/]: {what}{paged} does not fit in memory{size}; lower {options}", highlight=False)
         raise typer.Exit(1) from None
 
 
@@ -269,9 +270,7 @@ def generate(
     engine = Engine(model.eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     ids = torch.tensor(codec.encode(prompt) or [0])
-    paged = f" in pages of {page_size:,}" if page_size else ""
-    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens{paged}",
-                         "lower --max-new-tokens" + " or --page-size" * bool(page_size)):
+    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
     sys.stdout.write(prompt)
     start, new = time.perf_counter(), []
@@ -363,9 +362,8 @@ def bench(
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
-                paged = f" in pages of {page_size:,}" if page_size else ""
-                with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens){paged}",
-                                     "lower --seq-len, --batch or --gen" + " or --page-size" * bool(page_size)):
+                with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
+                                     "--seq-len, --batch or --gen", page_size):
                     rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
                                         page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)

@@ -53,10 +53,16 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
     return final
 
 
+def _stored_dtype(f, name: str) -> torch.dtype:
+    """A saved tensor's dtype, from an empty slice of it: its data is not read."""
+    piece = f.get_slice(name)
+    return (piece[:0] if piece.get_shape() else f.get_tensor(name)).dtype
+
+
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
     expected = model.state_dict()
     with safe_open(path / "model.safetensors", "pt") as f:  # loading would convert another dtype silently
-        saved = {name: f.get_tensor(name).dtype for name in f.keys() if name in expected}
+        saved = {name: _stored_dtype(f, name) for name in f.keys() if name in expected}
     wrong = [f"{name}: {dtype}, not {expected[name].dtype}" for name, dtype in saved.items() if dtype != expected[name].dtype]
     if wrong:
         raise CheckpointError(f"checkpoint {path} does not fit this model (weights of another dtype: {sorted(wrong)[:3]})")

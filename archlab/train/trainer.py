@@ -214,9 +214,9 @@ class Trainer:
             for number, line in enumerate(lines, 1):
                 try:
                     logged = json.loads(line)["step"]
-                    if not isinstance(logged, int):
-                        raise TypeError
                 except (ValueError, TypeError, KeyError):
+                    logged = None
+                if not isinstance(logged, int):
                     if number == len(lines) and not text.endswith("\n"):
                         continue  # a kill cut the last line short
                     raise TrainError(f"{metrics}, line {number}, is not a metrics record ({line[:60]!r}); mend or remove"

@@ -11,21 +11,51 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_origin
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 from torch import nn
 
 if TYPE_CHECKING:
     from archlab.kv import KVRows, PagedKV
 
 
+YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check; its context names the key
+
+
 class Strict(BaseModel):
-    """Base of every spec model: unknown keys are errors, numbers are finite, values are immutable
-    once validated."""
+    """Base of every spec model: unknown keys are errors, numbers are finite and never yes/no values,
+    values are immutable once validated."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
+        """pydantic reads true as 1, and YAML reads true, yes and on as true: ``n_heads: yes`` would
+        build one head. (A field validator cannot do this: pydantic allows none on a ``type`` tag.)"""
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if isinstance(value, bool) and field and _wants_a_number(field.annotation):
+                    raise PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted",
+                                              {"key": key, "value": str(value).lower()})
+        return data
+
+
+def _wants_a_number(annotation: Any) -> bool:
+    kinds = _kinds(annotation)
+    return bool(kinds & {int, float}) and bool not in kinds
+
+
+def _kinds(annotation: Any) -> set:
+    """The plain types an annotation admits (through Optional, unions, Annotated and Literal)."""
+    if get_origin(annotation) is Literal:
+        return {type(value) for value in get_args(annotation)}
+    args = get_args(annotation)
+    return set().union(*map(_kinds, args)) if args else {annotation}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
 
-from archlab.block import BlockSpec, BuildContext, Problem, Problems, Strict
+from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict
 from archlab.registry import block_specs
 
 SCHEMA_VERSION = 1
@@ -446,6 +446,11 @@ def _loc(parts: tuple, data: Any) -> str:
     return out or "<root>"
 
 
+def _key_path(err: dict) -> tuple:
+    """Where an error is: pydantic's loc, down to the key that a model's own check names."""
+    return (*err["loc"], err["ctx"]["key"]) if err["type"] == YES_OR_NO else err["loc"]
+
+
 def _has(data: dict | list, key: Any) -> bool:
     return key in data if isinstance(data, dict) else isinstance(key, int) and 0 <= key < len(data)
 
@@ -473,7 +478,7 @@ def validate_as(cls: type[M], data: dict, source: str) -> M:
     try:
         obj = cls.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(source, [Problem(_loc(e["loc"], data), _describe(e)) for e in exc.errors()]) from None
+        raise SpecError(source, [Problem(_loc(_key_path(e), data), _describe(e)) for e in exc.errors()]) from None
     found = obj.problems() if hasattr(obj, "problems") else []
     if found:
         raise SpecError(source, found)

@@ -39,6 +39,8 @@ CASES = [
      ["d_model:", "greater than 0"]),
     ("infinite rope theta", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: .inf}, blocks")},
      "s.yaml", ["layout.self_decoder.position.theta:", "finite number"]),
+    ("yes for a number", {"s.yaml": BASE.replace("window: 8", "window: yes")}, "s.yaml",  # YAML's yes is true, pydantic's true 1
+     ["layout.self_decoder.blocks[0].window: got true, a yes/no value where a number is wanted"]),
     ("unknown key", {"s.yaml": BASE + "dropout: 0.1\n"}, "s.yaml", ["dropout:", "unknown key"]),
     ("unknown nested key", {"s.yaml": BASE.replace("window: 8", "window: 8, widow: 3")}, "s.yaml",
      ["layout.self_decoder.blocks[0].widow", "unknown key"]),
@@ -163,7 +165,8 @@ def test_show_output_is_a_valid_spec(tmp_path):
     (f"seed={2**70}", ["seed:", "less than 9223372036854775808"]),
     ("optimizer.betas=[2, 0.9]", ["optimizer.betas[0]:", "less than 1"]),
     ("optimizer.betas=[.nan, .nan]", ["optimizer.betas[0]:", "optimizer.betas[1]:"]),
-], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas"])
+    ("steps=on", ["steps: got true, a yes/no value where a number is wanted"]),
+], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number"])
 def test_bad_training_config_override_is_named(override, fragments):
     from archlab.train.config import load_config
 
@@ -173,3 +176,10 @@ def test_bad_training_config_override_is_named(override, fragments):
     assert message.startswith("--set")
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+def test_a_yes_or_no_field_still_takes_yes():
+    from archlab.train.config import load_config
+
+    assert load_config(None, ["compile=yes"]).compile is True
+    assert archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", ["tie_embeddings=on"]).tie_embeddings is True

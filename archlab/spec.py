@@ -10,6 +10,7 @@ range vs stack, ...). Both report through ``SpecError`` with dotted field paths.
 from __future__ import annotations
 
 import copy
+from collections.abc import Hashable
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union
@@ -250,7 +251,7 @@ class ModelSpec(Strict):
     """A whole architecture. Field order is the order ``archlab show`` prints."""
 
     schema_version: Literal[1]
-    name: str
+    name: str = Field(min_length=1)
     description: str = ""
     vocab_size: int = Field(gt=0, le=2**31 - 1)  # bounded, so that a typo is refused here rather than by the allocator
     d_model: PositiveInt
@@ -402,6 +403,30 @@ def _deep_merge(base: Any, over: Any) -> Any:
     return merged
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, but a key given twice in one mapping is an error (the YAML spec forbids it;
+    PyYAML keeps the last silently, so the first of two ``d_model`` lines would be ignored)."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *base" merges a mapping, whose keys the ones given here may override
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # PyYAML refuses it itself
+            if key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (first on line {first[key].line + 1})", key_node.start_mark
+                )
+            first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no Python objects
+
+
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
     """Load one file and its ``extends`` ancestors, merged. ``chain`` (the files that extended
     into this one, as given) detects cycles; paths print as the user wrote them."""
@@ -415,7 +440,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
         origin = f"extended from {chain[-1]}" if chain else "no such file"
         raise SpecError(str(path), [Problem("<file>", f"not found ({origin})")])
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _parse_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "<yaml>"
@@ -535,7 +560,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         if not sep or not key:
             raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
         try:
-            parsed = yaml.safe_load(value)
+            parsed = _parse_yaml(value)
         except yaml.YAMLError as exc:
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
         data = set_dotted(data, key, parsed)

@@ -41,6 +41,8 @@ CASES = [
      "s.yaml", ["layout.self_decoder.position.theta:", "finite number"]),
     ("yes for a number", {"s.yaml": BASE.replace("window: 8", "window: yes")}, "s.yaml",  # YAML's yes is true, pydantic's true 1
      ["layout.self_decoder.blocks[0].window: got true, a yes/no value where a number is wanted"]),
+    ("key given twice", {"s.yaml": BASE + "d_model: 48\n"}, "s.yaml", ["line 11, column 1", "key 'd_model' given twice (first on line 5)"]),
+    ("empty name", {"s.yaml": BASE.replace("name: t", "name: ''")}, "s.yaml", ["name:", "at least 1 character"]),
     ("unknown key", {"s.yaml": BASE + "dropout: 0.1\n"}, "s.yaml", ["dropout:", "unknown key"]),
     ("unknown nested key", {"s.yaml": BASE.replace("window: 8", "window: 8, widow: 3")}, "s.yaml",
      ["layout.self_decoder.blocks[0].widow", "unknown key"]),

@@ -49,7 +49,7 @@ class LearningRates(Strict):
 
 class StudySpec(Strict):
     schema_version: Literal[1]
-    name: str
+    name: str = Field(min_length=1)
     description: str = ""
     question: str = ""  # what the study answers, for the report
     baseline: str

@@ -292,6 +292,15 @@ def test_build_checks_a_kernel_without_a_cpu_backward_forward_only(cli, tmp_path
     assert "ok fwd only (no CPU backward for swa: flex)" in out
 
 
+def test_generate_refuses_a_kernel_that_cannot_run_before_printing_the_prompt(cli, tmp_path):
+    spec = tmp_path / "fla.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco-u-gdn.yaml'}\n"
+                    "layout: {self_decoder: {blocks: [{type: gdn, n_heads: 4, backend: fla}]}}\n")
+    code, out, stderr = cli("generate", spec, "--prompt", "ab", "--max-new-tokens", "2")
+    assert code == 2 and out == "", out  # 2: the exit of a kernel or plugin that cannot be had
+    assert "gdn: backend 'fla' runs on CUDA devices only" in stderr
+
+
 def fake_run(root, config="steps: 1\n", weights=lambda t: t):
     """A training run as ``generate`` reads it, without training: the spec, its config and one
     checkpoint of random weights, each passed through ``weights``."""

@@ -134,8 +134,6 @@ def build(
     """Validate and build every spec; run a forward and backward pass on the CPU for those small
     enough (forward only where a kernel has no CPU backward), and build the rest on the meta
     device. Prints parameters and structure per spec."""
-    from archlab.ops.dispatch import trains_on
-
     good, bad = _load_all(paths)
     table = Table("spec", "structure", "params", "check")
     failed = 0
@@ -145,7 +143,7 @@ def build(
         check = "built on meta"
         if params <= CPU_CHECK_LIMIT:
             model = build_model(spec)
-            forward_only = sorted({f"{k.block}: {b}" for k in model.block_kernels() if not trains_on(b := k.backend("cpu"), "cpu")})
+            forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
             tokens = torch.randint(0, spec.vocab_size, (2, seq_len))
             start = time.perf_counter()
             with torch.set_grad_enabled(not forward_only):

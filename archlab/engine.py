@@ -119,8 +119,7 @@ class Engine:
         self.model, self.prefill_chunk, self.page_size, self.page_kernel = model, prefill_chunk, page_size, page_kernel
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
-        for kernels in model.block_kernels():  # a kernel that cannot run here fails now, not mid-generation
-            kernels(self.device)
+        model.choose_kernels()  # a kernel that cannot run here fails now, not mid-generation
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device; this one is on {self.device}")
         self.cuda_graph = cuda_graph

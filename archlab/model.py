@@ -18,7 +18,7 @@ from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
 from archlab.ops.attention import append_kv
-from archlab.ops.dispatch import Kernels
+from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
@@ -108,11 +108,22 @@ class Model(nn.Module):
         or two to compile, not the unrolled model (as torchtitan does). The blocks' kernels are
         chosen first, for the device the model is on: choosing imports them, which a trace cannot
         follow, and each layer's graph would be split there."""
+        self.choose_kernels()
+        for layer in self.layers:
+            layer.compile()
+
+    def choose_kernels(self) -> None:
+        """Choose every block's kernels for the device the model is on, now: one that cannot run
+        there fails here, not in the middle of a pass."""
         device = next(self.parameters()).device
         for kernels in self.block_kernels():
             kernels(device)
-        for layer in self.layers:
-            layer.compile()
+
+    def untrainable_kernels(self, device_type: str) -> list[tuple[str, str]]:
+        """(block, backend) of each kernel choice that has no backward pass on ``device_type``
+        (FlexAttention runs forward on any device, backward on CUDA only)."""
+        chosen = {(k.block, k.backend(device_type)) for k in self.block_kernels()}
+        return sorted((block, backend) for block, backend in chosen if not trains_on(backend, device_type))
 
     def block_kernels(self) -> Iterator[Kernels]:
         """Every block's choice of kernels (each block keeps its own as ``kernels``)."""

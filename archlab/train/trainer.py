@@ -27,7 +27,7 @@ from archlab.cost import Cost, peak_flops
 from archlab.ffn import MoEFFN
 from archlab.loss import IGNORE
 from archlab.model import Model, build_model
-from archlab.ops.dispatch import BackendError, trains_on
+from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import TrainConfig, load_config
@@ -147,13 +147,13 @@ class Trainer:
 
     def _refuse_untrainable_kernels(self) -> None:
         """Choose every block's kernels now, so that one which cannot train here fails before the run
-        directory is touched, not in the first backward pass (FlexAttention runs forward on any
-        device, but has a backward pass on CUDA only)."""
+        directory is touched, not in the first backward pass."""
         device = self.device.type
-        for kernels in self.model.block_kernels():
-            if not trains_on(backend := kernels.backend(device), device):
-                raise BackendError(f"{kernels.block}: backend {backend} has no backward pass on the {device.upper()}; train"
-                                   " with backend: torch or auto, or on a CUDA device")
+        untrainable = self.model.untrainable_kernels(device)
+        if untrainable:
+            block, backend = untrainable[0]
+            raise BackendError(f"{block}: backend {backend} has no backward pass on the {device.upper()}; train"
+                               " with backend: torch or auto, or on a CUDA device")
 
     # -- the run directory --------------------------------------------------------------------
 

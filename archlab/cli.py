@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 import time
@@ -26,7 +27,7 @@ from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
-from archlab.table import Format, parse_tokens, render
+from archlab.table import Format, parse_budget, parse_length, render
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError
 from archlab.train.config import SEED_LIMIT
 
@@ -169,9 +170,9 @@ def _load_one(path: Path) -> ModelSpec:
         raise typer.Exit(1) from None
 
 
-def _tokens(values: list[str]) -> list[int]:
+def _lengths(values: list[str]) -> list[int]:
     try:
-        return [parse_tokens(v) for v in values]
+        return [parse_length(v) for v in values]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
 
@@ -332,14 +333,14 @@ def bench(
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
-    """Prefill and decode throughput, peak memory and cache MB per sequence (global, local), per
+    """Prefill and decode throughput, peak memory and cache MiB per sequence (global, local), per
     spec and prompt length: the paper's inference tables and memory-vs-length figure."""
     from rich.progress import Progress
 
     from archlab.bench import bench as measure
     from archlab.bench import plot
 
-    lengths = _tokens(seq_len)
+    lengths = _lengths(seq_len)
     if dtype not in ("auto", *DTYPES):
         raise typer.BadParameter(f"--dtype must be auto or one of {list(DTYPES)}")
     if prefill_rows is not None and batch % prefill_rows:
@@ -382,7 +383,7 @@ def cost(
     (global, local), one row per spec and length."""
     from archlab.cost import Cost, cost_doc, readable
 
-    lengths = _tokens(seq_len)
+    lengths = _lengths(seq_len)
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)
@@ -406,7 +407,7 @@ def equal_flops(
     from archlab.cost import Cost, equal_flops_steps
     from archlab.table import si
 
-    n = _tokens([seq_len])[0]
+    n = _lengths([seq_len])[0]
     ref = _load_one(reference)
     table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
     for spec in [ref, *(_load_one(p) for p in others)]:
@@ -415,9 +416,9 @@ def equal_flops(
     out.print(table)
 
 
-def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None) -> int:
+def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None, say: Console) -> int:
     """The optimizer steps a budget buys (--tokens rounds up, --flops down); a budget under one
-    step still trains one, and says so."""
+    step still trains one, and says so on ``say``."""
     from archlab.cost import Cost
     from archlab.table import si
 
@@ -426,7 +427,11 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
     tokens_per_step = cfg.batch_size * cfg.seq_len
     step_size = f"batch_size {cfg.batch_size} x seq_len {cfg.seq_len} = {tokens_per_step:,} tokens"
     if tokens is not None:
-        option, amount, per_step = f"--tokens {tokens}", _tokens([tokens])[0], tokens_per_step
+        try:
+            amount = parse_budget(tokens)
+        except ValueError as exc:
+            raise typer.BadParameter(f"--tokens: {exc}") from None
+        option, per_step = f"--tokens {tokens}", tokens_per_step
         steps = -(-amount // per_step)
     else:
         if not math.isfinite(flops):
@@ -435,7 +440,7 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
         step_size += f", {si(per_step)} FLOPs"
         steps = int(amount // per_step)
     if amount < per_step:
-        err.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
+        say.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
     return max(1, steps)
 
 
@@ -447,18 +452,19 @@ def train(
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps")] = None,
-    tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M)")] = None,
+    tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B = 1e3, 1e6, 1e9)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
-    from archlab.train.checkpoint import CheckpointError
+    from archlab.train.checkpoint import CheckpointError, checkpoints
     from archlab.train.config import load_config
     from archlab.train.data import DataError
     from archlab.train.trainer import Trainer, TrainError
 
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
+    say = err if os.environ.get("RANK", "0") == "0" else Console(stderr=True, quiet=True)  # under torchrun, once
     try:
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} is a file; a run is a folder")
@@ -474,7 +480,7 @@ def train(
             cfg = load_config(str(saved))
         else:
             cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
-        cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops)})
+        cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -483,9 +489,11 @@ def train(
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        err.print("interrupted; the checkpoints already written are intact (continue with --resume)")
+        kept = ("the checkpoints already written are intact (continue with --resume)" if checkpoints(out)
+                else "no checkpoint had been written, so there is nothing to resume")
+        say.print(f"interrupted; {kept}", highlight=False)
         raise typer.Exit(130) from None
-    err.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
+    say.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
 def _shipped_studies() -> list[str]:

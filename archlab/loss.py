@@ -11,6 +11,7 @@ so nothing is recomputed and the FLOPs counted for it stay true.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from archlab.ops.common import float32_or_wider
 
@@ -55,3 +56,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     return LinearCrossEntropy.apply(hidden, weight, targets, dtype)
+
+
+@torch.no_grad()
+def scores(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[summed cross-entropy, correct top-1 predictions, positions counted] of ``hidden @ weight.T``
+    against ``targets`` (``IGNORE`` not counted), a chunk of rows at a time: evaluation's loss and
+    accuracy without the whole logits. Under autocast the product runs in its dtype."""
+    totals = torch.zeros(3, dtype=float32_or_wider(hidden.dtype), device=hidden.device)
+    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    for start in range(0, len(hidden), rows):
+        t = targets[start : start + rows]
+        logits = hidden[start : start + rows] @ weight.T
+        logits = logits.to(float32_or_wider(logits.dtype))
+        counted = t != IGNORE
+        lost = F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum")
+        totals += torch.stack((lost, ((logits.argmax(-1) == t) & counted).sum(), counted.sum()))
+    return totals

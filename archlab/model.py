@@ -138,17 +138,18 @@ class Model(nn.Module):
         counted), the mean cross-entropy instead, computed without holding the logits
         (``archlab.loss``). With ``return_aux``, also the summed auxiliary losses (MoE load
         balancing; 0 without MoE)."""
-        batch, n = input_ids.shape
-        positions = torch.arange(n, device=input_ids.device)[None]  # the same for every row
         aux: list[torch.Tensor] = []
-        x = self.run(self.embed_streams(input_ids), positions, self.plan.steps, aux=aux, causal=True)
-        if targets is None:
-            out = self.logits(x)
-        else:
-            out = linear_cross_entropy(self.final(x).flatten(0, 1), self.head.weight, targets.flatten())
+        x = self.hidden(input_ids, aux)
+        out = self.head(x) if targets is None else linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
         if not return_aux:
             return out
         return out, torch.stack(aux).sum() if aux else out.new_zeros(())
+
+    def hidden(self, input_ids: torch.Tensor, aux: list | None = None) -> torch.Tensor:
+        """The hidden states the head reads [batch, length, d_model], of whole sequences from
+        position 0; MoE layers append their auxiliary losses to ``aux``."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # the same for every row
+        return self.final(self.run(self.embed_streams(input_ids), positions, self.plan.steps, aux=aux, causal=True))
 
     # -- one walker for training and inference -----------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from decimal import Decimal, InvalidOperation
 from enum import Enum
 
 
@@ -59,10 +60,28 @@ def tokens_label(n: int) -> str:
     return str(n)
 
 
-def parse_tokens(text: str) -> int:
-    """'16384', '16K' or '1M' as a token count (K = 1024)."""
+def parse_length(text: str) -> int:
+    """'16384', '16K' or '1M' as a sequence length in tokens (K = 1024, as 256K contexts are counted)."""
     scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)
     number = text[:-1] if scale > 1 else text
     if not number.isdigit() or int(number) < 1:
         raise ValueError(f"{text!r} is not a token count (examples: 2048, 16K, 256K)")
     return int(number) * scale
+
+
+BUDGET_SCALES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_budget(text: str) -> int:
+    """'50M', '1.5B' or '300B' as a number of training tokens (K, M, B, T = powers of 1,000, as
+    budgets are counted)."""
+    scale = BUDGET_SCALES.get(text[-1:].upper(), 1)
+    number = text[:-1] if scale > 1 else text
+    try:
+        amount = Decimal(number) * scale
+    except InvalidOperation:
+        amount = None
+    if amount is None or not amount.is_finite() or amount < 1 or amount != amount.to_integral_value():
+        raise ValueError(f"{text!r} is not a whole number of tokens (examples: 2048, 50M, 1.5B, 300B;"
+                         " K, M, B and T are powers of 1,000)")
+    return int(amount)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file, save_model
 
 from archlab import build_model, load_spec
 from archlab.spec import spec_to_yaml
+from archlab.table import parse_budget, parse_length
 from archlab.train.checkpoint import CheckpointError, load
 from conftest import ROOT
 
@@ -220,6 +221,14 @@ def test_bench_rejects_a_bad_length():
     assert "not a token count" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_lengths_count_in_powers_of_two_and_budgets_in_powers_of_ten():
+    assert [parse_length(text) for text in ("2048", "16K", "256k", "1M")] == [2048, 16384, 262144, 1048576]
+    assert [parse_budget(text) for text in ("2048", "50M", "1.5B", "300b", "2T", "1e9")] == [2048, 5 * 10**7, 15 * 10**8, 3 * 10**11, 2 * 10**12, 10**9]
+    for bad in ("", "lots", "1.5", "0.0004K", "0", "-2M", "nanM", "infB", "50Mi"):
+        with pytest.raises(ValueError, match="is not a whole number of tokens"):
+            parse_budget(bad)
+
+
 def expand(args, **paths):
     return [str(a).format(**paths) for a in args]
 
@@ -301,7 +310,10 @@ def test_generate_refuses_a_kernel_that_cannot_run_before_printing_the_prompt(cl
     assert "gdn: backend 'fla' runs on CUDA devices only" in stderr
 
 
-def fake_run(root, config="steps: 1\n", weights=lambda t: t):
+RECALL = "steps: 1\ndata: {source: mqar}\n"  # the config of a run on a recall task, which has no tokenizer
+
+
+def fake_run(root, config=RECALL, weights=lambda t: t):
     """A training run as ``generate`` reads it, without training: the spec, its config and one
     checkpoint of random weights, each passed through ``weights``."""
     spec = load_spec(ROOT / SPEC)
@@ -322,14 +334,16 @@ BAD_RUNS = [
     ("data: [1]\n", None, None, "config.yaml is not a training config"),
     ("steps: 1\n", "garbage", None, "tokenizer.json does not load"),
     ("steps: 1\n", "", None, "tokenizer.json does not load"),
-    ("steps: 1\n", None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
-    ("steps: 1\n", None, lambda t: t.long(), "does not fit this model (weights of another dtype: ['embed.weight: torch.int64, not torch.float32'"),
-    ("steps: 1\n", None, lambda t: t.half(), "weights of another dtype: ['embed.weight: torch.float16, not torch.float32'"),
+    ("steps: 1\n", None, None, "the run's tokenizer is not at"),  # a run on text, its tokenizer gone
+    (RECALL, None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
+    (RECALL, None, lambda t: t.long(), "does not fit this model (weights of another dtype: ['embed.weight: torch.int64, not torch.float32'"),
+    (RECALL, None, lambda t: t.half(), "weights of another dtype: ['embed.weight: torch.float16, not torch.float32'"),
 ]
 
 
 @pytest.mark.parametrize("config,tokenizer,weights,message", BAD_RUNS,
-                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "nan", "int64", "float16"])
+                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "no tokenizer", "nan", "int64",
+                              "float16"])
 def test_generate_refuses_a_damaged_run(cli, tmp_path, config, tokenizer, weights, message):
     run = fake_run(tmp_path / "run", config, weights or (lambda t: t))
     if tokenizer is not None:

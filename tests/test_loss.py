@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import archlab.loss
-from archlab.loss import IGNORE, linear_cross_entropy
+from archlab.loss import IGNORE, linear_cross_entropy, scores
 from conftest import tiny_model
 
 
@@ -28,6 +28,21 @@ def test_equals_cross_entropy_over_whole_logits(chunk_rows, monkeypatch):
         hidden.grad = weight.grad = None
     for got, expected in zip(*grads):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_evaluation_scores_equal_those_of_the_whole_logits(chunk_rows, monkeypatch):
+    monkeypatch.setattr(archlab.loss, "CHUNK_ELEMENTS", chunk_rows * 50)
+    hidden, weight = torch.randn(40, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
+    logits = hidden @ weight.T
+    targets = logits.argmax(-1)
+    targets[1::2] = torch.randint(0, 50, (20,))  # some wrong, most likely
+    targets[::3] = IGNORE
+    counted = targets != IGNORE
+    expected = torch.stack((F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum"),
+                            (logits.argmax(-1) == targets)[counted].sum().double(), counted.sum().double()))
+    assert 0 < expected[1] < expected[2]  # right and wrong answers, to count apart
+    torch.testing.assert_close(scores(hidden, weight, targets), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_under_bfloat16_autocast_is_close_to_float32():

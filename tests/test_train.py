@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from archlab.train.config import TrainConfig
 from archlab.train.data import RecallTask, TokenSource
@@ -108,21 +109,31 @@ def test_distributed_gloo_matches_one_process(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert two.returncode == 0, two.stderr
+    assert two.stderr.count("done: 6 steps") == 1  # said by the first process alone
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
     for (_, x), (_, y) in zip(a, b):
         assert y == pytest.approx(x, rel=1e-4)
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("spec,diverge,what", [  # a NaN loss itself: test_study's exploding trials
+    ("transformer", ["--set", "grad_clip=0", "--set", "optimizer.lr=1e6", "--set", "checkpoint_interval=2"], "became"),
+    # clipped, the loss stays finite while the gradient is NaN; keeping one checkpoint would prune the good one
+    ("yoco", ["--set", "optimizer.lr=1e4", "--set", "checkpoint_interval=1", "--set", "keep_checkpoints=1"], "gradient norm became nan"),
+])
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, diverge, what):
     run = tmp_path / "run"
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--set", "checkpoint_interval=2",
-                     "--set", "grad_clip=0", "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e6", "--steps", "50")
-    clean_failure(result, "loss became", "training stopped")
+    result = archlab("train", f"specs/tiny/{spec}.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0", *diverge, "--steps", "50")
+    clean_failure(result, what, "training stopped before applying it")
     kept = sorted((run / "checkpoints").glob("step-*"))
-    assert kept, "a good checkpoint was written before the loss diverged"
+    assert kept, "a good checkpoint was written before the run diverged"
     assert str(kept[-1]) in result.stderr
-    assert all(np.isfinite(loss) for _, loss in losses(run)[:-1])
+    weights = load_file(kept[-1] / "model.safetensors")
+    assert all(t.isfinite().all() for t in weights.values())
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}")
+    records = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == int(kept[-1].name.removeprefix("step-"))  # nothing logged past the last good step
 
 
 @pytest.mark.parametrize(
@@ -179,6 +190,37 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
     clean_failure(other, "different spec")
 
 
+def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", run, *SMALL,
+                             "--steps", "1000", "--set", "checkpoint_interval=1000"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, stderr
+    assert "interrupted; no checkpoint had been written, so there is nothing to resume" in stderr and "Traceback" not in stderr
+
+
+def test_only_checkpoints_named_by_the_trainer_are_resumed_and_pruned(tmp_path):
+    run = tmp_path / "run"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
+                   "--set", "checkpoint_interval=2", "--set", "keep_checkpoints=2").returncode == 0
+    latest = run / "checkpoints" / "step-00000004"
+    shutil.copytree(latest, run / "checkpoints" / "step-00000004-keep")  # a user's copy, by a name of its own
+    state = latest / "state.json"
+    good = state.read_text()
+    state.write_text(good.replace('"step": 4', '"step": 3'))
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"),
+                  f"checkpoint {latest} is damaged (its state.json is at step 3)")
+    state.write_text(good)
+    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {latest} (step 4)" in resumed.stderr
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004-keep", "step-00000006", "step-00000008"]
+
+
 def test_token_files_tokenizer_and_budgets(tmp_path):
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16).tofile(tokens)
@@ -214,6 +256,35 @@ def test_token_files_tokenizer_and_budgets(tmp_path):
                     "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
     assert reuse.returncode == 0, reuse.stderr
     assert (tmp_path / "reuse" / "data" / "train.npy").is_file()
+
+
+def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    (tmp_path / "elsewhere").mkdir()
+
+    def run_in(folder, *args):
+        return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=folder, capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "COLUMNS": "500"})
+
+    spec = ROOT / "specs/tiny/transformer.yaml"
+    trained = run_in(tmp_path, "train", spec, "--out", "run", "--data", "corpus", *SMALL, "--set", "data.cache=shared", "--steps", "2")
+    assert trained.returncode == 0, trained.stderr
+    config, corpus = tmp_path / "run" / "config.yaml", tmp_path / "shared" / "data" / "corpus.json"
+    data = yaml.safe_load(config.read_text())["data"]
+    assert (data["source"], data["cache"]) == (str(tmp_path / "corpus"), str(tmp_path / "shared"))
+    generated = run_in(tmp_path / "elsewhere", "generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4")
+    assert generated.returncode == 0, generated.stderr
+    assert f"tokenizer {tmp_path / 'shared' / 'tokenizer.json'}" in generated.stderr
+    resumed = run_in(tmp_path / "elsewhere", "train", spec, "--out", "../run", "--resume", "--steps", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    for file in (config, corpus):  # as a run recorded them before paths were made absolute
+        file.write_text(file.read_text().replace(str(tmp_path) + "/", ""))
+    older = run_in(tmp_path, "train", spec, "--out", "run", "--resume", "--steps", "4")  # from where it was started
+    assert older.returncode == 0, older.stderr
+    (tmp_path / "shared" / "tokenizer.json").unlink()  # byte tokens in its place would print garbage
+    clean_failure(run_in(tmp_path, "generate", "run", "--max-new-tokens", "4"),
+                  f"the run's tokenizer is not at {tmp_path / 'shared' / 'tokenizer.json'}, where data.cache")
 
 
 def test_mqar_reports_accuracy(tmp_path):
@@ -382,6 +453,8 @@ def test_budgets_under_a_step_and_an_all_warmup_run_are_noticed(tmp_path):
         assert f"{' '.join(budget)} is less than one step (batch_size 8 x seq_len 64 = 512 tokens" in result.stderr
         assert "the whole run is warm-up" in result.stderr  # warmup_steps 20 >= 1 step
         assert len(losses(run)) == 1
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "bad", "--tokens", "50Mi"),
+                  "--tokens: '50Mi' is not a whole number of tokens", "powers of 1,000")
 
 
 def test_evaluation_runs_in_micro_batches_with_the_same_result(tmp_path):
@@ -397,7 +470,7 @@ def test_evaluation_runs_in_micro_batches_with_the_same_result(tmp_path):
     for micro in (8, 2):
         cfg = TrainConfig.model_validate({"batch_size": 8, "micro_batch_size": micro, "seq_len": 64, "eval_batches": 2})
         trainer = Trainer(spec, cfg, tmp_path / str(micro), Console(quiet=True))
-        trainer.model.register_forward_pre_hook(lambda module, args: widest.append(len(args[0])))
+        trainer.model.embed.register_forward_pre_hook(lambda module, args: widest.append(len(args[0])))
         results.append(trainer.evaluate(task))
     assert widest == [8, 8] + [2] * 8  # 2 eval batches of 8 sequences: a pass each, then 4 passes each
     assert results[1]["eval_acc"] == results[0]["eval_acc"]
@@ -432,10 +505,11 @@ def test_batches_split_across_processes_exactly():
 
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig.model_validate({"schedule": {"warmup_steps": 10, "min_lr_ratio": 0.1}})
-    factors = [lr_factor(s, 100, cfg) for s in range(100)]
-    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
-    assert lr_factor(100, 100, cfg) == pytest.approx(0.1)
+    factors = [lr_factor(s, 100, cfg) for s in range(100)]  # the updates of a 100-step run
+    assert factors[0] == pytest.approx(0.1) and factors[9] == 1.0  # the peak once, at the last warmup update
+    assert all(a > b for a, b in zip(factors[9:], factors[10:]))
+    assert factors[-1] == pytest.approx(0.1)  # the floor at the last update
+    assert [lr_factor(s, 3, cfg) for s in range(3)] == pytest.approx([0.1, 0.2, 0.3])  # all warmup
 
 
 def test_compiled_layers_train_as_eager(tmp_path):

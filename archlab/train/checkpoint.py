@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from safetensors.torch import load_model, save_model
 
 
 RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
+NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else there is left alone
 
 
 class CheckpointError(Exception):
@@ -28,9 +30,11 @@ class CheckpointError(Exception):
 
 
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints, oldest first: folders named as ``save`` names them, and nothing else
+    (a copy a user put beside them is neither resumed from nor removed)."""
     root = run_dir / "checkpoints"
-    return sorted(p for p in root.glob("step-*") if p.is_dir()) if root.is_dir() else []
+    found = [p for p in root.iterdir() if NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, info: dict, keep: int) -> Path:
@@ -95,7 +99,17 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     step = info.get("step") if isinstance(info, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
+    if step != int(path.name.removeprefix("step-")):
+        raise _damaged(path, f"its state.json is at step {step}")
+    broken = _non_finite(model)
+    if broken:  # resuming would train on from NaN
+        raise _damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
     return trainer_state, info
+
+
+def _non_finite(model: torch.nn.Module) -> list[str]:
+    """The names of the model's floating-point tensors holding a NaN or an infinity."""
+    return [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 
 
 def load_trained(path: Path):
@@ -114,25 +128,34 @@ def load_trained(path: Path):
         _load_weights(found[-1], model)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {found[-1]} is damaged ({type(exc).__name__}: {exc})") from None
-    broken = [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
+    broken = _non_finite(model)
     if broken:  # generating from it would print garbage and succeed
         raise CheckpointError(f"checkpoint {found[-1]} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
-    tokenizer = _data_dir(run_dir) / "tokenizer.json"
-    return spec, model, found[-1], (tokenizer if tokenizer.is_file() else None)
+    return spec, model, found[-1], _tokenizer(run_dir)
 
 
-def _data_dir(run_dir: Path) -> Path:
-    """Where a run's tokenizer is: its config's ``data.cache``, or the run itself."""
+def _tokenizer(run_dir: Path) -> Path | None:
+    """A run's tokenizer.json: in its config's ``data.cache``, or in the run itself. A run on token
+    ids or on a recall task has none; one on text that cannot be found is an error, since byte
+    tokens in its place would print garbage."""
     import yaml
+
+    from archlab.train.config import SYNTHETIC, TOKEN_FILES
 
     file = run_dir / "config.yaml"
     if not file.is_file():
-        return run_dir
+        return None
     try:
         config = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{file} does not read as YAML ({getattr(exc, 'problem', None) or exc})") from None
     data = (config.get("data") or {}) if isinstance(config, dict) else None
-    if not isinstance(data, dict) or not isinstance(data.get("cache"), (str, type(None))):
-        raise CheckpointError(f"{file} is not a training config: expected a mapping, whose data.cache (if any) is a folder")
-    return Path(data.get("cache") or run_dir)
+    if not isinstance(data, dict) or not all(isinstance(data.get(key), (str, type(None))) for key in ("cache", "source")):
+        raise CheckpointError(f"{file} is not a training config: expected a mapping, whose data.source and data.cache"
+                              " (if given) are strings")
+    cache, source = data.get("cache"), data.get("source") or "stdlib"
+    tokenizer = Path(cache or run_dir) / "tokenizer.json"
+    if tokenizer.is_file() or source in SYNTHETIC or Path(source).suffix in TOKEN_FILES:
+        return tokenizer if tokenizer.is_file() else None
+    where = f", where data.cache in {file} points (a relative folder is read from the current one)" if cache else ""
+    raise CheckpointError(f"the run's tokenizer is not at {tokenizer}{where}")

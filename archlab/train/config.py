@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
@@ -12,6 +13,9 @@ from archlab.spec import SpecError, apply_overrides, load_yaml, validate_as
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
+SYNTHETIC = ("mqar", "copy")  # recall tasks, generated rather than read
+NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor hf:NAME)
+TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
 
 
 class Optimizer(Strict):
@@ -45,6 +49,21 @@ class Data(Strict):
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a raw .bin token file
     hf_text_field: str = "text"
     cache: str | None = None  # folder for the tokenized corpus and tokenizer; None: the run directory
+
+    def anchored(self) -> Data:
+        """The same data with its paths absolute, as a run records them: resumed, or read by
+        ``generate``, from another folder, the run still finds its corpus, tokenizer and cache."""
+        return self.model_copy(update={"source": anchored_source(self.source), "tokenizer": absolute(self.tokenizer),
+                                       "cache": absolute(self.cache)})
+
+
+def absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(path)
+
+
+def anchored_source(source: str) -> str:
+    """A data source as a run records it: a path made absolute, a named source (or hf:NAME) as it is."""
+    return source if source in NAMED_SOURCES or source.startswith("hf:") else os.path.abspath(source)
 
 
 class TrainConfig(Strict):

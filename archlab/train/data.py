@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.train.config import Data
+from archlab.files import write_text_whole, write_whole
+from archlab.loss import IGNORE
+from archlab.train.config import SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -30,6 +32,10 @@ class Batch:
     inputs: torch.Tensor  # [B, T] token ids
     targets: torch.Tensor  # [B, T] next tokens
     mask: torch.Tensor | None = None  # [B, T] bool: positions that count (synthetic tasks)
+
+    def counted_targets(self) -> torch.Tensor:
+        """The targets as the loss takes them: those of positions that do not count are IGNORE."""
+        return self.targets if self.mask is None else self.targets.masked_fill(~self.mask, IGNORE)
 
 
 def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) -> np.random.Generator:
@@ -228,6 +234,10 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         return  # none yet, or tokenized before corpora said what they were made from
     except ValueError:
         made_from = None
+    try:  # paths an older run recorded relative mean what they meant from here
+        made_from |= {"source": anchored_source(made_from["source"]), "tokenizer": absolute(made_from["tokenizer"])}
+    except (TypeError, KeyError, AttributeError):
+        pass  # not a record of this shape: told apart below
     wanted = _made_from(cfg, vocab_size)
     if made_from == wanted:
         return
@@ -246,10 +256,10 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
     the same tokens. A corpus there made from other data is replaced if ``replace``, else refused."""
-    if cfg.source in ("mqar", "copy"):
+    if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
-    if path.suffix in (".bin", ".npy") and path.is_file():
+    if path.suffix in TOKEN_FILES and path.is_file():
         tokens = _token_file(path, cfg, vocab_size)
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
@@ -263,10 +273,11 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
             raise DataError(f"data source {cfg.source!r} tokenized to nothing")
         cut = int(len(ids) * (1 - cfg.val_fraction))
         cache.mkdir(parents=True, exist_ok=True)
-        tokenizer.save(str(data_dir / "tokenizer.json"))
-        np.save(cache / "val.npy", ids[cut:])
-        (cache / "corpus.json").write_text(json.dumps(_made_from(cfg, vocab_size), indent=2))
-        np.save(cache / "train.npy", ids[:cut])  # last: its presence marks the cache complete
+        # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote
+        write_text_whole(data_dir / "tokenizer.json", tokenizer.to_str(pretty=True))
+        write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
+        write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size), indent=2))
+        write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
     try:
         train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
     except (OSError, ValueError, EOFError) as exc:

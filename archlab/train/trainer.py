@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from archlab.cost import Cost, peak_flops
 from archlab.ffn import MoEFFN
-from archlab.loss import IGNORE
+from archlab.files import write_text_whole, written_as
+from archlab.loss import scores
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
@@ -73,11 +73,12 @@ class World:
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine from 1 to ``min_lr_ratio`` at ``total``."""
-    warmup = cfg.schedule.warmup_steps
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    """The learning rate's factor for update ``step`` of ``total`` (from 0): linear warmup to 1 at
+    update ``warmup_steps``, then cosine decay that reaches ``min_lr_ratio`` at the last update."""
+    warmup, done = cfg.schedule.warmup_steps, step + 1
+    if done <= warmup:
+        return done / warmup
+    progress = (done - warmup) / (total - warmup)
     floor = cfg.schedule.min_lr_ratio
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
@@ -89,15 +90,6 @@ def status_line(record: dict) -> str:
     parts += [f"eval {record['eval_loss']:.3f}"] if "eval_loss" in record else []
     parts += [f"acc {record['eval_acc']:.1%}"] if "eval_acc" in record else []
     return "  ".join(parts)
-
-
-def scored(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits [M, V] and targets [M] of the positions that count."""
-    logits, targets = logits.float().flatten(0, 1), batch.targets.flatten().to(logits.device)
-    if batch.mask is None:
-        return logits, targets
-    keep = batch.mask.flatten().to(logits.device)
-    return logits[keep], targets[keep]
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -114,7 +106,8 @@ def _param_groups(model: Model, weight_decay: float) -> list[dict]:
 
 class Trainer:
     def __init__(self, spec: ModelSpec, cfg: TrainConfig, run_dir: Path, console: Console):
-        self.spec, self.cfg, self.run_dir, self.console = spec, cfg, run_dir, console
+        self.spec, self.run_dir, self.console = spec, run_dir, console
+        self.cfg = cfg.model_copy(update={"data": cfg.data.anchored()})  # as config.yaml records it
         self.world = World.from_env()
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{self.world.local_rank}" if cuda else "cpu")
@@ -197,8 +190,8 @@ class Trainer:
         if not self.run_dir.is_dir():
             return
         corpus = self.run_dir / "data"
-        foreign = [p for p in self.run_dir.iterdir() if p.name not in START_FILES]
-        foreign += [p for p in corpus.iterdir() if p.name not in CORPUS_FILES] if corpus.is_dir() else []
+        foreign = [p for p in self.run_dir.iterdir() if written_as(p.name) not in START_FILES]
+        foreign += [p for p in corpus.iterdir() if written_as(p.name) not in CORPUS_FILES] if corpus.is_dir() else []
         if foreign:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
             raise TrainError(f"{self.run_dir} holds files that are not a training run's ({', '.join(named[:5])}"
@@ -223,7 +216,7 @@ class Trainer:
                                      " it to resume") from None
                 if logged <= step:
                     kept.append(line)
-            metrics.write_text("".join(line + "\n" for line in kept))
+            write_text_whole(metrics, "".join(line + "\n" for line in kept))
         self._adopt_total(step, steps)
 
     def _adopt_total(self, step: int, steps: int) -> None:
@@ -243,7 +236,7 @@ class Trainer:
 
     def _write_config(self, steps: int) -> None:
         config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        write_text_whole(self.run_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
     def _say(self, text: str) -> None:
         """A line on the console, from the first process only."""
@@ -268,15 +261,13 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, data) -> dict:
         self.model.eval()
-        totals = torch.zeros(3, device=self.device)  # loss x count, correct, count
+        totals = torch.zeros(3, device=self.device)  # summed loss, correct, counted
         for i in range(self.cfg.eval_batches):
             batch = data.batch("val", i, self.cfg.batch_size, self.world.rank, self.world.size)
             for part in micro_batches(batch, self.cfg.micro_batch_size):  # no bigger than a training pass
                 with self.autocast:
-                    logits, targets = scored(self.model(part.inputs.to(self.device)), part)
-                totals[0] += F.cross_entropy(logits, targets, reduction="sum")
-                totals[1] += (logits.argmax(-1) == targets).sum()
-                totals[2] += len(targets)
+                    hidden = self.model.hidden(part.inputs.to(self.device)).flatten(0, 1)
+                    totals += scores(hidden, self.model.head.weight, part.counted_targets().flatten().to(self.device))
         totals = self.world.mean(totals)
         self.model.train()
         loss = (totals[0] / totals[2]).item()
@@ -316,9 +307,11 @@ class Trainer:
             for step in range(start, steps):
                 began = time.perf_counter()
                 record = self._step(step, steps, data, model)
-                if not math.isfinite(record["loss"]):
+                bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record[name])), None)
+                if bad:
                     kept = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint had been written"
-                    raise TrainError(f"loss became {record['loss']} at step {step + 1}; training stopped, {kept}")
+                    what = "loss" if bad == "loss" else "gradient norm"
+                    raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it, {kept}")
                 elapsed = time.perf_counter() - began
                 record["tok_s"] = self.tokens_per_step / elapsed
                 if self.peak:
@@ -349,17 +342,16 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, part in enumerate(micro_batches(batch, cfg.micro_batch_size)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
-            targets = part.targets if part.mask is None else part.targets.masked_fill(~part.mask, IGNORE)
             with sync, self.autocast:
-                loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=targets.to(self.device))
+                loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
                 ((loss + aux) / self.accumulation).backward()
             total += loss.detach() / self.accumulation
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf")).item()
         loss = self.world.mean(total).item()
-        if math.isfinite(loss):
+        if math.isfinite(loss) and math.isfinite(grad_norm):  # clipping leaves a NaN gradient NaN
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "tokens": (step + 1) * self.tokens_per_step}
-        if self.moe_layers:  # 1.0 is perfect balance; E is every token on one expert
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": (step + 1) * self.tokens_per_step}
+        if self.moe_layers:  # of the last micro-batch (a looped layer: its last pass); 1.0 is balance, E/top_k collapse
             record["moe_max_load"] = max(float(m.last_load.max()) * m.last_load.numel() for m in self.moe_layers)
         return record

@@ -1,0 +1,36 @@
+"""Files written whole: under a temporary name beside their place, then renamed into it.
+
+A reader (another run sharing a corpus cache, or this run resumed after a kill) then finds the
+old file or the new one, never part of one, and a reader that has the old one mapped keeps it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+TEMPORARY = ".tmp-"
+
+
+def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(f)`` into a temporary file, made durable, then renamed to ``path``."""
+    tmp = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    write_whole(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def written_as(name: str) -> str:
+    """The file a name stands for: itself, or the file a killed ``write_whole`` was writing."""
+    return name[1:].partition(TEMPORARY)[0] if name.startswith(".") and TEMPORARY in name else name

@@ -21,7 +21,7 @@ import torch
 from archlab.engine import Engine
 from archlab.model import Model
 
-MB = 1024 * 1024
+MB = 1024 * 1024  # the "mb" columns are MiB
 
 
 @dataclass
@@ -49,7 +49,7 @@ class BenchRow:
 
 
 class PeakMemory:
-    """Peak memory over a ``with`` block, relative to its start (MB)."""
+    """Peak memory over a ``with`` block, relative to its start (MiB)."""
 
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0.0
@@ -186,7 +186,7 @@ def plot(rows: list[BenchRow], path: str) -> None:
     panels = [
         ("prefill_tok_s", "prefill tokens/s"),
         ("decode_tok_s", "decode tokens/s"),
-        ("kv_total_mb", "cache MB per sequence"),
+        ("kv_total_mb", "cache MiB per sequence"),
     ]
     for ax, (field, label) in zip(axes, panels):
         for name in dict.fromkeys(r.spec for r in rows):

@@ -260,15 +260,17 @@ def generate(
     if tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
+    ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
+    if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
+        raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
     stop_tokens = []
     for text in stop or ():
-        ids = codec.encode(text)
-        if len(ids) != 1:
-            raise typer.BadParameter(f"--stop {text!r} is {len(ids)} tokens; give text that is one token")
-        stop_tokens += ids
+        stop_ids = codec.encode(text)
+        if len(stop_ids) != 1:
+            raise typer.BadParameter(f"--stop {text!r} is {len(stop_ids)} tokens; give text that is one token")
+        stop_tokens += stop_ids
     engine = Engine(model.eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
-    ids = torch.tensor(codec.encode(prompt) or [0])
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
     sys.stdout.write(prompt)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from archlab.cache import Cache
-from archlab.kv import PAGE_KERNELS, pages_for
+from archlab.kv import PAGE_KERNELS, CacheFull, pages_for
 from archlab.model import Model
 
 
@@ -180,10 +180,26 @@ class Engine:
             checked.append(ids.long())
         return checked
 
+    def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0) -> None:
+        """A cache the caller made must hold a sequence per prompt (a ValueError) and room for the
+        longest with its new tokens (``CacheFull``): said before anything runs, where either would
+        otherwise surface mid-run as a shape or index error."""
+        if cache.sequences != len(prompts):
+            raise ValueError(f"the cache's sequences ({cache.sequences}) must be one per prompt ({len(prompts)}); "
+                             f"make it with new_cache({len(prompts)}, ...)")
+        longest = max(len(p) for p in prompts)
+        need = longest + new_tokens
+        if need > cache.capacity:
+            new = f" + {new_tokens} new" if new_tokens else ""
+            raise CacheFull(f"the longest prompt ({longest} tokens{new}) needs {need} positions, past the cache's "
+                            f"capacity of {cache.capacity}; make the cache with capacity {need} or more")
+
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
         predict each prompt's next token."""
-        return self._prefill(self.check_prompts(prompts), cache)
+        prompts = self.check_prompts(prompts)
+        self.check_cache(cache, prompts)
+        return self._prefill(prompts, cache)
 
     @torch.no_grad()
     def _prefill(self, prompts: list[torch.Tensor], cache: Cache) -> torch.Tensor:
@@ -211,8 +227,12 @@ class Engine:
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield (tokens [B], logits [B, V], finished [B]) once per new token. Rows that met a stop
         token keep decoding (their tokens are to be ignored) until every row has stopped. At the
-        end the last tokens are written into the cache too, so it holds every token."""
-        return self._stream(self.check_prompts(prompts), max_new_tokens, sampling, cache)
+        end the last tokens are written into the cache too, so it holds every token. A ``cache``
+        given is checked here, at the call."""
+        prompts = self.check_prompts(prompts)
+        if cache is not None:
+            self.check_cache(cache, prompts, max_new_tokens)
+        return self._stream(prompts, max_new_tokens, sampling, cache)
 
     @torch.no_grad()
     def _stream(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, cache: Cache | None):

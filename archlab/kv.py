@@ -118,11 +118,16 @@ class PageTable:
                 f" needed {handed}. Make the cache with more pages (pages={handed} or more)"
             )
 
+    def column(self, positions: torch.Tensor) -> torch.Tensor:
+        """The table column holding each position; past the capacity's last page, the dump column,
+        so that an overrun lands on the spare page and ``check`` names it (no index error first)."""
+        return (positions // self.page_size).clamp(max=self.width)
+
     def write(self, positions: torch.Tensor, *pools: tuple[torch.Tensor, torch.Tensor]) -> None:
         """For each (pool [Hkv, pages + 1, page_size, Dh], values [rows, N, Hkv, Dh]): the pool at
         the rows' positions [rows or 1, N] = the values. The slots are found once for all pools."""
         positions = positions.expand(len(self.rows), -1)
-        page, slot = self.table[self.rows].gather(1, positions // self.page_size), positions % self.page_size
+        page, slot = self.table[self.rows].gather(1, self.column(positions)), positions % self.page_size
         for pool, values in pools:
             pool[:, page, slot] = values.movedim(2, 0).to(pool.dtype)
 
@@ -198,7 +203,7 @@ class PagedKV:
 
         _, pages, size, _ = self.k.shape
         table, owner, first, mine = self.pages.table[self.pages.rows], self.pages.owner, self.pages.first, self.pages.rows
-        full = (q_pos[:, 0] + 1) // size
+        full = self.pages.column(q_pos[:, 0] + 1)
         partial = ((q_pos[:, 0] + 1) % size > 0).int()
 
         def visible(b, h, q_idx, kv_idx):

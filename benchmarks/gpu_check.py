@@ -13,7 +13,7 @@
    (pages of 256, one handed out during the replays; each page kernel) against eager steps over
    rows.
 3. Inference (paper specs transformer, yoco, yoco-u, rins; batch 32, 128 new tokens): prefill and
-   decode tokens/s and cache MB per sequence, length by length until memory or the time budget
+   decode tokens/s and cache MiB per sequence, length by length until memory or the time budget
    runs out. Long prompts are prefilled for a few rows and their cache copied to the batch.
    ``inference-paged``: yoco-u again with its global K,V in pages of 256, read by each kernel.
 4. Training: tokens/s and MFU of the paper-scale yoco-u under bf16 autocast, on SDPA (``training``),

@@ -171,7 +171,8 @@ def test_broken_plugin_is_named(tmp_path):
 
 def test_generate_streams_text_with_a_notice():
     texts = []
-    for paging in ([], ["--page-size", "4"], ["--page-size", "4", "--page-kernel", "flex"]):
+    # a stop token that never comes changes nothing either
+    for paging in ([], ["--page-size", "4"], ["--page-size", "4", "--page-kernel", "flex"], ["--stop", "\x01"]):
         result = archlab("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "1",
                          "--temperature", "0.8", "--top-k", "20", *paging)
         assert result.returncode == 0, result.stderr
@@ -179,7 +180,7 @@ def test_generate_streams_text_with_a_notice():
         assert "random weights" in result.stderr
         assert "12 tokens" in result.stderr and "B global" in result.stderr
         texts.append(result.stdout)
-    assert texts[0] == texts[1] == texts[2]  # the seed fixes the random weights too; pages change nothing
+    assert texts[0] == texts[1] == texts[2] == texts[3]  # the seed fixes the random weights too; pages change nothing
 
 
 def test_bench_json_and_plot(tmp_path):

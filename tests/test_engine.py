@@ -6,6 +6,7 @@ import torch
 
 import archlab
 from archlab.engine import Engine, Sampling
+from archlab.kv import CacheFull
 from conftest import TINY, ids, tiny_model
 
 PROMPT_LENGTHS = (37, 21, 37)  # ragged, and longer than the tiny window (16)
@@ -168,6 +169,37 @@ def test_a_cache_filled_from_a_few_sequences_decodes_like_them(name, page_size):
     torch.testing.assert_close(got, expected.repeat(3, 1), rtol=1e-5, atol=1e-5)  # batch-size-dependent BLAS blocking
     with pytest.raises(ValueError, match="do not tile"):
         engine.new_cache(5, 40).fill_from(small)
+
+
+@pytest.mark.parametrize("name, page_size", [("transformer", None), ("yoco", None), ("yoco", 4), ("yoco-u-gdn", None),
+                                             ("yoco-u-mamba2", None)])
+def test_a_cache_given_that_does_not_fit_the_prompts_is_refused_before_it_runs(name, page_size):
+    """Too few positions or the wrong number of sequences is said at the call, and the cache is
+    left as it was made (all zeros), instead of a shape or index error from inside the model."""
+    spec, model = tiny_model(name)
+    engine = Engine(model.eval(), page_size=page_size)
+    prompt = prompts_for(spec, (30,))
+    cases = [
+        (lambda cache: engine.prefill(prompt, cache), (1, 10), CacheFull,
+         r"the longest prompt \(30 tokens\) needs 30 positions, past the cache's capacity of 10; make the cache with capacity 30 or more"),
+        (lambda cache: engine.stream(prompt, 5, cache=cache), (1, 20), CacheFull,
+         r"the longest prompt \(30 tokens \+ 5 new\) needs 35 positions, past the cache's capacity of 20; .* capacity 35 or more"),
+        (lambda cache: engine.stream(prompt, 3, cache=cache), (2, 40), ValueError,
+         r"the cache's sequences \(2\) must be one per prompt \(1\); make it with new_cache\(1, ...\)"),
+        (lambda cache: engine.prefill(prompt * 3, cache), (2, 40), ValueError, r"sequences \(2\) must be one per prompt \(3\)"),
+    ]
+    for call, shape, error, message in cases:
+        cache = engine.new_cache(*shape)
+        with pytest.raises(error, match=message):
+            call(cache)
+        assert all(not t.any() for state in cache._states() for t in state.values())
+
+
+def test_generate_refuses_a_prompt_of_no_tokens(cli):
+    """Not a silent token 0: a run's tokenizer has no beginning-of-text token to start from."""
+    code, out, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "", "--max-new-tokens", "2")
+    assert code == 2 and "--prompt '' encodes to no tokens; give text to start from" in stderr, stderr
+    assert out == ""
 
 
 def test_cuda_graphs_need_a_cuda_model():

@@ -154,15 +154,35 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
         torch.testing.assert_close(pool["v"][:, page], reference["v"][:, same], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "flex"])
+@pytest.mark.parametrize("position", [20, 40, 48, 100])
 @torch.no_grad()
-def test_going_past_the_capacity_is_named():
+def test_decoding_past_the_capacity_is_named(position, kernel):
+    """Capacity 20 in pages of 16: 20 is in the last page's slack, 40 the dump column's, 48 and
+    100 past the table, whose writes and reads go to the spare page rather than out of bounds."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=16, page_kernel=kernel)
+    cache = engine.new_cache(1, 20)
+    engine.prefill([torch.randint(0, spec.vocab_size, (20,))], cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is not compiled
+        engine.decode(torch.tensor([[1]]), torch.tensor([position]), cache)
+    with pytest.raises(CacheFull, match="a sequence went past the cache's capacity of 20 positions"):
+        cache.check()
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["prefill-steps", "whole-model"])
+@torch.no_grad()
+def test_feeding_a_prompt_far_past_the_capacity_is_named(full):
+    """A block of 60 tokens into capacity 20: the prefill steps write past the table, and the
+    whole model's cross-decoder reads its pages for a block of queries too."""
     spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
     engine = Engine(archlab.build_model(spec).eval(), page_size=16)
     cache = engine.new_cache(1, 20)
-    engine.prefill([torch.randint(0, spec.vocab_size, (20,))], cache)
-    engine.decode(torch.tensor([[1]]), torch.tensor([20]), cache)
+    engine.feed(torch.randint(0, spec.vocab_size, (1, 60)), torch.tensor([0]), cache, full=full)
     with pytest.raises(CacheFull, match="a sequence went past the cache's capacity of 20 positions"):
         cache.check()
+    assert set(cache.pages.table[0].tolist()) == {0, 1, cache.pages.spare}  # two pages of the 20, the rest spare
 
 
 def test_paging_asks_for_a_positive_page_size_and_a_known_kernel():

@@ -562,7 +562,12 @@ def study_run(
     def action():
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
-        optuna_study = work(loaded, where, storage, err, grace_period)
+        try:
+            optuna_study = work(loaded, where, storage, err, grace_period)
+        except KeyboardInterrupt:
+            err.print("interrupted; finished trials are kept, and the trial this worker was training is run again by the next"
+                      f" `study run` once it has sent no heartbeat for --grace-period ({grace_period} s)", highlight=False)
+            raise typer.Exit(130) from None
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(loaded, where, storage)))
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
@@ -593,7 +598,7 @@ def study_report(
         url = storage_url(loaded, where, storage)
         if url.startswith("sqlite") and not (where / "optuna.db").is_file():
             raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first")])
-        optuna_study = open_study(loaded, url)
+        optuna_study = open_study(loaded, url, create=False)
         check_unchanged(loaded, optuna_study)
         sys.stdout.write(report(loaded, optuna_study, where, url))
 

@@ -1,6 +1,9 @@
 """Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
+import functools
+import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,14 +13,19 @@ import uuid
 import optuna
 import pytest
 import yaml
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.storages._heartbeat import fail_stale_trials
+from rich.console import Console
 
 from archlab.spec import SpecError
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.report import report
-from archlab.study.runner import StudyChanged, check_unchanged, join, run_trial, settled, storage_url
+from archlab.study.report import failures, report
+from archlab.study.runner import StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, storage_url, work
+from archlab.train.trainer import Trainer
 from conftest import ROOT
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
+DIVERGED = r"TrainError: (loss|gradient norm) became"  # the trainer's reason for stopping a run that blew up
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -49,6 +57,12 @@ def mini(tmp_path, name="mini", variants=None, steps=4, **extra):
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(definition))
     return path
+
+
+def rewrite(path, **changes):
+    """Change fields of a study file; the study as it now stands."""
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
+    return load_study(str(path))
 
 
 def archlab(*args, **kwargs):
@@ -86,12 +100,12 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
     assert result.returncode == 0, result.stderr
     trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "failing")
     failed = [t for t in trials if t.state.name == "FAIL"]
-    assert failed and all("loss became" in t.user_attrs["failure"] for t in failed)
+    assert failed and all(re.match(DIVERGED, t.user_attrs["failure"]) for t in failed)
     assert sum(t.state.name == "COMPLETE" for t in trials) == 2  # the other variant still ran
     assert "0/2" in result.stdout  # pruned/failed column of the failing variant
     assert "4 planned: 2 complete, 0 running, 0 waiting, 2 failed, 0 pruned" in result.stdout and "incomplete" not in result.stdout
     listed = result.stdout.split("## Failed trials")[1]
-    assert all(f"| {t.number} | exploding | 0 | {t.user_attrs['lr']:.2g} | TrainError: loss became" in listed for t in failed)
+    assert all(re.search(rf"\| {t.number} \| exploding \| 0 \| {t.user_attrs['lr']:.2g} \| {DIVERGED}", listed) for t in failed)
 
 
 def test_a_study_whose_every_trial_failed_fails(tmp_path):
@@ -100,7 +114,7 @@ def test_a_study_whose_every_trial_failed_fails(tmp_path):
     result = archlab("study", "run", mini(tmp_path, "doomed", variants, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), "--out", out)
     assert result.returncode == 1 and "Traceback" not in result.stderr and "notice" not in result.stderr
     assert f"no trial succeeded (1 of 1 failed); why each failed is under Failed trials in {out / 'report.md'}" in result.stderr
-    assert "TrainError: loss became" in (out / "report.md").read_text()
+    assert re.search(DIVERGED, (out / "report.md").read_text())
 
 
 def test_an_unreachable_storage_is_named(tmp_path):
@@ -139,7 +153,7 @@ def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
     # the report counts the planned trial once, by its retry, and says what became of the first attempt
     assert "4 planned: 4 complete, 0 running, 0 waiting, 0 failed, 0 pruned; 1 lost their worker" in result.stdout
     assert result.stdout.count("| 0/0 |") == 2
-    assert f"| {stale[0].number} | {stale[0].params['variant']} |" in result.stdout
+    assert f"| {stale[0].number} | {planned_as(stale[0])[0]} |" in result.stdout
     assert "stopped sending heartbeats after step" in result.stdout and f"| trial {retry[0].number}, complete |" in result.stdout
 
 
@@ -164,11 +178,7 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
     optuna_study = join(study, out, url, grace_period=60)
     run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)  # yoco, seed 0, lr slot 0 (lr 0.002)
     trained = optuna_study.get_trials()[0]
-
-    def edit(**changes):
-        path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), **changes}))
-        return load_study(str(path))
-
+    edit = functools.partial(rewrite, path)
     edit(lr={"low": 0.001, "high": 0.004, "points": 2})
     for command in ("run", "report"):
         result = archlab("study", command, path, "--out", out)
@@ -194,6 +204,104 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
         check_unchanged(edited, legacy)
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
+    path, out = mini(tmp_path, "grown", steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), tmp_path / "out"
+    study = load_study(str(path))
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study), out)  # yoco seed 0; yoco-u seed 0 is still queued
+    log = io.StringIO()
+    shrunk = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}}, seeds=[0, 1])
+    work(shrunk, out, None, Console(file=log, width=200), grace_period=60)
+    now = {planned_as(t): t for t in trials_of(url, "grown")}
+    assert now[("yoco", 1, 0)].state.name == "COMPLETE"  # the added seed trained
+    dropped = now[("yoco-u", 0, 0)]  # the removed variant's queued trial is failed with the reason, not trained
+    assert dropped.state.name == "FAIL" and not dropped.intermediate_values
+    assert f"trial {dropped.number} (yoco-u seed 0 lr slot 0): fail (NotPlanned: the study no longer plans yoco-u seed 0 lr slot 0" in log.getvalue()
+    regrown = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}})  # put back: queued again
+    work(regrown, out, None, Console(file=log, width=200), grace_period=60)
+    done = settled(trials_of(url, "grown"))
+    assert sorted(done) == [("yoco", 0, 0), ("yoco", 1, 0), ("yoco-u", 0, 0), ("yoco-u", 1, 0)]
+    assert all(t.state.name == "COMPLETE" for t in done.values()) and not failures(regrown, trials_of(url, "grown"))
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_trial_claimed_by_a_worker_that_died_before_training_goes_stale(tmp_path):
+    study, out = load_study(str(mini(tmp_path, "claimed"))), tmp_path / "out"
+    optuna_study = join(study, out, storage_url(study, out, None), grace_period=1)
+    claimed = claim(optuna_study)  # the worker dies here, before its heartbeat thread starts
+    time.sleep(3)  # past the grace period (SQLite's clock counts whole seconds)
+    fail_stale_trials(optuna_study)  # what the next worker does first
+    stale = optuna_study._storage.get_trial(claimed)
+    retry = [t for t in optuna_study.get_trials() if t.system_attrs.get("failed_trial") == stale.number]
+    assert stale.state.name == "FAIL" and len(retry) == 1 and retry[0].state.name == "WAITING"
+    assert planned_as(retry[0]) == planned_as(stale)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_metric_that_is_not_a_number_fails_the_trial_with_that_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(Trainer, "evaluate", lambda self, data: {"eval_loss": float("nan"), "eval_ppl": float("nan")})
+    study, out = load_study(str(mini(tmp_path, "nan", steps=4))), tmp_path / "out"
+    optuna_study = join(study, out, storage_url(study, out, None), grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study), out)
+    trial = optuna_study.get_trials()[0]
+    assert trial.state.name == "FAIL" and not trial.intermediate_values  # stopped at its first evaluation
+    assert [row["why"] for row in failures(study, optuna_study.get_trials())] == ["TrainError: eval_loss became nan at step 2"]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_worker_whose_trial_was_taken_over_goes_on(tmp_path, monkeypatch):
+    path = mini(tmp_path, "paused", {"yoco": {"spec": "yoco.yaml"}}, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1})
+    study, out = load_study(str(path)), tmp_path / "out"
+    fit, taken = Trainer.fit, []
+
+    def paused(self, steps, **kwargs):  # while this worker is stopped, another fails its trial as stale and queues it again
+        if not taken:
+            optuna_study = join(study, out, storage_url(study, out, None), grace_period=60)
+            taken.append(optuna_study.get_trials(states=(optuna.trial.TrialState.RUNNING,))[0])
+            optuna_study._storage.set_trial_state_values(taken[0]._trial_id, optuna.trial.TrialState.FAIL)
+            RetryHeartbeatStaleTrialCallback(max_retry=2)(optuna_study, taken[0])
+        return fit(self, steps, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", paused)
+    log = io.StringIO()
+    optuna_study = work(study, out, None, Console(file=log, width=200), grace_period=60)
+    assert f"trial {taken[0].number} (yoco seed 0 lr slot 0) was taken over: this worker sent no heartbeat for over 60 s" in log.getvalue()
+    first, retry = optuna_study.get_trials()
+    assert first.state.name == "FAIL" and "failure" not in first.user_attrs and not first.intermediate_values  # left as the other worker left it
+    assert retry.state.name == "COMPLETE" and retry.system_attrs["failed_trial"] == first.number
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_report_reads_only_a_study_that_is_there(tmp_path):
+    path, out = mini(tmp_path, "named"), tmp_path / "out"
+    study = load_study(str(path))
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=60)  # planned; nothing trained yet
+    report(study, optuna_study, tmp_path / "new" / "dir", url)  # a directory not yet there
+    assert (tmp_path / "new" / "dir" / "report.md").is_file() and (tmp_path / "new" / "dir" / "curves.png").is_file()
+    (out / "report.md").write_text("kept")
+    result = archlab("study", "report", mini(tmp_path, "renamed"), "--out", out)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"error: no study renamed-tiny in {url}; it holds named-tiny (was the study renamed" in " ".join(result.stderr.split())
+    assert (out / "report.md").read_text() == "kept" and optuna.get_all_study_names(url) == ["named-tiny"]
+
+
+def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
+    path, out = mini(tmp_path, "interrupted", steps=150), tmp_path / "out"
+    worker = subprocess.Popen([sys.executable, "-m", "archlab", "study", "run", str(path), "--out", str(out)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "trials").is_dir():
+        time.sleep(0.1)
+    worker.send_signal(signal.SIGINT)
+    _, stderr = worker.communicate(timeout=60)
+    assert worker.returncode == 130 and "Traceback" not in stderr
+    assert ("interrupted; finished trials are kept, and the trial this worker was training is run again by the next `study run`"
+            " once it has sent no heartbeat for --grace-period (60 s)") in " ".join(stderr.split())
+
+
 def test_two_workers_share_a_postgresql_study(tmp_path):
     url = os.environ.get("ARCHLAB_TEST_POSTGRES")
     if not url:
@@ -208,7 +316,7 @@ def test_two_workers_share_a_postgresql_study(tmp_path):
         _, stderr = worker.communicate(timeout=600)
         assert worker.returncode == 0, stderr
     trials = trials_of(url, name)
-    keys = [(t.params["variant"], t.params["seed"], t.params["slot"]) for t in trials]
+    keys = [planned_as(t) for t in trials]
     assert len(trials) == 8 and len(set(keys)) == 8  # every planned trial once: none lost, none duplicated
     assert all(t.state.name == "COMPLETE" for t in trials)
     assert len({t.user_attrs["worker"] for t in trials}) == 2  # both workers took trials
@@ -224,6 +332,19 @@ def test_bad_study_definitions_are_named(tmp_path):
     path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "seeds": [0, -1]}))
     with pytest.raises(SpecError, match=r"seeds\[1\]: Input should be greater than or equal to 0"):
         load_study(str(path))
+    for changes, problem in [
+        ({"lr": {"low": 0.003, "high": 0.003, "points": 2}}, "lr: low = high = 0.003 gives 2 equal learning rates"),
+        ({"seeds": [0, 1, 0]}, "seeds[2]: seed 0 is listed twice"),
+        ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),
+    ]:
+        path.write_text(yaml.safe_dump({**data, "baseline": "yoco", **changes}))
+        with pytest.raises(SpecError, match=re.escape(problem)):
+            load_study(str(path))
+    assert load_study(str(path), data="mqar").definition.metric == "accuracy"  # a synthetic task measures it
+    starved = mini(tmp_path, "starved", steps=1, budget="flops")  # yoco-u's step costs more than yoco's whole run
+    with pytest.raises(SpecError, match=re.escape("variants.yoco-u: budget: flops gives it 0 steps: one of its steps costs more"
+                                                  " training FLOPs than the baseline's whole run (steps: 1); raise scales.tiny.train.steps to at least 2")):
+        load_study(str(starved))
     with pytest.raises(SpecError, match="no scale 'huge'"):
         load_study("loop-position", "huge")
     with pytest.raises(SpecError, match="no shipped study of that name"):

@@ -14,9 +14,9 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.cost import equal_flops_steps
+from archlab.cost import Cost, equal_flops_steps
 from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, validate_as, validate_spec
-from archlab.train.config import Seed, TrainConfig
+from archlab.train.config import SYNTHETIC, Seed, TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
 
@@ -69,20 +69,45 @@ class StudySpec(Strict):
             root.at("baseline").add(f"{self.baseline!r} is not one of the variants {sorted(self.variants)}")
         if self.lr.low > self.lr.high:
             root.at("lr").add(f"low={self.lr.low} is above high={self.lr.high}")
+        if self.lr.low == self.lr.high and self.lr.points > 1:  # the same trial twice, counted as two seeds
+            root.at("lr").add(f"low = high = {self.lr.low} gives {self.lr.points} equal learning rates; widen the range or set points: 1")
+        for i, seed in enumerate(self.seeds):
+            if seed in self.seeds[:i]:
+                root.at("seeds").at(i).add(f"seed {seed} is listed twice")
         return root.found
 
 
 class Study:
     """A validated study at one scale: the specs and training configs of its variants."""
 
-    def __init__(self, definition: StudySpec, source: Path, scale: str):
+    def __init__(self, definition: StudySpec, source: Path, scale: str, data: str | None = None):
         if scale not in definition.scales:
             raise SpecError(str(source), [Problem("scales", f"no scale {scale!r}; this study has {sorted(definition.scales)}")])
         self.definition, self.source, self.scale = definition, source, scale
         at = definition.scales[scale]
         self.spec_dir = (source.parent / at.specs).resolve()
         self.config = validate_as(TrainConfig, at.train, f"{source} (scales.{scale}.train)")
+        if data:
+            self.config = self.config.model_copy(update={"data": self.config.data.model_copy(update={"source": data})})
         self.specs: dict[str, ModelSpec] = {name: self._variant(name, v) for name, v in definition.variants.items()}
+        if found := self.problems():
+            raise SpecError(str(source), found)
+
+    def problems(self) -> list[Problem]:
+        """What makes the study untrainable at this scale and data, found before any trial trains."""
+        root, source = Problems(), self.config.data.source
+        if self.definition.metric == "accuracy" and source not in SYNTHETIC:
+            root.at("metric").add(f"accuracy is measured on the synthetic tasks {list(SYNTHETIC)}, but scale {self.scale} trains"
+                                  f" on {source!r}; use metric: val_loss, or one of those tasks")
+        baseline = self.specs[self.definition.baseline]
+        for name in self.definition.variants:
+            if self.steps(name) == 0:  # a step of it costs more than the baseline's whole run
+                per_token = Cost(self.specs[name]).train_flops_per_token(self.config.seq_len)
+                needed = math.ceil(per_token / Cost(baseline).train_flops_per_token(self.config.seq_len))
+                root.at("variants").at(name).add(
+                    f"budget: flops gives it 0 steps: one of its steps costs more training FLOPs than the baseline's whole run"
+                    f" (steps: {self.config.steps}); raise scales.{self.scale}.train.steps to at least {needed}")
+        return root.found
 
     def _variant(self, name: str, variant: Variant) -> ModelSpec:
         path = self.spec_dir / variant.spec
@@ -141,7 +166,4 @@ def find_study(name_or_path: str) -> Path:
 def load_study(name_or_path: str, scale: str = "tiny", data: str | None = None) -> Study:
     """A study at one scale; ``data`` replaces the scale's data source for every trial."""
     path = find_study(name_or_path)
-    study = Study(validate_as(StudySpec, load_yaml(path), str(path)), path, scale)
-    if data:
-        study.config = study.config.model_copy(update={"data": study.config.data.model_copy(update={"source": data})})
-    return study
+    return Study(validate_as(StudySpec, load_yaml(path), str(path)), path, scale, data)

@@ -104,9 +104,10 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
     what became of its retry."""
     planned = study.planned()
     retry_of = {t.system_attrs["retry_history"][-1]: t for t in trials if t.system_attrs.get("retry_history")}
+    shown = {t.number for t in latest(trials).values()} | retry_of.keys()  # not a trial failed as unplanned, since queued again
     rows = []
     for t in trials:
-        if t.state != TrialState.FAIL or planned_as(t) not in planned:
+        if t.state != TrialState.FAIL or planned_as(t) not in planned or t.number not in shown:
             continue
         variant, seed, _ = planned_as(t)
         if "failure" in t.user_attrs:
@@ -162,6 +163,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     definition = study.definition
     trials = optuna_study.get_trials(deepcopy=False)
     failed = failures(study, trials)
+    out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
     plots = plot(study, trials, out)
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",

@@ -2,15 +2,19 @@
 
 The first worker to arrive enqueues the planned trials (variant, seed, lr slot) under a lock (a
 PostgreSQL advisory lock, or a file lock next to a local storage), skipping any already there.
+A trial keeps its plan as fixed parameters, never suggested from the study's lists, so variants and
+seeds may be added or removed later; a queued trial the study no longer plans fails, saying so.
 Workers then claim waiting trials one at a time (Optuna moves a trial from WAITING to RUNNING for
 exactly one of them) and train them, reporting each evaluation so the pruner can stop a poor run.
-A running trial sends heartbeats; when a worker dies its trial goes stale, is marked failed and
-re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once nothing is waiting or running.
+A running trial sends heartbeats from the moment it is claimed; when a worker dies its trial goes
+stale, is marked failed and re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once
+nothing is waiting or running.
 """
 
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import socket
 import time
@@ -21,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import fail_stale_trials, get_heartbeat_thread
 from optuna.trial import TrialState
@@ -29,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from archlab.study.definition import Study
 from archlab.train.data import prepare
-from archlab.train.trainer import Trainer
+from archlab.train.trainer import TrainError, Trainer
 
 
 def heartbeat_interval(grace_period: int) -> int:
@@ -110,7 +115,9 @@ def _unopenable(url: str, exc: Exception) -> StorageError:
     return StorageError(f"cannot open the study storage {url}: {exc}")
 
 
-def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
+def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
+    """The study in the storage at ``url``; created there if ``create``, else it must be there
+    already (a report of a study that never ran, or was renamed, would be an empty one)."""
     try:
         storage = RDBStorage(
             url,
@@ -121,16 +128,19 @@ def open_study(study: Study, url: str, grace_period: int = 60) -> optuna.Study:
         )
     except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials
         raise _unopenable(url, exc) from None
+    name = f"{study.name}-{study.scale}"
+    if not create and name not in (held := optuna.get_all_study_names(storage)):
+        raise StorageError(f"no study {name} in {url}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
     pruners = {
         "none": optuna.pruners.NopPruner(),
         "median": optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
         "hyperband": optuna.pruners.HyperbandPruner(),
     }
     return optuna.create_study(
-        study_name=f"{study.name}-{study.scale}",
+        study_name=name,
         storage=storage,
         direction="minimize" if study.definition.metric == "val_loss" else "maximize",
-        sampler=optuna.samplers.TPESampler(seed=0),  # fills lr under sampler: tpe; grid trials fix every parameter
+        sampler=optuna.samplers.TPESampler(seed=0),  # fills lr under sampler: tpe; the rest of a trial is planned
         pruner=pruners[study.definition.pruner],
         load_if_exists=True,
     )
@@ -172,20 +182,37 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     with planning_lock(url, out, f"{study.name}-{study.scale}"):
         optuna_study = open_study(study, url, grace_period)
         check_unchanged(study, optuna_study)
+        queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
-            optuna_study.enqueue_trial(params, skip_if_exists=True)
+            earlier = queued.get(tuple(params.values()))
+            if earlier is None or earlier.user_attrs.get("failure", "").startswith(NotPlanned.__name__):
+                optuna_study.enqueue_trial(params, user_attrs=params)  # user attrs: shown by optuna-dashboard
         cfg = study.config
         vocab = next(iter(study.specs.values())).vocab_size
         prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
     return optuna_study
 
 
-def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path) -> None:
-    definition = study.definition
-    trial = optuna.Trial(optuna_study, trial_id)
-    variant = trial.suggest_categorical("variant", list(definition.variants))
-    seed = trial.suggest_categorical("seed", definition.seeds)
-    slot = trial.suggest_int("slot", 0, definition.lr.points - 1)
+class NotPlanned(Exception):
+    """A queued trial whose variant, seed or lr slot has since left the study's definition."""
+
+
+def claim(optuna_study: optuna.Study) -> int | None:
+    """A waiting trial, now this worker's (None when none is waiting). It beats at once: a running
+    trial that never beat is never found stale, so a worker dying before its first beat would leave
+    it running for ever."""
+    trial_id = optuna_study._pop_waiting_trial_id()
+    if trial_id is not None:
+        optuna_study._storage.record_heartbeat(trial_id)
+    return trial_id
+
+
+def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
+    """Train a claimed trial as planned (variant, seed, lr slot); its final metric. The plan is
+    read from the trial, not suggested from the study's lists, so that those lists may change."""
+    definition, (variant, seed, slot) = study.definition, key
+    if key not in study.planned():
+        raise NotPlanned(f"the study no longer plans {variant} seed {seed} lr slot {slot}: its definition changed since the trial was queued")
     setup = study.setup(variant, slot)
     if definition.sampler == "grid":
         lr = setup["lr"]
@@ -206,22 +233,44 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
 
     def on_eval(step: int, record: dict) -> None:
+        if not math.isfinite(record[metric]):  # Optuna would fail the trial without saying why
+            raise TrainError(f"{metric} became {record[metric]} at step {step}")
         trial.report(record[metric], step)
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at step {step}")
 
-    run_dir = out / "trials" / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}"
+    trainer = Trainer(spec, cfg, out / "trials" / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}", Console(quiet=True))
+    trial.set_user_attr("flops_per_step", trainer.flops_per_step)
+    return trainer.fit(steps, on_eval=on_eval)[-1][metric]
+
+
+def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> tuple[float | None, TrialState, str | None]:
+    """How a trial ended: its value, state and, if it failed, why (a failure is a result too)."""
+    try:
+        return _train(study, trial, key, out), TrialState.COMPLETE, None
+    except optuna.TrialPruned:
+        return None, TrialState.PRUNED, None
+    except UpdateFinishedTrialError:  # not this worker's trial any more (run_trial)
+        raise
+    except Exception as exc:
+        return None, TrialState.FAIL, f"{type(exc).__name__}: {exc}"
+
+
+def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path) -> bool:
+    """Train a claimed trial and record how it ended. False when it was no longer this worker's to
+    record: another worker failed it as stale (this one sent no heartbeat for longer than the grace
+    period, e.g. while paused) and queued it again."""
+    trial = optuna.Trial(optuna_study, trial_id)
+    key = planned_as(optuna_study._storage.get_trial(trial_id))
     with get_heartbeat_thread(trial_id, optuna_study._storage):
         try:
-            trainer = Trainer(spec, cfg, run_dir, Console(quiet=True))
-            trial.set_user_attr("flops_per_step", trainer.flops_per_step)
-            records = trainer.fit(steps, on_eval=on_eval)
-            optuna_study.tell(trial, records[-1][metric])
-        except optuna.TrialPruned:
-            optuna_study.tell(trial, state=TrialState.PRUNED)
-        except Exception as exc:  # a failed trial is a result: record why, and go on with the study
-            trial.set_user_attr("failure", f"{type(exc).__name__}: {exc}")
-            optuna_study.tell(trial, state=TrialState.FAIL)
+            value, state, failure = _outcome(study, trial, key, out)
+            if failure:
+                trial.set_user_attr("failure", failure)
+            optuna_study.tell(trial, value, state=state, skip_if_finished=True)
+        except UpdateFinishedTrialError:
+            return False
+    return optuna_study._storage.get_trial(trial_id).state == state
 
 
 def planned_as(trial: optuna.trial.FrozenTrial) -> tuple:
@@ -255,19 +304,22 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
         while True:
             fail_stale_trials(optuna_study)  # a dead worker's trial: failed, and queued again
             progress.update(task, completed=len(settled(optuna_study.get_trials(deepcopy=False))))
-            trial_id = optuna_study._pop_waiting_trial_id()
+            trial_id = claim(optuna_study)
             if trial_id is None:
                 if not optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
                     break
                 progress.update(task, now="waiting for other workers' trials")
                 time.sleep(heartbeat_interval(grace_period))
                 continue
-            params = optuna_study._storage.get_trial(trial_id).system_attrs.get("fixed_params", {})
-            now = f"{params.get('variant')} seed {params.get('seed')} lr slot {params.get('slot')}"
+            trial = optuna_study._storage.get_trial(trial_id)
+            now = "{} seed {} lr slot {}".format(*planned_as(trial))
             progress.update(task, now=now)
-            run_trial(study, optuna_study, trial_id, out)
-            if not live:
+            if not run_trial(study, optuna_study, trial_id, out):
+                console.print(f"trial {trial.number} ({now}) was taken over: this worker sent no heartbeat for over {grace_period} s"
+                              " (paused?), so another failed it and queued it again; going on", highlight=False)
+            elif not live:
                 trial = optuna_study._storage.get_trial(trial_id)
                 outcome = trial.state.name.lower() + (f", {study.definition.metric} {trial.value:.4f}" if trial.value is not None else "")
+                outcome += f" ({trial.user_attrs['failure'].splitlines()[0]})" if "failure" in trial.user_attrs else ""
                 console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False)
     return optuna_study

@@ -210,7 +210,7 @@ def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
     study = load_study(str(path))
     url = storage_url(study, out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    assert run_trial(study, optuna_study, claim(optuna_study), out)  # yoco seed 0; yoco-u seed 0 is still queued
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)  # yoco seed 0; yoco-u seed 0 is still queued
     log = io.StringIO()
     shrunk = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}}, seeds=[0, 1])
     work(shrunk, out, None, Console(file=log, width=200), grace_period=60)
@@ -229,8 +229,9 @@ def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
 def test_a_trial_claimed_by_a_worker_that_died_before_training_goes_stale(tmp_path):
     study, out = load_study(str(mini(tmp_path, "claimed"))), tmp_path / "out"
-    optuna_study = join(study, out, storage_url(study, out, None), grace_period=1)
-    claimed = claim(optuna_study)  # the worker dies here, before its heartbeat thread starts
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=1)
+    claimed = claim(optuna_study, url, out)  # the worker dies here, before its heartbeat thread starts
     time.sleep(3)  # past the grace period (SQLite's clock counts whole seconds)
     fail_stale_trials(optuna_study)  # what the next worker does first
     stale = optuna_study._storage.get_trial(claimed)
@@ -239,12 +240,48 @@ def test_a_trial_claimed_by_a_worker_that_died_before_training_goes_stale(tmp_pa
     assert planned_as(retry[0]) == planned_as(stale)
 
 
+CLAIMER = """
+import sys, time
+from pathlib import Path
+import optuna
+from optuna.storages import RDBStorage
+from archlab.study.runner import claim
+url, out, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+study = optuna.load_study(study_name="race", storage=RDBStorage(url, heartbeat_interval=1, grace_period=60,
+                                                               engine_kwargs={"connect_args": {"timeout": 60}}))
+while not go.exists():
+    time.sleep(0.01)
+claimed = []
+while (trial_id := claim(study, url, out)) is not None:
+    claimed.append(trial_id)
+print(*claimed)
+"""
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_workers_on_one_sqlite_file_never_claim_the_same_trial(tmp_path):
+    """SQLite ignores the SELECT ... FOR UPDATE that makes an Optuna claim one worker's."""
+    url, go = f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "go"
+    queued = optuna.create_study(study_name="race", storage=url)
+    for k in range(200):
+        queued.enqueue_trial({"k": k})
+    (tmp_path / "claimer.py").write_text(CLAIMER)
+    workers = [subprocess.Popen([sys.executable, str(tmp_path / "claimer.py"), url, str(tmp_path), str(go)], stdout=subprocess.PIPE,
+                                text=True) for _ in range(4)]
+    time.sleep(5)  # every worker imported and waiting
+    go.touch()
+    claims = [int(t) for w in workers for t in w.communicate(timeout=300)[0].split()]
+    assert all(w.returncode == 0 for w in workers)
+    assert sorted(claims) == [t._trial_id for t in queued.get_trials()]  # each trial claimed once
+
+
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
 def test_a_metric_that_is_not_a_number_fails_the_trial_with_that_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "evaluate", lambda self, data: {"eval_loss": float("nan"), "eval_ppl": float("nan")})
     study, out = load_study(str(mini(tmp_path, "nan", steps=4))), tmp_path / "out"
-    optuna_study = join(study, out, storage_url(study, out, None), grace_period=60)
-    assert run_trial(study, optuna_study, claim(optuna_study), out)
+    url = storage_url(study, out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
     trial = optuna_study.get_trials()[0]
     assert trial.state.name == "FAIL" and not trial.intermediate_values  # stopped at its first evaluation
     assert [row["why"] for row in failures(study, optuna_study.get_trials())] == ["TrainError: eval_loss became nan at step 2"]
@@ -335,8 +372,10 @@ def test_bad_study_definitions_are_named(tmp_path):
     for changes, problem in [
         ({"lr": {"low": 0.003, "high": 0.003, "points": 2}}, "lr: low = high = 0.003 gives 2 equal learning rates"),
         ({"seeds": [0, 1, 0]}, "seeds[2]: seed 0 is listed twice"),
+        ({"variants": {**data["variants"], "yoco-u": {**data["variants"]["yoco-u"], "scale_set": {"tinyy": {"loop.times": 2}}}}},
+         "variants.yoco-u.scale_set.tinyy: no scale 'tinyy'; this study has ['tiny']"),
         ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),
-    ]:
+    ]:  # the last stays in the file
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", **changes}))
         with pytest.raises(SpecError, match=re.escape(problem)):
             load_study(str(path))

@@ -74,6 +74,9 @@ class StudySpec(Strict):
         for i, seed in enumerate(self.seeds):
             if seed in self.seeds[:i]:
                 root.at("seeds").at(i).add(f"seed {seed} is listed twice")
+        for name, variant in self.variants.items():
+            for scale in sorted(set(variant.scale_set) - set(self.scales)):  # a misspelt scale would be ignored
+                root.at("variants").at(name).at("scale_set").at(scale).add(f"no scale {scale!r}; this study has {sorted(self.scales)}")
         return root.found
 
 

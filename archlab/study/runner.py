@@ -5,7 +5,7 @@ PostgreSQL advisory lock, or a file lock next to a local storage), skipping any 
 A trial keeps its plan as fixed parameters, never suggested from the study's lists, so variants and
 seeds may be added or removed later; a queued trial the study no longer plans fails, saying so.
 Workers then claim waiting trials one at a time (Optuna moves a trial from WAITING to RUNNING for
-exactly one of them) and train them, reporting each evaluation so the pruner can stop a poor run.
+exactly one of them; on SQLite, only under the same file lock) and train them, reporting each evaluation so the pruner can stop a poor run.
 A running trial sends heartbeats from the moment it is claimed; when a worker dies its trial goes
 stale, is marked failed and re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once
 nothing is waiting or running.
@@ -21,7 +21,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import optuna
@@ -167,6 +167,13 @@ def planning_lock(url: str, out: Path, key: str):
                 conn.commit()
         engine.dispose()
         return
+    with folder_lock(out):
+        yield
+
+
+@contextmanager
+def folder_lock(out: Path):
+    """One process at a time among the workers of a study folder (and its SQLite storage)."""
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ".plan.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -197,13 +204,16 @@ class NotPlanned(Exception):
     """A queued trial whose variant, seed or lr slot has since left the study's definition."""
 
 
-def claim(optuna_study: optuna.Study) -> int | None:
-    """A waiting trial, now this worker's (None when none is waiting). It beats at once: a running
-    trial that never beat is never found stale, so a worker dying before its first beat would leave
-    it running for ever."""
-    trial_id = optuna_study._pop_waiting_trial_id()
-    if trial_id is not None:
-        optuna_study._storage.record_heartbeat(trial_id)
+def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
+    """Fail the trials of dead workers (queued again), then take a waiting trial (None when none is
+    waiting). It beats at once: a running trial that never beat is never found stale, so a worker
+    dying before its first beat would leave it running for ever. Optuna makes a claim one worker's
+    with SELECT ... FOR UPDATE, which SQLite ignores: there both steps hold the folder's lock."""
+    with nullcontext() if url.startswith("postgresql") else folder_lock(out):
+        fail_stale_trials(optuna_study)
+        trial_id = optuna_study._pop_waiting_trial_id()
+        if trial_id is not None:
+            optuna_study._storage.record_heartbeat(trial_id)
     return trial_id
 
 
@@ -302,9 +312,8 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
     with Progress(*columns, console=console, disable=not live) as progress:
         task = progress.add_task("study", total=planned, now="")
         while True:
-            fail_stale_trials(optuna_study)  # a dead worker's trial: failed, and queued again
+            trial_id = claim(optuna_study, url, out)
             progress.update(task, completed=len(settled(optuna_study.get_trials(deepcopy=False))))
-            trial_id = claim(optuna_study)
             if trial_id is None:
                 if not optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
                     break

@@ -359,6 +359,22 @@ def test_two_workers_share_a_postgresql_study(tmp_path):
     assert len({t.user_attrs["worker"] for t in trials}) == 2  # both workers took trials
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_pruned_trial_is_logged_with_where_it_was_cut(tmp_path, monkeypatch):
+    monkeypatch.setattr(optuna.Trial, "should_prune", lambda self: True)  # every trial, at its first evaluation
+    path = mini(tmp_path, "cut", {"yoco": {"spec": "yoco.yaml"}}, pruner="median", lr={"low": 0.003, "high": 0.003, "points": 1})
+    log = io.StringIO()
+    (trial,) = work(load_study(str(path)), tmp_path / "out", None, Console(file=log, width=200), grace_period=60).get_trials()
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [2]
+    assert f"trial 0 (yoco seed 0 lr slot 0): pruned at step 2 (val_loss {trial.intermediate_values[2]:.4f} there)" in log.getvalue()
+
+
+def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp_path):
+    result = archlab("study", "run", mini(tmp_path), "--out", tmp_path / "out", "--grace-period", "0")
+    assert result.returncode == 2 and "--grace-period" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_study_definitions_are_named(tmp_path):
     path = mini(tmp_path)
     data = yaml.safe_load(path.read_text())
@@ -374,6 +390,7 @@ def test_bad_study_definitions_are_named(tmp_path):
         ({"seeds": [0, 1, 0]}, "seeds[2]: seed 0 is listed twice"),
         ({"variants": {**data["variants"], "yoco-u": {**data["variants"]["yoco-u"], "scale_set": {"tinyy": {"loop.times": 2}}}}},
          "variants.yoco-u.scale_set.tinyy: no scale 'tinyy'; this study has ['tiny']"),
+        ({"variants": {**data["variants"], "a|b": data["variants"]["yoco"]}}, "variants.a|b: a variant's name is letters, digits"),
         ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),
     ]:  # the last stays in the file
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", **changes}))
@@ -384,6 +401,15 @@ def test_bad_study_definitions_are_named(tmp_path):
     with pytest.raises(SpecError, match=re.escape("variants.yoco-u: budget: flops gives it 0 steps: one of its steps costs more"
                                                   " training FLOPs than the baseline's whole run (steps: 1); raise scales.tiny.train.steps to at least 2")):
         load_study(str(starved))
+    for variant, source, problem in [  # a variant's spec file, or its overrides, named with the variant
+        ({"spec": "nosuch.yaml"}, f"{ROOT / 'specs/tiny/nosuch.yaml'} (variants.yoco-u of {path})", "<file>"),
+        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.5.window": 3}}, f"{path} (variants.yoco-u: set / scale_set.tiny)",
+         "layout.self_decoder.blocks.5"),
+    ]:
+        path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}))
+        with pytest.raises(SpecError) as raised:
+            load_study(str(path))
+        assert raised.value.source == source and [p.loc for p in raised.value.problems] == [problem]
     with pytest.raises(SpecError, match="no scale 'huge'"):
         load_study("loop-position", "huge")
     with pytest.raises(SpecError, match="no shipped study of that name"):

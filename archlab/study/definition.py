@@ -8,6 +8,7 @@ the baseline the report compares with. Each (variant, seed, lr slot) is one plan
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, validate_a
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
+VARIANT_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 class Variant(Strict):
@@ -75,6 +77,8 @@ class StudySpec(Strict):
             if seed in self.seeds[:i]:
                 root.at("seeds").at(i).add(f"seed {seed} is listed twice")
         for name, variant in self.variants.items():
+            if not VARIANT_NAME.fullmatch(name):  # it names trial folders and report table cells
+                root.at("variants").at(name).add("a variant's name is letters, digits, '.', '_' and '-' only")
             for scale in sorted(set(variant.scale_set) - set(self.scales)):  # a misspelt scale would be ignored
                 root.at("variants").at(name).at("scale_set").at(scale).add(f"no scale {scale!r}; this study has {sorted(self.scales)}")
         return root.found
@@ -114,9 +118,15 @@ class Study:
 
     def _variant(self, name: str, variant: Variant) -> ModelSpec:
         path = self.spec_dir / variant.spec
-        data = set_dotted(load_yaml(path), "name", name)
-        for key, value in {**variant.set, **variant.scale_set.get(self.scale, {})}.items():
-            data = set_dotted(data, key, value)
+        try:
+            data = set_dotted(load_yaml(path), "name", name)
+        except SpecError as exc:  # the spec file's own problem, said with the variant that names it
+            raise SpecError(f"{exc.source} (variants.{name} of {self.source})", exc.problems) from None
+        try:
+            for key, value in {**variant.set, **variant.scale_set.get(self.scale, {})}.items():
+                data = set_dotted(data, key, value)
+        except SpecError as exc:
+            raise SpecError(f"{self.source} (variants.{name}: set / scale_set.{self.scale})", exc.problems) from None
         return validate_spec(data, f"{self.source} (variants.{name} from {path.name})")
 
     @property

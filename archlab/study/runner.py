@@ -328,7 +328,11 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
                               " (paused?), so another failed it and queued it again; going on", highlight=False)
             elif not live:
                 trial = optuna_study._storage.get_trial(trial_id)
-                outcome = trial.state.name.lower() + (f", {study.definition.metric} {trial.value:.4f}" if trial.value is not None else "")
+                outcome, metric = trial.state.name.lower(), study.definition.metric
+                if trial.state == TrialState.PRUNED and trial.last_step is not None:  # its value is where it was cut, not a result
+                    outcome += f" at step {trial.last_step} ({metric} {trial.intermediate_values[trial.last_step]:.4f} there)"
+                elif trial.value is not None:
+                    outcome += f", {metric} {trial.value:.4f}"
                 outcome += f" ({trial.user_attrs['failure'].splitlines()[0]})" if "failure" in trial.user_attrs else ""
                 console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False)
     return optuna_study

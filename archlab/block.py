@@ -8,6 +8,8 @@ it holds: it reads the capability flags below and calls ``build``.
 
 from __future__ import annotations
 
+import math
+
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
@@ -167,7 +169,8 @@ def chunked(n: int, chunk: int) -> int:
 def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:
     """Heads must tile the width when the head size is derived from it."""
     if head_dim is None and d_model % n_heads:
-        divisors = [h for h in range(1, d_model + 1) if d_model % h == 0]
+        small = [h for h in range(1, math.isqrt(d_model) + 1) if d_model % h == 0]  # not a loop over a huge width
+        divisors = sorted({*small, *(d_model // h for h in small)})
         problems.at("n_heads").add(
             f"{n_heads} heads do not divide d_model={d_model}; allowed: one of {divisors[:12]}"
             + (" ..." if len(divisors) > 12 else "")

@@ -372,6 +372,10 @@ class ModelSpec(Strict):
                 f"required: the looped layers keep a length-growing K,V cache ({', '.join(with_cache)});"
                 " allowed: 'shared' (all iterations use one cache) or 'per_iteration' (each keeps its own)"
             )
+        unshared = sorted({b.type for b in looped if b.grows_kv_cache and not b.shares_kv})
+        if loop.kv_cache == "shared" and unshared:  # they would each keep a cache per iteration, whatever the spec says
+            at.at("kv_cache").add(f"'shared' is not possible: {', '.join(unshared)} cannot share a K,V cache across iterations"
+                                  " (shares_kv is False); use 'per_iteration'")
         if not with_cache and loop.kv_cache is not None:
             at.at("kv_cache").add(
                 f"not applicable: layers {start}..{end - 1} have no global attention or growing K,V cache"
@@ -390,16 +394,17 @@ class ModelSpec(Strict):
 # --- loading --------------------------------------------------------------------------------
 
 
-def _deep_merge(base: Any, over: Any) -> Any:
+def _deep_merge(base: Any, over: Any, key: str | None = None) -> Any:
+    """``over`` laid on ``base`` (the mapping under ``key``), key by key."""
     if not (isinstance(base, dict) and isinstance(over, dict)):
         return over
-    for tag in ("type", "position"):
-        old, new = base.get(tag), over.get(tag)
-        if isinstance(old, str) and isinstance(new, str) and old != new:
-            return over  # a different variant: the parent's fields do not apply
+    tag = "position" if key == "loop" else "type"  # what tells a union's members apart (a half's position is a field)
+    old, new = base.get(tag), over.get(tag)
+    if isinstance(old, str) and isinstance(new, str) and old != new:
+        return over  # a different member: the parent's fields do not apply
     merged = dict(base)
-    for key, value in over.items():
-        merged[key] = _deep_merge(base[key], value) if key in base else value
+    for name, value in over.items():
+        merged[name] = _deep_merge(base[name], value, name) if name in base else value
     return merged
 
 
@@ -425,6 +430,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no Python objects
+
+
+MAX_EXTENDS = 100  # files in one extends chain: far past any real one, well short of Python's recursion limit
 
 
 def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
@@ -455,6 +463,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
         return data
     if not isinstance(parent, str):
         raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
+    if len(chain) >= MAX_EXTENDS:
+        raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
     return _deep_merge(_read_yaml(path.parent / parent, (*chain, path)), data)
 
 
@@ -464,8 +474,8 @@ def _loc(parts: tuple, data: Any) -> str:
     for part in parts:
         if isinstance(data, dict) and part not in data and part in (data.get("type"), data.get("position")):
             continue  # the tag of the union member pydantic chose
-        if isinstance(data, str) and isinstance(part, str):
-            continue  # a shorthand tag ("rope") that pydantic expanded
+        if isinstance(data, str) and part == data:
+            continue  # a shorthand tag ("rope") that pydantic expanded; the keys after it are kept
         data = data[part] if isinstance(data, (dict, list)) and _has(data, part) else None
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "<root>"

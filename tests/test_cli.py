@@ -75,10 +75,12 @@ def test_show_missing_file_is_a_clear_error():
 
 
 def test_build_runs_tiny_specs():
-    result = archlab("build", "specs/tiny/yoco-u.yaml", "specs/tiny/rins.yaml", "--seq-len", "20")
+    result = archlab("build", "specs/tiny/yoco-u.yaml", "specs/tiny/rins.yaml", "--seq-len", "1K")  # a length as cost takes it
     assert result.returncode == 0, result.stderr
     assert "self[0-1] x3" in result.stdout and "layers[0-1] x3" in result.stdout
     assert "ok" in result.stdout
+    nothing = archlab("build", "specs/tiny/nope.yaml")
+    assert nothing.returncode == 1 and "not found" in nothing.stderr and nothing.stdout == ""  # no empty table
 
 
 PLUGIN = '''
@@ -161,11 +163,59 @@ def test_block_from_another_installed_package(tmp_path):
     assert without.returncode == 1 and "unknown type 'causal_mean'" in without.stderr
 
 
-def test_broken_plugin_is_named(tmp_path):
-    env = install_plugin(tmp_path, "mean = my_blocks:CausalMeanSpec")  # name disagrees with its type
+UNSHARED = '''
+from typing import ClassVar, Literal
+
+from blocks.attention import AttentionSpec
+
+
+class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across loop iterations
+    type: Literal["unshared"]
+    shares_kv: ClassVar[bool] = False
+'''
+
+
+def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):
+    env = install_plugin(tmp_path, "unshared = unshared:UnsharedSpec")
+    (tmp_path / "unshared.py").write_text(UNSHARED)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/universal-transformer.yaml'}\nname: u\n"
+                    "layout: {layers: {blocks: [{type: unshared, n_heads: 4}]}}\nloop: {kv_cache: shared}\n")
+    result = archlab("validate", spec, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "loop.kv_cache: 'shared' is not possible: unshared cannot share a K,V cache across iterations" in result.stderr
+    spec.write_text(spec.read_text().replace("shared}", "per_iteration}"))
+    assert archlab("validate", spec, env=env).returncode == 0
+
+
+BROKEN = '''
+from typing import Literal
+
+from archlab import BlockSpec
+
+
+class HalfSpec(BlockSpec):  # a spec class without its cost formulas
+    type: Literal["half"]
+
+    def build(self, ctx):
+        raise NotImplementedError
+'''
+
+
+@pytest.mark.parametrize("entry,fragments", [
+    ("mean = my_blocks:CausalMeanSpec", ["block plugin 'mean'", "Literal['mean']"]),  # name disagrees with its type
+    ("attention = my_blocks:CausalMeanSpec", ["block type 'attention' is registered more than once",
+                                              "blocks.attention:AttentionSpec", "my_blocks:CausalMeanSpec"]),
+    ("half = broken:HalfSpec", ["block plugin 'half'", "does not define flops, params, state_bytes"]),
+    ("quits = quits:Spec", ["block plugin 'quits'", "failed to import: SystemExit: 3"]),
+], ids=["misnamed", "taken name", "abstract", "exits"])
+def test_broken_plugin_is_named(tmp_path, entry, fragments):
+    env = install_plugin(tmp_path, entry)
+    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "quits.py").write_text("raise SystemExit(3)\n")
     result = archlab("validate", "specs/tiny/yoco.yaml", env=env)
-    assert result.returncode == 2
-    assert "block plugin 'mean'" in result.stderr and "Literal['mean']" in result.stderr
+    assert result.returncode == 2, result.stderr
+    assert all(fragment in result.stderr for fragment in fragments), result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -266,7 +316,7 @@ def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message)
 
 # (command, what stderr must say): options out of bounds are refused before any work (exit 2)
 BAD_OPTIONS = [
-    (["build", SPEC, "--seq-len", "0"], "Invalid value for '--seq-len'"),
+    (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),
     (["generate", SPEC, "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),

@@ -63,6 +63,8 @@ CASES = [
      ["layout.cross_decoder.blocks[0].n_heads", "multiple of the global K,V's 3 heads"]),
     ("loop outside stack", {"s.yaml": STACK + "loop: {position: range, start: 2, end: 9, times: 2, kv_cache: shared}\n"},
      "s.yaml", ["loop:", "layers 2..8 are outside the stack of 4 layers (0..3)"]),
+    ("shorthand missing its fields", {"s.yaml": STACK + "loop: range\n"}, "s.yaml",
+     ["loop.times: Field required", "loop.start: Field required", "loop.end: Field required"]),
     ("prefix longer than stack", {"s.yaml": STACK + "loop: {position: prefix, n_layers: 6, times: 2}\n"},
      "s.yaml", ["loop:", "outside the stack of 4 layers"]),
     ("loop straddles yoco halves", {"s.yaml": BASE + "loop: {position: range, start: 1, end: 3, times: 2}\n"},
@@ -96,6 +98,8 @@ CASES = [
     ("extends cycle", {"a.yaml": "extends: b.yaml\nname: a\n", "b.yaml": "extends: a.yaml\nname: b\n"}, "a.yaml",
      ["extends", "cycle", "a.yaml -> ", "b.yaml -> ", "a.yaml"]),
     ("extends not a path", {"s.yaml": "extends: [1, 2]\nname: x\n"}, "s.yaml", ["extends", "must be a path"]),
+    ("extends too deep", {**{f"s{i}.yaml": f"extends: s{i + 1}.yaml\nname: x\n" for i in range(1200)}, "s1200.yaml": BASE}, "s0.yaml",
+     ["extends", "a chain of more than 100 files"]),
     ("missing spec file", {}, "absent.yaml", ["absent.yaml", "not found"]),
     ("a folder", {"d/s.yaml": BASE}, "d", ["<file>: is a folder, not a YAML file"]),
     ("extends a folder", {"s.yaml": "extends: d\nname: x\n", "d/t.yaml": BASE}, "s.yaml", ["is a folder, not a YAML file (extended from"]),
@@ -133,11 +137,28 @@ def test_override_inside_a_shorthand_names_the_whole_item_form():
     assert archlab.load_spec(spec, [override]).layout.cross_decoder.blocks[0].backend == "flex"  # the hint works
 
 
+@pytest.mark.parametrize("d_model,divisors", [
+    (32, [1, 2, 4, 8, 16, 32]),
+    (720720, [h for h in range(1, 720721) if 720720 % h == 0][:12]),
+    (999999937, [1, 999999937]),  # a prime
+    (2**40, [2**i for i in range(12)]),  # found by divisors up to the square root, not a loop over 10^12
+])
+def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, divisors):
+    from archlab.block import Problems, check_heads
+
+    problems = Problems()
+    check_heads(problems, d_model, next(h for h in range(3, 100) if d_model % h), None)
+    (problem,) = problems.found
+    assert f"allowed: one of {divisors}" in problem.msg
+
+
 def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):
-    (tmp_path / "base.yaml").write_text(BASE + "ffn: {type: swiglu, hidden: 48}\nloop: {position: lower, times: 2}\n")
+    cross = "cross_decoder: {n_layers: 2, position: none, blocks: [{type: cross_attention, n_heads: 2}]}"
+    (tmp_path / "base.yaml").write_text(BASE.replace("cross_decoder: {n_layers: 2}", cross)
+                                        + "ffn: {type: swiglu, hidden: 48}\nloop: {position: lower, times: 2}\n")
     (tmp_path / "child.yaml").write_text(
         "extends: base.yaml\nname: child\n"
-        "layout: {self_decoder: {blocks: [{type: gdn, n_heads: 2}], position: none}}\n"
+        "layout: {self_decoder: {blocks: [{type: gdn, n_heads: 2}], position: none}, cross_decoder: {position: rope}}\n"
         "ffn: {type: moe, n_experts: 4, top_k: 2, expert_hidden: 16}\n"
         "loop: {times: 4}\n"
     )
@@ -146,6 +167,8 @@ def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):
     assert spec.layout.self_decoder.n_layers == 2  # kept from the parent
     assert spec.layout.self_decoder.blocks[0].type == "gdn"  # lists replace
     assert spec.layout.self_decoder.position.type == "none"  # shorthand
+    cross = spec.layout.cross_decoder  # a half's position is a field, not a tag: the rest of the half stays
+    assert (cross.position.type, cross.n_layers, cross.blocks[0].n_heads) == ("rope", 2, 2)
     assert spec.ffn.type == "moe" and spec.ffn.n_experts == 4  # new variant: swiglu's hidden not merged in
     assert (spec.loop.position, spec.loop.times) == ("lower", 4)
 

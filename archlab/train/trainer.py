@@ -227,10 +227,12 @@ class Trainer:
         planned = load_config(str(self.run_dir / "config.yaml")).steps
         if planned == steps:
             return
-        before, after = (self.cfg.optimizer.lr * lr_factor(step, total, self.cfg) for total in (planned, steps))
+        before, after = (f"{self.cfg.optimizer.lr * lr_factor(step, total, self.cfg):.2e}" for total in (planned, steps))
+        lr = f"the learning rate of step {step + 1}"
+        change = f"{lr} is {after}, not {before}" if after != before else f"{lr} stays {after}"
         self._say(
             f"[yellow]notice[/]: the run's total goes from {planned} to {steps} steps, so its cosine decay now ends at step"
-            f" {steps}: the learning rate of step {step + 1} is {after:.2e}, not {before:.2e}; config.yaml now says steps: {steps}"
+            f" {steps}: {change}; config.yaml now says steps: {steps}"
         )
         self._write_config(steps)
 

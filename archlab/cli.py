@@ -229,7 +229,8 @@ def generate(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
-    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1)] = None,
+    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1,
+                                             help="sampling seed; for a bare spec, also its random weights (default 0)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     page_size: PageSize = None,
@@ -453,11 +454,11 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
 def train(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec")],
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
-    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME | mqar | copy")] = None,
+    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps")] = None,
-    tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B = 1e3, 1e6, 1e9)")] = None,
+    tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B, T = 1e3, 1e6, 1e9, 1e12)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
 ) -> None:

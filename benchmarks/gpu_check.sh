@@ -2,16 +2,17 @@
 # The one script a lent GPU runs: install archlab and the kernel packages beside the machine's
 # torch, then check (benchmarks/gpu_check.py).
 #   bash benchmarks/gpu_check.sh OUT_DIR [gpu_check.py options]
-# A machine with a package index gets `pip install -e .[cuda]` in a venv that sees the system's
-# torch. A machine without one installs the wheels in .whl/ instead, offline: fill it beforehand
-# with benchmarks/fill_wheels.sh, where an index is reachable.
+# Where .whl/ exists (fill it with benchmarks/fill_wheels.sh, where an index is reachable), its
+# wheels are installed offline, and the checkout itself comes first on the path: the archlab
+# measured is this tree's, whatever wheel of it .whl/ holds (the wheel adds its entry points).
+# Without .whl/, `pip install -e .[cuda]` goes into a venv that sees the system's torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-results}
 shift || true
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/archlab-site .whl/*.whl
-    export PYTHONPATH=/tmp/archlab-site
+    export PYTHONPATH="$PWD:/tmp/archlab-site"
     if [ -d /tmp/archlab-site/mamba_ssm ] && ! python3 -c "import selective_scan_cuda" 2>/dev/null; then
         # mamba-ssm's package imports Mamba1's CUDA scan, which archlab never calls and a build
         # without extensions lacks: a stand-in lets the Triton kernels load

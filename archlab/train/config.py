@@ -28,7 +28,7 @@ class Optimizer(Strict):
 
 
 class Schedule(Strict):
-    """Linear warmup, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    """Linear warmup, then cosine decay toward ``min_lr_ratio * lr``, reached one step past the last."""
 
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)

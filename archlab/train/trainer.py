@@ -73,12 +73,14 @@ class World:
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
-    """The learning rate's factor for update ``step`` of ``total`` (from 0): linear warmup to 1 at
-    update ``warmup_steps``, then cosine decay that reaches ``min_lr_ratio`` at the last update."""
-    warmup, done = cfg.schedule.warmup_steps, step + 1
-    if done <= warmup:
-        return done / warmup
-    progress = (done - warmup) / (total - warmup)
+    """The learning rate's factor for update ``step`` (from 0): linear warmup to 1 at the last warmup
+    update, then cosine from 1 (again, at update ``warmup_steps``) toward ``min_lr_ratio``, which
+    it reaches at update ``total``: one past the last, so the last is just above it. The shipped
+    studies' results were trained on this schedule, to the bit."""
+    warmup = cfg.schedule.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
     floor = cfg.schedule.min_lr_ratio
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 

@@ -9,7 +9,6 @@ it holds: it reads the capability flags below and calls ``build``.
 from __future__ import annotations
 
 import math
-
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field

@@ -19,6 +19,12 @@ IGNORE = -100  # a target that is not counted, as in F.cross_entropy
 CHUNK_ELEMENTS = 2**27  # float32 logits per chunk: 512 MiB
 
 
+def _chunks(rows: int, vocab: int) -> list[slice]:
+    """The rows of the logits, a chunk of at most CHUNK_ELEMENTS logits at a time."""
+    size = max(1, CHUNK_ELEMENTS // vocab)
+    return [slice(start, start + size) for start in range(0, rows, size)]
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -28,9 +34,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device)
         total = torch.zeros((), dtype=accumulate, device=hidden.device)
-        rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
-        for start in range(0, len(hidden), rows):
-            h, t = hidden[start : start + rows].to(dtype), targets[start : start + rows]
+        for rows in _chunks(len(hidden), weight.shape[0]):
+            h, t = hidden[rows].to(dtype), targets[rows]
             counts, picked = t != IGNORE, t.clamp(min=0)[:, None]
             logits = (h @ w.T).to(accumulate)
             norm = logits.logsumexp(-1, keepdim=True)
@@ -38,7 +43,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad = logits.sub_(norm).exp_()  # softmax, in the logits' memory
             grad.scatter_add_(1, picked, grad.new_full(picked.shape, -1.0))
             grad = grad.mul_(counts[:, None].to(accumulate) / counted).to(dtype)
-            grad_hidden[start : start + rows] = grad @ w
+            grad_hidden[rows] = grad @ w
             grad_weight += grad.T @ h
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -64,10 +69,8 @@ def scores(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
     against ``targets`` (``IGNORE`` not counted), a chunk of rows at a time: evaluation's loss and
     accuracy without the whole logits. Under autocast the product runs in its dtype."""
     totals = torch.zeros(3, dtype=float32_or_wider(hidden.dtype), device=hidden.device)
-    rows = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    for start in range(0, len(hidden), rows):
-        t = targets[start : start + rows]
-        logits = hidden[start : start + rows] @ weight.T
+    for rows in _chunks(len(hidden), weight.shape[0]):
+        t, logits = targets[rows], hidden[rows] @ weight.T
         logits = logits.to(float32_or_wider(logits.dtype))
         counted = t != IGNORE
         lost = F.cross_entropy(logits, t, ignore_index=IGNORE, reduction="sum")

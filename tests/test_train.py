@@ -25,8 +25,8 @@ SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_s
          "--set", "eval_batches=2", "--set", "log_interval=1"]
 
 
-def archlab(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+def archlab(*args, cwd=ROOT, **kwargs):
+    return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=cwd, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "COLUMNS": "500"}, **kwargs)  # no line breaks inside a message
 
 
@@ -263,27 +263,23 @@ def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(tmp_pat
     (tmp_path / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     (tmp_path / "elsewhere").mkdir()
 
-    def run_in(folder, *args):
-        return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=folder, capture_output=True, text=True,
-                              timeout=600, env={**os.environ, "COLUMNS": "500"})
-
     spec = ROOT / "specs/tiny/transformer.yaml"
-    trained = run_in(tmp_path, "train", spec, "--out", "run", "--data", "corpus", *SMALL, "--set", "data.cache=shared", "--steps", "2")
+    trained = archlab("train", spec, "--out", "run", "--data", "corpus", *SMALL, "--set", "data.cache=shared", "--steps", "2", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
     config, corpus = tmp_path / "run" / "config.yaml", tmp_path / "shared" / "data" / "corpus.json"
     data = yaml.safe_load(config.read_text())["data"]
     assert (data["source"], data["cache"]) == (str(tmp_path / "corpus"), str(tmp_path / "shared"))
-    generated = run_in(tmp_path / "elsewhere", "generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4")
+    generated = archlab("generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4", cwd=tmp_path / "elsewhere")
     assert generated.returncode == 0, generated.stderr
     assert f"tokenizer {tmp_path / 'shared' / 'tokenizer.json'}" in generated.stderr
-    resumed = run_in(tmp_path / "elsewhere", "train", spec, "--out", "../run", "--resume", "--steps", "3")
+    resumed = archlab("train", spec, "--out", "../run", "--resume", "--steps", "3", cwd=tmp_path / "elsewhere")
     assert resumed.returncode == 0, resumed.stderr
     for file in (config, corpus):  # as a run recorded them before paths were made absolute
         file.write_text(file.read_text().replace(str(tmp_path) + "/", ""))
-    older = run_in(tmp_path, "train", spec, "--out", "run", "--resume", "--steps", "4")  # from where it was started
+    older = archlab("train", spec, "--out", "run", "--resume", "--steps", "4", cwd=tmp_path)  # from where it was started
     assert older.returncode == 0, older.stderr
     (tmp_path / "shared" / "tokenizer.json").unlink()  # byte tokens in its place would print garbage
-    clean_failure(run_in(tmp_path, "generate", "run", "--max-new-tokens", "4"),
+    clean_failure(archlab("generate", "run", "--max-new-tokens", "4", cwd=tmp_path),
                   f"the run's tokenizer is not at {tmp_path / 'shared' / 'tokenizer.json'}, where data.cache")
 
 

@@ -5,7 +5,8 @@ PostgreSQL advisory lock, or a file lock next to a local storage), skipping any 
 A trial keeps its plan as fixed parameters, never suggested from the study's lists, so variants and
 seeds may be added or removed later; a queued trial the study no longer plans fails, saying so.
 Workers then claim waiting trials one at a time (Optuna moves a trial from WAITING to RUNNING for
-exactly one of them; on SQLite, only under the same file lock) and train them, reporting each evaluation so the pruner can stop a poor run.
+exactly one of them; on SQLite, only under the same file lock) and train them, reporting each
+evaluation so the pruner can stop a poor run.
 A running trial sends heartbeats from the moment it is claimed; when a worker dies its trial goes
 stale, is marked failed and re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once
 nothing is waiting or running.

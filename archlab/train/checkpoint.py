@@ -34,7 +34,12 @@ def checkpoints(run_dir: Path) -> list[Path]:
     (a copy a user put beside them is neither resumed from nor removed)."""
     root = run_dir / "checkpoints"
     found = [p for p in root.iterdir() if NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+    return sorted(found, key=_step_of)
+
+
+def _step_of(path: Path) -> int:
+    """The step a checkpoint folder's name gives."""
+    return int(NAME.fullmatch(path.name)[1])
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, info: dict, keep: int) -> Path:
@@ -99,7 +104,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     step = info.get("step") if isinstance(info, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
-    if step != int(path.name.removeprefix("step-")):
+    if step != _step_of(path):
         raise _damaged(path, f"its state.json is at step {step}")
     broken = _non_finite(model)
     if broken:  # resuming would train on from NaN
@@ -140,7 +145,7 @@ def _tokenizer(run_dir: Path) -> Path | None:
     tokens in its place would print garbage."""
     import yaml
 
-    from archlab.train.config import SYNTHETIC, TOKEN_FILES
+    from archlab.train.config import tokenized
 
     file = run_dir / "config.yaml"
     if not file.is_file():
@@ -155,7 +160,9 @@ def _tokenizer(run_dir: Path) -> Path | None:
                               " (if given) are strings")
     cache, source = data.get("cache"), data.get("source") or "stdlib"
     tokenizer = Path(cache or run_dir) / "tokenizer.json"
-    if tokenizer.is_file() or source in SYNTHETIC or Path(source).suffix in TOKEN_FILES:
-        return tokenizer if tokenizer.is_file() else None
+    if tokenizer.is_file():
+        return tokenizer
+    if not tokenized(source):
+        return None  # a run on token ids or a recall task has none
     where = f", where data.cache in {file} points (a relative folder is read from the current one)" if cache else ""
     raise CheckpointError(f"the run's tokenizer is not at {tokenizer}{where}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt
@@ -59,6 +60,12 @@ class Data(Strict):
 
 def absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
+
+
+def tokenized(source: str) -> bool:
+    """Whether a run on this source tokenizes text, and so keeps a tokenizer.json: not a recall
+    task, not a file of token ids."""
+    return source not in SYNTHETIC and Path(source).suffix not in TOKEN_FILES
 
 
 def anchored_source(source: str) -> str:

@@ -456,7 +456,7 @@ def train(
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
     data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3 (on --resume, the optimizer, schedule and intervals only)")] = None,
     steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps")] = None,
     tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B, T = 1e3, 1e6, 1e9, 1e12)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
@@ -464,7 +464,7 @@ def train(
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
     from archlab.train.checkpoint import CheckpointError, checkpoints
-    from archlab.train.config import load_config
+    from archlab.train.config import RESUMABLE, changes, load_config
     from archlab.train.data import DataError
     from archlab.train.trainer import Trainer, TrainError
 
@@ -477,13 +477,18 @@ def train(
         spec = load_spec(spec_path)
         if resume:
             saved = out / "config.yaml"
-            if config or set_ or data:
-                raise TrainError("a resumed run keeps the config it started with; drop --config, --set and --data")
+            if config or data:
+                raise TrainError("a resumed run keeps the config and data it started with; drop --config and --data"
+                                 " (--set may change what a resume can, such as optimizer.lr)")
             if not saved.is_file():
                 raise TrainError(f"nothing to resume in {out}: no config.yaml")
             if load_spec(out / RUN_SPEC) != spec:
                 raise TrainError(f"{out} was trained with a different spec than {spec_path}")
-            cfg = load_config(str(saved))
+            cfg = load_config(str(saved), set_ or [])
+            fixed = [key for key in changes(load_config(str(saved)), cfg) if key.split(".")[0] not in RESUMABLE]
+            if fixed:
+                raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
+                                 f" it computes them; a resume may --set {', '.join(RESUMABLE)}")
         else:
             cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})

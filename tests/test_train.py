@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from rich.console import Console
 from safetensors.torch import load_file
 
+from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
 from archlab.train.data import RecallTask, TokenSource
-from archlab.train.trainer import lr_factor
+from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT
 
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
@@ -90,8 +92,6 @@ def where_they_part(resumed, reference, started) -> str:
     """The first step whose loss differs, and whether the checkpoint the run resumed from holds the
     reference's weights at that step: if it does, the difference arose in the resumed process's
     arithmetic; if not, in the killed process's last updates."""
-    from safetensors.torch import load_file
-
     weights = [load_file(folder / "model.safetensors") for folder in (started, reference / "checkpoints" / started.name)]
     differ = [name for name in weights[0] if not torch.equal(weights[0][name], weights[1][name])]
     return (f"{parting(resumed, reference)}; the resumed run started from {started.name}, whose weights differ from the"
@@ -386,6 +386,34 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
     assert made == {p: p.read_bytes() for p in shared.rglob("*") if p.is_file()}
     again = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "c", "--data", first, *cache)
     assert again[0] == 0, again[2]  # the same data reads the corpus back
+
+
+def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_path):
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")[0] == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for key in ("seq_len=32", "seed=1", "data.max_bytes=300000"):
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--set", key),
+                f"a resumed run keeps its {key.partition('=')[0]}", "a resume may --set steps, optimizer")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+    # the optimizer state a checkpoint holds carries the settings it was saved with; the --set ones win
+    cfg = TrainConfig.model_validate({**yaml.safe_load((run / "config.yaml").read_text()),
+                                      "optimizer": {"lr": 1e-3, "weight_decay": 0.05, "betas": [0.8, 0.9], "eps": 1e-6}})
+    trainer = Trainer(load_spec(run / "spec.yaml"), cfg, run, Console(quiet=True))
+    assert trainer._start_run_dir(6, resume=True) == 4
+    decayed, rest = trainer.optimizer.param_groups
+    assert (decayed["weight_decay"], rest["weight_decay"]) == (0.05, 0.0)
+    assert all(group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6 for group in (decayed, rest))
+
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6",
+                          "--set", "optimizer.lr=1e-3", "--set", "eval_interval=3")
+    assert code == 0, stderr
+    for said in ("the run's total goes from 4 to 6 steps", "optimizer.lr goes from 0.003 to 0.001", "eval_interval goes from 50 to 3",
+                 "the learning rate of step 5 is", "config.yaml records the new values"):
+        assert said in " ".join(stderr.split()), stderr
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert (saved["steps"], saved["optimizer"]["lr"], saved["eval_interval"]) == (6, 1e-3, 3)
 
 
 def test_a_resume_that_fails_changes_nothing(cli, tmp_path):

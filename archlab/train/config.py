@@ -102,6 +102,23 @@ class TrainConfig(Strict):
         return root.found
 
 
+RESUMABLE = ("steps", "optimizer", "schedule", "grad_clip", "micro_batch_size", "compile", "eval_interval", "eval_batches",
+             "log_interval", "checkpoint_interval", "keep_checkpoints")
+"""What a resume may change. The rest (batch_size, seq_len, seed, data, precision) decides which tokens a
+step reads or how it computes them, so changing it would make the resumed run another experiment."""
+
+
+def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
+    """The fields that differ, as dotted keys, each with its (old, new) values."""
+    def flat(data: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in data.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
+        return out
+    before, after = flat(old.model_dump(mode="json")), flat(new.model_dump(mode="json"))
+    return {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     data = apply_overrides(load_yaml(path) if path else {}, list(overrides))
     keys = [item.partition("=")[0] for item in overrides]

@@ -30,7 +30,7 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
-from archlab.train.config import TrainConfig, load_config
+from archlab.train.config import TrainConfig, changes, load_config
 from archlab.train.data import CORPUS_FILES, Batch, prepare
 
 
@@ -180,6 +180,9 @@ class Trainer:
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
+        hyper = self.cfg.optimizer  # the state holds the settings it was saved with; a resume may have --set others
+        for group, decay in zip(self.optimizer.param_groups, (hyper.weight_decay, 0.0)):
+            group.update(betas=hyper.betas, eps=hyper.eps, weight_decay=decay)
         step = info["step"]
         if step > steps:
             raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
@@ -200,7 +203,7 @@ class Trainer:
                              f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
 
     def _continue_record(self, step: int, steps: int) -> None:
-        """Resuming at ``step``: drop what metrics.jsonl logged after it, and record a new total.
+        """Resuming at ``step``: drop what metrics.jsonl logged after it, and record what the resume changed.
         Read before anything is written: a damaged line stops the resume with the file as it was."""
         metrics = self.run_dir / "metrics.jsonl"
         if self.world.main and metrics.exists():
@@ -219,23 +222,25 @@ class Trainer:
                 if logged <= step:
                     kept.append(line)
             write_text_whole(metrics, "".join(line + "\n" for line in kept))
-        self._adopt_total(step, steps)
+        self._adopt_config(step, steps)
 
-    def _adopt_total(self, step: int, steps: int) -> None:
-        """Resuming with a new total rescales the cosine decay to it (the schedule is a function of
-        the step and the total): say what that does to the learning rate, and record the total."""
+    def _adopt_config(self, step: int, steps: int) -> None:
+        """Resuming with a new total or ``--set`` values: say what changes, with the learning rate of
+        the next step (the schedule is a function of the step and the total), and record them."""
         if not self.world.main:  # the first process alone reads and writes the run directory's files
             return
-        planned = load_config(str(self.run_dir / "config.yaml")).steps
-        if planned == steps:
+        planned = load_config(str(self.run_dir / "config.yaml"))
+        planned = planned.model_copy(update={"data": planned.data.anchored()})
+        now = self.cfg.model_copy(update={"steps": steps})
+        changed = changes(planned, now)
+        if not changed:
             return
-        before, after = (f"{self.cfg.optimizer.lr * lr_factor(step, total, self.cfg):.2e}" for total in (planned, steps))
+        said = [f"the run's total goes from {old} to {new} steps, so its cosine decay now ends at step {new}" if key == "steps"
+                else f"{key} goes from {old} to {new}" for key, (old, new) in changed.items()]
+        before, after = (f"{cfg.optimizer.lr * lr_factor(step, cfg.steps, cfg):.2e}" for cfg in (planned, now))
         lr = f"the learning rate of step {step + 1}"
-        change = f"{lr} is {after}, not {before}" if after != before else f"{lr} stays {after}"
-        self._say(
-            f"[yellow]notice[/]: the run's total goes from {planned} to {steps} steps, so its cosine decay now ends at step"
-            f" {steps}: {change}; config.yaml now says steps: {steps}"
-        )
+        said.append(f"{lr} is {after}, not {before}" if after != before else f"{lr} stays {after}")
+        self._say(f"[yellow]notice[/]: {'; '.join(said)}; config.yaml records the new values")
         self._write_config(steps)
 
     def _write_config(self, steps: int) -> None:
@@ -313,7 +318,8 @@ class Trainer:
                 record = self._step(step, steps, data, model)
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record[name])), None)
                 if bad:
-                    kept = f"the last good checkpoint is {last_saved}" if last_saved else "no checkpoint had been written"
+                    kept = (f"the last good checkpoint is {last_saved} (to go on from it at a lower learning rate:"
+                            f" --resume --set optimizer.lr=...)" if last_saved else "no checkpoint had been written")
                     what = "loss" if bad == "loss" else "gradient norm"
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it, {kept}")
                 elapsed = time.perf_counter() - began

@@ -77,6 +77,14 @@ class Cache:
         the same rows."""
         return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
 
+    def start_over(self) -> None:
+        """Empty the states that do not grow, in place (a captured CUDA graph keeps their memory):
+        a prefill starts its sequences at position 0, where a recurrent state left by an earlier
+        use would carry on silently. A growing K,V needs nothing: its old rows lie past the new
+        positions, and each is written before it is read."""
+        for tensor in self.local_tensors():
+            tensor.zero_()
+
     def reserve(self, ends: torch.Tensor, span: int) -> None:
         """Make room for positions below ends [rows], at most ``span`` past the last call's
         (the engine asks before every step that writes)."""

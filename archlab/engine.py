@@ -203,6 +203,7 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, prompts: list[torch.Tensor], cache: Cache) -> torch.Tensor:
+        cache.start_over()  # a cache used before starts its sequences afresh
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         for length in lengths.unique().tolist():
             group = (lengths == length).nonzero()[:, 0]

@@ -195,6 +195,23 @@ def test_a_cache_given_that_does_not_fit_the_prompts_is_refused_before_it_runs(n
         assert all(not t.any() for state in cache._states() for t in state.values())
 
 
+@pytest.mark.parametrize("name", ["yoco-u-gdn", "yoco-u-retnet", "yoco-u-mamba2", "yoco-u"])
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_a_cache_used_before_starts_its_sequences_afresh(name, page_size):
+    """A second prompt prefilled into a cache that decoded another decodes as in a new cache: the
+    recurrent states left behind would otherwise carry on silently (attention hides its old rows
+    by position, so only recurrent self-decoders showed it)."""
+    spec, model = tiny_model(name)
+    engine = Engine(model.to(torch.float64).eval(), page_size=page_size)
+    first, second = prompts_for(spec, (30,)), prompts_for(spec, (20,))
+    cache = engine.new_cache(1, 40)
+    list(engine.stream(first, 5, cache=cache))
+    reused = [logits for _, logits, _ in engine.stream(second, 3, cache=cache)]
+    fresh = [logits for _, logits, _ in engine.stream(second, 3)]
+    for got, expected in zip(reused, fresh):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
 def test_generate_refuses_a_prompt_of_no_tokens(cli):
     """Not a silent token 0: a run's tokenizer has no beginning-of-text token to start from."""
     code, out, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "", "--max-new-tokens", "2")

@@ -96,8 +96,19 @@ def test_simple_gla_matches_fla_naive(T, init):
 
 def test_retention_log_decay():
     H = 4
-    expected = torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)])
+    expected = torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(H)], dtype=torch.float64)
     close(retention_log_decay(H), expected, dict(atol=1e-7, rtol=1e-6))
+    close(retention_log_decay(H, dtype=torch.float64), expected, dict(atol=0, rtol=1e-15))
+
+
+def test_retention_in_float64_rounds_no_decay_to_float32():
+    """A float64 retention equals simple GLA given the decays worked out in float64, to float64's
+    own arithmetic (decays rounded to float32 were off by a relative 1e-8)."""
+    q, k, v, _, _, _ = linear_inputs(200, False)
+    exact = torch.tensor([math.log(1 - 2.0 ** (-5 - h)) for h in range(q.shape[2])], dtype=torch.float64)
+    g = exact.expand(*q.shape[:3])
+    close(chunk_retention(q, k, v)[0], chunk_simple_gla(q, k, v, g)[0], F64)
+    close(fused_recurrent_retention(q, k, v)[0], fused_recurrent_simple_gla(q, k, v, g)[0], F64)
 
 
 @pytest.mark.parametrize("init", [False, True])

@@ -10,7 +10,7 @@ v by keyword for a drop-in swap.
 """
 import torch
 
-from archlab.ops.common import setup_state, to_chunks
+from archlab.ops.common import float32_or_wider, setup_state, to_chunks
 
 
 def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
@@ -48,14 +48,15 @@ def fused_recurrent_simple_gla(q, k, v, g, scale=None, initial_state=None, outpu
     return torch.stack(o, 1).to(out_dtype), S if output_final_state else None
 
 
-def retention_log_decay(n_heads, device=None):
-    """RetNet's fixed per-head log decays log(1 - 2^(-5-h)), h = 0..n_heads-1, shape [H] (fp32, as fla)."""
-    return torch.log(1 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=torch.float32, device=device)))
+def retention_log_decay(n_heads, device=None, dtype=torch.float32):
+    """RetNet's fixed per-head log decays log(1 - 2^(-5-h)), h = 0..n_heads-1, shape [H] (fp32 as
+    fla, or a wider dtype)."""
+    return torch.log(1 - 2.0 ** (-5.0 - torch.arange(n_heads, dtype=dtype, device=device)))
 
 
 def _retention_g(q):
     B, T, H, _ = q.shape
-    return retention_log_decay(H, q.device).expand(B, T, H)
+    return retention_log_decay(H, q.device, float32_or_wider(q.dtype)).expand(B, T, H)
 
 
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=64):

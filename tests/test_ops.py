@@ -382,6 +382,20 @@ GRAD_CASES = {
 
 
 @pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_a_bfloat16_autocast_leaves_the_ops_in_float32(name):
+    """Under the trainer's bfloat16 autocast, the ops compute exactly as they do outside it (in
+    float32, from bfloat16 inputs); autocast used to round their matmuls back to bfloat16."""
+    make, full, step = GRAD_CASES[name]
+    inputs = {k: t.bfloat16() if t.dtype == torch.float64 else t for k, t in make().items() if k != "_"}
+    for fn in (full, step):
+        plain = fn(**inputs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = fn(**inputs)
+        for a, b in zip(plain, autocast):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(GRAD_CASES))
 def test_gradients_chunked_match_recurrent(name):
     make, full, step = GRAD_CASES[name]
     grads = []

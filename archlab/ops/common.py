@@ -1,4 +1,6 @@
 """Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking)."""
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -8,6 +10,18 @@ def float32_or_wider(dtype: torch.dtype) -> torch.dtype:
     and conv states, gates, rotations, router scores): float32, or the model's dtype if wider,
     so that a float64 model, a reference, rounds nothing to float32."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def without_autocast(op):
+    """Run a PyTorch op in the dtype it chooses (float32 or wider), autocast or not: under a
+    bfloat16 autocast its matmuls and convolutions would otherwise be rounded back to bfloat16,
+    about doubling its error."""
+    @functools.wraps(op)
+    def run(*args, **kwargs):
+        device = next(t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        with torch.autocast(device.type, enabled=False):
+            return op(*args, **kwargs)
+    return run
 
 
 def setup_state(q, v, scale, initial_state):

@@ -1,12 +1,12 @@
 """Depthwise causal conv1d in pure PyTorch, mirroring the `causal-conv1d` package.
 
 Layout is channel-first like causal_conv1d: x [B, D, T], weight [D, W], conv states [B, D, W-1]
-(the last W-1 inputs). Computed in fp32 (fp64 stays fp64); outputs keep x's dtype, states are fp32.
+(the last W-1 inputs). Computed in fp32 (fp64 stays fp64), autocast or not; outputs keep x's dtype, states are fp32.
 """
 import torch
 import torch.nn.functional as F
 
-from archlab.ops.common import float32_or_wider
+from archlab.ops.common import float32_or_wider, without_autocast
 
 
 def _activate(y, activation):
@@ -17,6 +17,7 @@ def _activate(y, activation):
     raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
+@without_autocast
 def causal_conv1d_fn(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
     """out[t] = act(bias + sum_w weight[:, w] * x[t - W + 1 + w]), with x[<0] taken from initial_states (or 0).
 
@@ -33,6 +34,7 @@ def causal_conv1d_fn(x, weight, bias=None, initial_states=None, return_final_sta
     return (out, xp[..., T:]) if return_final_states else out
 
 
+@without_autocast
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """One decoding step: x [B, D], conv_state [B, D, W-1] -> (out [B, D], new_conv_state [B, D, W-1]).
 

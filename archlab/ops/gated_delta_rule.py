@@ -3,15 +3,16 @@
 Per head, with state S [K, V], log-decay g_t <= 0 and write strength beta_t:
     S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,    o_t = S_t^T (scale q_t)
 Layout is sequence-first like fla: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], states
-[B, H, K, V]. No l2norm is applied to q/k (as fla's default). Computed in fp32 (fp64 stays fp64);
+[B, H, K, V]. No l2norm is applied to q/k (as fla's default). Computed in fp32 (fp64 stays fp64), autocast or not;
 outputs keep q's dtype, states are fp32. fla's own functions take more (keyword) options and its
 fused_recurrent puts gk/gv before beta, so pass everything after v by keyword for a drop-in swap.
 """
 import torch
 
-from archlab.ops.common import setup_state, to_chunks
+from archlab.ops.common import setup_state, to_chunks, without_autocast
 
 
+@without_autocast
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            chunk_size=64):
     """Chunked form (WY/UT transform). Returns (o [B, T, H, V], final_state [B, H, K, V] or None).
@@ -43,6 +44,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     return o.to(out_dtype), S if output_final_state else None
 
 
+@without_autocast
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
     """Step-by-step recurrence (reference / decoding). Returns (o [B, T, H, V], final_state or None)."""
     out_dtype = q.dtype

@@ -4,15 +4,16 @@ Per head, with state S [K, V] and a scalar per-token log-decay g_t <= 0:
     S_t = exp(g_t) S_{t-1} + k_t v_t^T,    o_t = S_t^T (scale q_t)
 Retention is the special case of a fixed per-head decay gamma_h = 1 - 2^(-5-h).
 Layout is sequence-first like fla: q, k [B, T, H, K], v [B, T, H, V], g [B, T, H], states
-[B, H, K, V]. Computed in fp32 (fp64 stays fp64); outputs keep q's dtype, states are fp32.
+[B, H, K, V]. Computed in fp32 (fp64 stays fp64), autocast or not; outputs keep q's dtype, states are fp32.
 fla's simple_gla functions have a g_gamma argument between g and scale, so pass everything after
 v by keyword for a drop-in swap.
 """
 import torch
 
-from archlab.ops.common import float32_or_wider, setup_state, to_chunks
+from archlab.ops.common import float32_or_wider, setup_state, to_chunks, without_autocast
 
 
+@without_autocast
 def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
     """Chunked form: decay-masked attention inside a chunk plus the carried state across chunks.
 
@@ -36,6 +37,7 @@ def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_st
     return o.to(out_dtype), S if output_final_state else None
 
 
+@without_autocast
 def fused_recurrent_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     """Step-by-step recurrence (reference / decoding). Returns (o [B, T, H, V], final_state or None)."""
     out_dtype = q.dtype

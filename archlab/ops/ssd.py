@@ -4,12 +4,12 @@
 Per head h, with state S [P, N], dt processed as softplus(dt + dt_bias) clamped to dt_limit:
     S_t = exp(dt_t A_h) S_{t-1} + dt_t x_t B_t^T,    y_t = S_t C_t + D_h x_t,    out_t = y_t * silu(z_t)
 B and C are shared by groups of heads (head h uses group h // (H / G), as mamba_ssm).
-Computed in fp32 (fp64 stays fp64); outputs keep x's dtype, states are fp32.
+Computed in fp32 (fp64 stays fp64), autocast or not; outputs keep x's dtype, states are fp32.
 """
 import torch
 import torch.nn.functional as F
 
-from archlab.ops.common import float32_or_wider
+from archlab.ops.common import float32_or_wider, without_autocast
 
 
 def _dt(dt, dt_bias, dt_softplus):
@@ -24,6 +24,7 @@ def _skip_and_gate(y, x, D, z):
     return y if z is None else y * F.silu(z.to(y.dtype))
 
 
+@without_autocast
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                               dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
     """Chunked SSD: quadratic (segsum-masked) attention inside chunks, state passing across chunks.
@@ -60,6 +61,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return (out, S) if return_final_states else out
 
 
+@without_autocast
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """One decoding step of the recurrence above; returns (out [b, h, p], new_state [b, h, p, n]).
 

@@ -165,6 +165,12 @@ def build(
         raise typer.Exit(1)
 
 
+def _label(path: Path, spec: ModelSpec) -> str:
+    """A table row's name: the spec's, and the run's folder where it came from one (runs of one
+    spec, as a study's, differ only there)."""
+    return f"{spec.name} ({path.parent})" if path.name == RUN_SPEC else spec.name
+
+
 def _load_one(path: Path) -> ModelSpec:
     try:
         return load_spec(_spec_file(path))
@@ -173,11 +179,15 @@ def _load_one(path: Path) -> ModelSpec:
         raise typer.Exit(1) from None
 
 
-def _lengths(values: list[str]) -> list[int]:
+def _lengths(values: list[str], least: int = 1) -> list[int]:
     try:
-        return [parse_length(v) for v in values]
+        lengths = [parse_length(v) for v in values]
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    if min(lengths) < least:
+        raise typer.BadParameter(f"--seq-len {min(lengths)}: training costs need sequences of {least} tokens or more"
+                                 " (a single token is counted as a decoding step)")
+    return lengths
 
 
 @contextmanager
@@ -362,14 +372,14 @@ def bench(
     rows = []
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("bench", total=len(good) * len(lengths))
-        for _, spec in good:
+        for path, spec in good:
             model_dtype = DTYPES[spec.inference_dtype if dtype == "auto" else dtype]
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
                 with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
                                      "--seq-len, --batch or --gen", page_size):
-                    rows.append(measure(model, spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                    rows.append(measure(model, _label(path, spec), n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
                                         page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
@@ -387,9 +397,9 @@ def cost(
 ) -> None:
     """Parameters, FLOPs (training per token, prefill, decode) and cache bytes per sequence
     (global, local), one row per spec and length."""
-    from archlab.cost import Cost, cost_doc, readable
+    from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, readable
 
-    lengths = _lengths(seq_len)
+    lengths = _lengths(seq_len, TRAINING_LENGTH)
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)
@@ -398,7 +408,7 @@ def cost(
         doc.write_text(cost_doc([(str(p), s) for p, s in good], lengths, command))
         err.print(f"wrote {doc}")
         return
-    rows = [Cost(spec).row(n) for _, spec in good for n in lengths]
+    rows = [replace(Cost(spec).row(n), spec=_label(path, spec)) for path, spec in good for n in lengths]
     sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
 
 
@@ -410,15 +420,18 @@ def equal_flops(
     seq_len: Annotated[str, typer.Option(help="training sequence length")] = "8K",
 ) -> None:
     """Steps each spec may train for to spend the reference's training FLOPs (same tokens per step)."""
-    from archlab.cost import Cost, equal_flops_steps
+    from archlab.cost import TRAINING_LENGTH, Cost, equal_flops_steps
     from archlab.table import si
 
-    n = _lengths([seq_len])[0]
+    n = _lengths([seq_len], TRAINING_LENGTH)[0]
     ref = _load_one(reference)
+    good, bad = _load_all(others)
+    if bad or not good:
+        raise typer.Exit(1)
     table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
-    for spec in [ref, *(_load_one(p) for p in others)]:
+    for label, spec in [(_label(_spec_file(reference), ref), ref), *((_label(p, s), s) for p, s in good)]:
         matched = equal_flops_steps(ref, steps, spec, n)
-        table.add_row(spec.name, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
+        table.add_row(label, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
     out.print(table)
 
 
@@ -427,6 +440,7 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
     step still trains one, and says so on ``say``."""
     from archlab.cost import Cost
     from archlab.table import si
+    from archlab.train.config import MAX_STEPS
 
     if tokens is None and flops is None:
         return steps or cfg.steps
@@ -447,6 +461,9 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
         steps = int(amount // per_step)
     if amount < per_step:
         say.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
+    if steps > MAX_STEPS:
+        raise typer.BadParameter(f"{option} buys {steps:.3g} steps ({step_size}), more than the {MAX_STEPS:.0e} a run"
+                                 " may take; check its units")
     return max(1, steps)
 
 

@@ -22,6 +22,7 @@ from archlab.spec import ModelSpec, YocoLayout
 from archlab.table import si
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TRAINING_LENGTH = 2  # the shortest training sequence costed: a block's FLOPs read one token as a decoding step
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity), for MFU.
 PEAK_FLOPS = {
@@ -134,6 +135,8 @@ class Cost:
 
     def train_flops_per_token(self, seq_len: int) -> int:
         """Forward and backward (3 x forward) per token at training length ``seq_len``."""
+        if seq_len < TRAINING_LENGTH:
+            raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
         return 3 * sum(self.forward_flops(seq_len).values()) // seq_len
 
     def prefill_flops(self, n: int) -> Flops:
@@ -227,5 +230,5 @@ def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: st
         " by T.\n"
         "- **KV**: cache bytes per sequence at seq_len tokens in the spec's inference dtype. *global* grows with"
         " the context (the global K,V, full-attention K,V); *local* does not (window rings, recurrent and conv"
-        " states, kept in float32). Every loop-dependent part is counted per iteration.\n"
+        " states; the recurrent and conv states kept in float32). Every loop-dependent part is counted per iteration.\n"
     )

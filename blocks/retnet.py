@@ -51,8 +51,8 @@ class RetentionSpec(BlockSpec):
         key, value = self.dims(ctx.d_model)
         h, d = self.n_heads, ctx.d_model
         dense = 2 * n * d * h * (2 * key + 3 * value + (1 if self.gated else 0))
-        if n == 1:  # decay, write k v^T, read q S
-            return Flops(matmul=dense, state_update=4 * h * key * value)
+        if n == 1:  # decay (1), write k v^T (2), read q S (2)
+            return Flops(matmul=dense, state_update=5 * h * key * value)
         padded, c = chunked(n, self.chunk_size), self.chunk_size
         return Flops(matmul=dense, mixer=h * (2 * padded * c * (key + value) + 4 * padded * key * value))
 

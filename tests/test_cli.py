@@ -56,15 +56,20 @@ def test_validate_whole_zoo_and_show(tmp_path):
 
 def test_a_training_run_stands_for_its_spec(tmp_path):
     """A run folder holds the spec it trained beside its training config; the spec commands read
-    the spec alone, from the run or from a folder of runs."""
-    run = tmp_path / "runs" / "a"
-    run.mkdir(parents=True)
-    (run / "spec.yaml").write_text(archlab("show", "specs/tiny/yoco-u.yaml").stdout)
-    (run / "config.yaml").write_text("steps: 5\nbatch_size: 4\n")
-    for command in (["validate", run], ["validate", tmp_path / "runs"], ["show", run], ["cost", run, "--seq-len", "1K"]):
+    the spec alone, from the run or from a folder of runs, whose table rows name each run."""
+    runs = tmp_path / "runs"
+    for name in ("a", "b"):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "spec.yaml").write_text(archlab("show", "specs/tiny/yoco-u.yaml").stdout)
+        (runs / name / "config.yaml").write_text("steps: 5\nbatch_size: 4\n")
+    run = runs / "a"
+    for command in (["validate", run], ["validate", runs], ["show", run], ["cost", run, "--seq-len", "1K"],
+                    ["cost", runs, "--seq-len", "1K"], ["equal-flops", "specs/tiny/yoco.yaml", runs, "--seq-len", "1K"]):
         result = archlab(*command)
         assert result.returncode == 0, (command, result.stderr)
         assert "yoco-u" in result.stdout, command
+        if runs in command and command[0] != "validate":  # validate names each file
+            assert f"yoco-u ({runs / 'a'})" in result.stdout and f"yoco-u ({runs / 'b'})" in result.stdout, command
 
 
 def test_show_missing_file_is_a_clear_error():
@@ -322,6 +327,10 @@ BAD_OPTIONS = [
     (["generate", SPEC, "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),
+    (["train", SPEC, "--out", "{tmp}/run", "--flops", "1e300"], "--flops 1e+300 buys 3.31e+290 steps"),
+    (["train", SPEC, "--out", "{tmp}/run", "--tokens", "999999T"], "more than the 1e+12 a run may take; check its units"),
+    (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
+    (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
     (["bench", SPEC, "--device", "meta"], "--device meta: the benchmark runs on cpu or cuda"),
     (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices

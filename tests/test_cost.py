@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import archlab
 import archlab.kv
 import blocks.attention
+from archlab.block import MixerInput
 from archlab.cost import Cost, equal_flops_steps, peak_flops
 from archlab.engine import Engine
 from conftest import PAPER, ROOT, TINY, ids, tiny_model
@@ -219,3 +221,40 @@ def test_si_keeps_three_digits(value, text):
     from archlab.table import si
 
     assert si(value) == text
+
+
+class StateSizedWork(TorchDispatchMode):
+    """Elementwise work on whole recurrent states: one FLOP per element of each product, sum,
+    difference or exponential at least a state in size (a reduction counts its input)."""
+
+    ELEMENTWISE = {torch.ops.aten.mul, torch.ops.aten.add, torch.ops.aten.sub, torch.ops.aten.exp, torch.ops.aten.sum}
+
+    def __init__(self, state_size: int):
+        super().__init__()
+        self.state_size, self.flops = state_size, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in self.ELEMENTWISE:
+            touched = args[0] if func._overloadpacket is torch.ops.aten.sum else out
+            if isinstance(touched, torch.Tensor) and touched.numel() >= self.state_size:
+                self.flops += touched.numel()
+        return out
+
+
+@pytest.mark.parametrize("name", ["yoco-u-retnet", "yoco-u-gdn", "yoco-u-mamba2"])
+def test_state_update_flops_are_the_work_of_a_decoding_step(name):
+    """The analytic state update of one token (beside its conv tail) is the elementwise work the
+    recurrent step does on its state: RetNet's was counted as 4 passes over it where it makes 5."""
+    spec = archlab.load_spec(ROOT / "specs/tiny" / f"{name}.yaml")
+    block, ctx = spec.block_at(0), spec.build_context(0)
+    mixer = block.build(ctx).eval()
+    state = mixer.new_state(1, 8, torch.float32)
+    recurrent = max(t.numel() for t in state.values())
+    assert all(t.numel() < recurrent for key, t in state.items() if key == "conv")  # the conv tail is smaller
+    x = torch.randn(1, 1, spec.d_model)
+    counter = StateSizedWork(recurrent)
+    with torch.no_grad(), counter:
+        mixer(x, MixerInput(positions=torch.tensor([[3]]), state=state))
+    conv = block.flops(ctx, 2).get("conv", 0) // 2
+    assert counter.flops == block.flops(ctx, 1)["state_update"] - conv

@@ -16,7 +16,8 @@ Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
 SYNTHETIC = ("mqar", "copy")  # recall tasks, generated rather than read
 NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor hf:NAME)
-TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
+TOKEN_FILES = (".bin", ".npy")
+MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started  # data sources of token ids, which need no tokenizer
 
 
 class Optimizer(Strict):
@@ -75,10 +76,10 @@ def anchored_source(source: str) -> str:
 
 class TrainConfig(Strict):
     schema_version: Literal[1] = 1
-    steps: PositiveInt = 200
+    steps: int = Field(200, gt=0, le=MAX_STEPS)
     batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
     micro_batch_size: PositiveInt = 16  # sequences per forward pass per process
-    seq_len: PositiveInt = 128
+    seq_len: int = Field(128, ge=2)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     grad_clip: float = Field(1.0, ge=0)  # 0: off

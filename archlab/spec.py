@@ -10,10 +10,11 @@ range vs stack, ...). Both report through ``SpecError`` with dotted field paths.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Hashable
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
@@ -353,6 +354,9 @@ class ModelSpec(Strict):
                 at.at("position").add(f"{loop.position!r} names a YOCO half; this layout is a plain stack"
                                       " (use 'prefix', 'all' or 'range')")
                 return
+        if loop.position == "range" and end <= start:
+            at.at("end").add(f"{end} must be past start ({start}): the loop covers layers start .. end - 1")
+            return
         if not (0 <= start < end <= n):
             at.add(f"layers {start}..{end - 1} are outside the stack of {n} layers (0..{n - 1})")
             return
@@ -435,9 +439,10 @@ def _parse_yaml(text: str) -> Any:
 MAX_EXTENDS = 100  # files in one extends chain: far past any real one, well short of Python's recursion limit
 
 
-def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
+def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> dict:
     """Load one file and its ``extends`` ancestors, merged. ``chain`` (the files that extended
-    into this one, as given) detects cycles; paths print as the user wrote them."""
+    into this one, as given) detects cycles; paths print as the user wrote them. ``origins`` gets
+    the file that set each value (``_note``)."""
     if path.resolve() in {p.resolve() for p in chain}:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
@@ -460,12 +465,34 @@ def _read_yaml(path: Path, chain: tuple[Path, ...]) -> dict:
         raise SpecError(str(path), [Problem("<root>", f"the file must be a YAML mapping (key: value lines), got {type(data).__name__}")])
     parent = data.pop("extends", None)
     if parent is None:
+        _note(data, str(path), origins)
         return data
     if not isinstance(parent, str):
         raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
     if len(chain) >= MAX_EXTENDS:
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
-    return _deep_merge(_read_yaml(path.parent / parent, (*chain, path)), data)
+    merged = _deep_merge(_read_yaml(path.parent / parent, (*chain, path), origins), data)
+    _note(data, str(path), origins)  # after the ancestors: what this file sets overrides theirs
+    return merged
+
+
+def _note(data: Any, source: str, origins: dict[str, str], at: str = "") -> None:
+    """Record ``source`` as where each value in ``data`` was set, under its path as errors print it."""
+    if isinstance(data, dict) and data:
+        for key, value in data.items():
+            _note(value, source, origins, f"{at}.{key}" if at else str(key))
+    elif isinstance(data, list) and data:
+        for index, value in enumerate(data):
+            _note(value, source, origins, f"{at}[{index}]")
+    else:
+        origins[at] = source
+
+
+def _origin(loc: str, origins: dict[str, str]) -> str | None:
+    """The file that set the value a problem at ``loc`` is about: of the longest path recorded
+    that is ``loc`` or holds it."""
+    holding = [path for path in origins if loc == path or loc.startswith((path + ".", path + "["))]
+    return origins[max(holding, key=len)] if holding else None
 
 
 def _loc(parts: tuple, data: Any) -> str:
@@ -497,6 +524,10 @@ def _describe(err: dict) -> str:
     if err["type"] == "union_tag_invalid":
         ctx = err["ctx"]
         return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}"
+    if err["type"] == "union_tag_not_found":
+        tag = err["ctx"]["discriminator"].strip(chr(39))
+        kinds = _kinds(err["loc"], tag)
+        return f"missing {tag!r}, which says what kind this is" + (f" (one of: {', '.join(kinds)})" if kinds else "")
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
     if "input" in err and not isinstance(err["input"], (dict, list)):
@@ -504,31 +535,49 @@ def _describe(err: dict) -> str:
     return msg
 
 
+def _kinds(loc: tuple, tag: str) -> list[str]:
+    """The tags a discriminated union at ``loc`` takes: of the union its nearest named key holds."""
+    unions = {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
+    key = next((part for part in reversed(loc) if part in unions), None)
+    if key is None:
+        return []
+    members = get_args(get_args(unions[key])[0])
+    return [tag_value for member in members for tag_value in get_args(member.model_fields[tag].annotation)]
+
+
 M = TypeVar("M", bound=BaseModel)
 
 
-def validate_as(cls: type[M], data: dict, source: str) -> M:
+def validate_as(cls: type[M], data: dict, source: str, origins: dict[str, str] | None = None) -> M:
     """Validate a mapping as ``cls``; every problem (and those of its ``problems()``, if it has
-    one) is raised as one SpecError naming ``source``."""
+    one) is raised as one SpecError naming ``source``, and the file (of ``origins``) that set the
+    value where that is another."""
     try:
         obj = cls.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(source, [Problem(_loc(_key_path(e), data), _describe(e)) for e in exc.errors()]) from None
-    found = obj.problems() if hasattr(obj, "problems") else []
+        found = [Problem(_loc(_key_path(e), data), _describe(e)) for e in exc.errors()]
+    else:
+        found = obj.problems() if hasattr(obj, "problems") else []
     if found:
-        raise SpecError(source, found)
+        raise SpecError(source, [_with_origin(p, source, origins or {}) for p in found]) from None
     return obj
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a YAML file of archlab's (spec, training config, study) with its ``extends`` merged."""
-    return _read_yaml(Path(path), ())
+def _with_origin(problem: Problem, source: str, origins: dict[str, str]) -> Problem:
+    origin = _origin(problem.loc, origins)
+    return problem if origin in (None, source) else Problem(problem.loc, f"{problem.msg} (set in {origin})")
 
 
-def validate_spec(data: dict, source: str = "<spec>") -> ModelSpec:
+def load_yaml(path: str | Path, origins: dict[str, str] | None = None) -> dict:
+    """Read a YAML file of archlab's (spec, training config, study) with its ``extends`` merged;
+    ``origins``, if given, gets the file that set each value."""
+    return _read_yaml(Path(path), (), {} if origins is None else origins)
+
+
+def validate_spec(data: dict, source: str = "<spec>", origins: dict[str, str] | None = None) -> ModelSpec:
     """Validate an already-merged mapping (e.g. a study's override of a spec)."""
     _resolve_blocks()
-    return validate_as(ModelSpec, data, source)
+    return validate_as(ModelSpec, data, source, origins)
 
 
 def set_dotted(data: dict, key: str, value: Any) -> dict:
@@ -563,8 +612,9 @@ def _flow(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``optimizer.lr=1e-3`` style overrides, values parsed as YAML."""
+def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | None = None) -> dict:
+    """``optimizer.lr=1e-3`` style overrides, values parsed as YAML (``origins`` records them as
+    set by ``--set``)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -574,12 +624,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         except yaml.YAMLError as exc:
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
         data = set_dotted(data, key, parsed)
+        if origins is not None:
+            _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
     return data
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> ModelSpec:
     """Read, merge (``extends``), override (``KEY=VALUE``, as ``apply_overrides``) and validate a spec file."""
-    return validate_spec(apply_overrides(load_yaml(path), list(overrides)), str(path))
+    origins: dict[str, str] = {}
+    data = apply_overrides(load_yaml(path, origins), list(overrides), origins)
+    return validate_spec(data, str(path), origins)
 
 
 def spec_to_yaml(spec: ModelSpec) -> str:

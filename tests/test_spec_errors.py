@@ -101,6 +101,18 @@ CASES = [
     ("extends too deep", {**{f"s{i}.yaml": f"extends: s{i + 1}.yaml\nname: x\n" for i in range(1200)}, "s1200.yaml": BASE}, "s0.yaml",
      ["extends", "a chain of more than 100 files"]),
     ("missing spec file", {}, "absent.yaml", ["absent.yaml", "not found"]),
+    ("block without a type", {"s.yaml": BASE.replace("{type: swa, window: 8, n_heads: 4}", "{window: 8}")}, "s.yaml",
+     ["layout.self_decoder.blocks[0]: missing 'type', which says what kind this is (one of: attention, cross_attention, gdn,"]),
+    ("loop without a position", {"s.yaml": BASE + "loop: {times: 2}\n"}, "s.yaml",
+     ["loop: missing 'position', which says what kind this is (one of: none, lower, upper, prefix, all, range)"]),
+    ("range loop ending before it starts", {"s.yaml": STACK + "loop: {position: range, start: 2, end: 1, times: 2}\n"}, "s.yaml",
+     ["loop.end: 1 must be past start (2)"]),
+    ("global head wider than the model", {"s.yaml": BASE.replace("head_dim: 8", "head_dim: 64")}, "s.yaml",
+     ["layout.cross_decoder.blocks[0].n_heads: unset, it is d_model // layout.global_kv.head_dim = 32 // 64 = 0 query heads"]),
+    ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
+     "s.yaml", ["d_model: Input should be greater than 0 (got -4) (set in ", "base.yaml)"]),
+    ("a bad value of the file's own", {"s.yaml": "extends: base.yaml\nd_model: -4\n", "base.yaml": BASE}, "s.yaml",
+     ["d_model: Input should be greater than 0 (got -4)"]),
     ("a folder", {"d/s.yaml": BASE}, "d", ["<file>: is a folder, not a YAML file"]),
     ("extends a folder", {"s.yaml": "extends: d\nname: x\n", "d/t.yaml": BASE}, "s.yaml", ["is a folder, not a YAML file (extended from"]),
 ]
@@ -117,6 +129,8 @@ def test_malformed_spec_message(tmp_path, name, files, target, fragments):
     assert target in message
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from:\n{message}"
+    if not any("(set in" in fragment for fragment in fragments):
+        assert "(set in" not in message  # only a value from another file is traced to it
 
 
 def test_every_problem_is_reported_at_once(tmp_path):

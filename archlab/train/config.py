@@ -121,10 +121,11 @@ def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
-    data = apply_overrides(load_yaml(path) if path else {}, list(overrides))
+    origins: dict[str, str] = {}
+    data = apply_overrides(load_yaml(path, origins) if path else {}, list(overrides), origins)
     keys = [item.partition("=")[0] for item in overrides]
     strays = [key for key in keys if key.split(".")[0] not in TrainConfig.model_fields]
     if strays:  # most often a spec field, which pydantic alone would call an unknown key
         raise SpecError("--set", [Problem(key, "not a training config field: --set reaches only the training config; a spec"
                                                " field belongs in the spec file, or in a spec that `extends` it") for key in strays])
-    return validate_as(TrainConfig, data, path or "--set")
+    return validate_as(TrainConfig, data, path or "--set", origins)

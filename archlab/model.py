@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from archlab.block import MixerInput
+from archlab.block import BlockSpec, BuildContext, MixerInput
 from archlab.cache import Cache, State
 from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
@@ -20,6 +20,7 @@ from archlab.loss import linear_cross_entropy
 from archlab.ops.attention import append_kv
 from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
+from archlab.registry import RegistryError
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
 
@@ -84,6 +85,16 @@ class GlobalKV(nn.Module):
         return PagedKV(state["k"], state["v"], pages)
 
 
+def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
+    """A block's module, refused now (rather than mid-generation) if it lacks what the model calls."""
+    module = block.build(ctx)
+    if not isinstance(module, nn.Module) or not callable(getattr(module, "new_state", None)):
+        lacks = "is not an nn.Module" if not isinstance(module, nn.Module) else "has no new_state method"
+        raise RegistryError(f"block {block.type!r}: its build() returned {type(module).__name__}, which {lacks}; a block's module"
+                            " is an nn.Module with forward(x, inp) and new_state(batch, capacity, dtype), its inference state")
+    return module
+
+
 class Model(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -92,7 +103,7 @@ class Model(nn.Module):
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
         contexts = [spec.build_context(h) for h in range(len(spec.halves))]
         self.layers = nn.ModuleList(
-            Layer(spec, spec.block_at(i).build(contexts[self.plan.half_of(i)])) for i in range(spec.n_layers)
+            Layer(spec, _build_mixer(spec.block_at(i), contexts[self.plan.half_of(i)])) for i in range(spec.n_layers)
         )
         self.global_kv = GlobalKV(spec) if isinstance(spec.layout, YocoLayout) else None
         self.streams = spec.parscale.streams if spec.parscale else 1

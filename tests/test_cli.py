@@ -96,6 +96,7 @@ from torch import nn
 
 from archlab import BlockSpec
 from archlab.block import Flops
+from archlab.block import Flops
 
 
 class CausalMeanSpec(BlockSpec):
@@ -199,6 +200,7 @@ from typing import Literal
 from torch import nn
 
 from archlab import BlockSpec
+from archlab.block import Flops
 
 
 class HalfSpec(BlockSpec):  # a spec class without its cost formulas
@@ -206,6 +208,19 @@ class HalfSpec(BlockSpec):  # a spec class without its cost formulas
 
     def build(self, ctx):
         return nn.Identity()
+
+
+class StatelessSpec(HalfSpec):  # its formulas, but a module without an inference state
+    type: Literal["stateless"]
+
+    def params(self, ctx):
+        return 0
+
+    def flops(self, ctx, n, start=0, reuse_kv=False):
+        return Flops()
+
+    def state_bytes(self, ctx, context, kv_bytes):
+        return 0
 '''
 
 
@@ -224,6 +239,18 @@ def test_broken_plugin_is_named(tmp_path, entry, fragments):
     assert result.returncode == 2, result.stderr
     assert all(fragment in result.stderr for fragment in fragments), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_plugin_module_without_an_inference_state_is_refused_when_built(tmp_path):
+    env = install_plugin(tmp_path, "stateless = broken:StatelessSpec")
+    (tmp_path / "broken.py").write_text(BROKEN)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: s\nlayout: {{self_decoder: {{blocks: [stateless]}}}}\n")
+    assert archlab("validate", spec, env=env).returncode == 0  # a spec as good as any
+    for command in (["build", spec], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"]):
+        result = archlab(*command, env=env)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "block 'stateless': its build() returned Identity, which has no new_state method" in result.stderr
 
 
 def test_generate_streams_text_with_a_notice():

@@ -13,14 +13,18 @@ import uuid
 import optuna
 import pytest
 import yaml
+from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.storages._heartbeat import fail_stale_trials
+from optuna.trial import TrialState
 from rich.console import Console
 
 from archlab.spec import SpecError
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.report import failures, report
-from archlab.study.runner import StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, storage_url, work
+from archlab.study.report import failures, report, summarize
+from archlab.study.runner import (
+    SameVariant, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, storage_url, work,
+)
 from archlab.train.trainer import Trainer
 from conftest import ROOT
 
@@ -423,3 +427,37 @@ def test_a_shipped_study_is_a_command():
     assert result.returncode == 0 and "Run (or join, or resume) a study" in result.stdout
     listed = archlab("study", "--help")
     assert all(name in listed.stdout for name in SHIPPED)
+
+
+def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, curve=None):
+    """A trial as a worker leaves it, planned as (variant, seed, slot), with its lr drawn by TPE."""
+    params = {"variant": variant, "seed": seed, "slot": slot, **({"lr": lr} if lr else {})}
+    distributions = {"variant": CategoricalDistribution(["yoco", "yoco-u"]), "seed": CategoricalDistribution([0, 1]),
+                     "slot": CategoricalDistribution([0, 1]), "lr": FloatDistribution(1e-4, 1e-2, log=True)}
+    return optuna.trial.create_trial(state=state, value=value if state == TrialState.COMPLETE else None, params=params,
+                                     distributions={k: distributions[k] for k in params},
+                                     intermediate_values=curve or {2: value, 4: value})
+
+
+def test_a_median_pruner_weighs_a_trial_against_its_own_variant():
+    """yoco-u's curves lie far above yoco's here: against the median of all trials, every yoco-u
+    trial would be cut; against yoco-u's own, one near their median goes on."""
+    study = optuna.create_study()
+    for trial in (finished("yoco", 0, 0, 1.0), finished("yoco", 0, 1, 1.1), finished("yoco-u", 0, 0, 5.0), finished("yoco-u", 0, 1, 5.2)):
+        study.add_trial(trial)
+    running = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 5.05, 4: 5.05})
+    median = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
+    assert median.prune(study, running)  # pooled: 5.05 is above the median of all four
+    assert not SameVariant(median).prune(study, running)
+    worse = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 6.0, 4: 6.0})
+    assert SameVariant(median).prune(study, worse)
+
+
+def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
+    """Under TPE no two trials share a learning rate: grouping by it gave one trial per group, a
+    minimum over draws reported as a mean of 1 seed. Each seed's best draw is averaged instead."""
+    study = load_study(str(mini(tmp_path, "tpe", sampler="tpe", seeds=[0, 1])))
+    trials = [finished("yoco", 0, 0, 2.0, 1e-3), finished("yoco", 0, 1, 1.8, 2e-3),
+              finished("yoco", 1, 0, 1.9, 3e-3), finished("yoco", 1, 1, 2.1, 1e-3)]
+    (yoco, _) = summarize(study, trials)
+    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["spread (sd)"]) == (1.85, 2, "0.002..0.003", 0.0707)

@@ -23,14 +23,23 @@ def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
     return trial.user_attrs.get("lr", trial.params.get("lr"))
 
 
-def _best_lr(trials: list[optuna.trial.FrozenTrial], maximize: bool) -> tuple[float, list[optuna.trial.FrozenTrial]]:
-    """The learning rate whose completed seeds score best on average, and those trials."""
+def _chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
+    """The completed trials a variant's score is the mean of, and their learning rate. On a grid:
+    the learning rate whose seeds score best on average. Under TPE, where every draw differs:
+    each seed's best draw (the best of as many draws for every variant, so alike in its optimism)."""
+    choose = max if maximize else min
+    if sampler == "tpe":
+        by_seed: dict[int, list] = {}
+        for t in trials:
+            by_seed.setdefault(planned_as(t)[1], []).append(t)
+        best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
+        low, high = min(_lr(t) for t in best), max(_lr(t) for t in best)
+        return (f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"), best
     by_lr: dict[float, list] = {}
     for t in trials:
         by_lr.setdefault(_lr(t), []).append(t)
-    choose = max if maximize else min
     lr = choose(by_lr, key=lambda k: statistics.mean(t.value for t in by_lr[k]))
-    return lr, by_lr[lr]
+    return f"{lr:.2g}", by_lr[lr]
 
 
 def _reported(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
@@ -64,11 +73,11 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
         }
         metric = "val loss" if not maximize else "accuracy"
         if complete:
-            lr, best = _best_lr(complete, maximize)
+            lr, best = _chosen(complete, maximize, definition.sampler)
             values = [t.value for t in best]
             mean = means[variant] = statistics.mean(values)
             row.update({metric: round(mean, 4), "spread (sd)": round(statistics.stdev(values), 4) if len(values) > 1 else "-",
-                        "seeds": len(values), "best lr": f"{lr:.2g}"})
+                        "seeds": len(values), "best lr": lr})
             if variant == definition.baseline:
                 baseline = mean
         else:
@@ -136,7 +145,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
         if not complete:
             continue
-        _, best = _best_lr(complete, maximize)
+        _, best = _chosen(complete, maximize, study.definition.sampler)
         steps = sorted(set.intersection(*(set(t.intermediate_values) for t in best)))
         mean = [statistics.mean(t.intermediate_values[s] for t in best) for s in steps]
         per_step = best[0].user_attrs["flops_per_step"]

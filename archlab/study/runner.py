@@ -132,9 +132,10 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     name = f"{study.name}-{study.scale}"
     if not create and name not in (held := optuna.get_all_study_names(storage)):
         raise StorageError(f"no study {name} in {url}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
+    first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
     pruners = {
         "none": optuna.pruners.NopPruner(),
-        "median": optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=1),
+        "median": SameVariant(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
         "hyperband": optuna.pruners.HyperbandPruner(),
     }
     return optuna.create_study(
@@ -145,6 +146,30 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         pruner=pruners[study.definition.pruner],
         load_if_exists=True,
     )
+
+
+class SameVariant(optuna.pruners.BasePruner):
+    """A pruner that weighs a trial against the trials of its own variant only: architectures'
+    loss curves differ, and a median over all of them would cut every trial of the worse ones."""
+
+    def __init__(self, pruner: optuna.pruners.BasePruner):
+        self.pruner = pruner
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return self.pruner.prune(_TrialsOf(study, planned_as(trial)[0]), trial)
+
+
+class _TrialsOf:
+    """A study seen through the trials of one variant."""
+
+    def __init__(self, study: optuna.Study, variant: str):
+        self._study, self._variant = study, variant
+
+    def get_trials(self, deepcopy: bool = True, states=None) -> list[optuna.trial.FrozenTrial]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if planned_as(t)[0] == self._variant]
+
+    def __getattr__(self, name: str):
+        return getattr(self._study, name)
 
 
 @contextmanager

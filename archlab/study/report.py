@@ -180,7 +180,8 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f"- budget: {'equal steps' if definition.budget == 'steps' else 'equal training FLOPs (the baseline' + chr(39) + 's)'};"
         f" {study.config.batch_size} x {study.config.seq_len} tokens per step; data: {study.config.data.source};"
         f" seeds {definition.seeds}; lr {definition.sampler} of {definition.lr.points}"
-        f" {'points' if definition.sampler == 'grid' else 'draws'} over [{definition.lr.low:g}, {definition.lr.high:g}]",
+        f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
+        f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
         progress(study, trials),
         f"- storage `{storage}` (open it with `optuna-dashboard {storage}`)",
         f"- baseline: `{definition.baseline}`; lower val loss is better\n" if definition.metric == "val_loss" else f"- baseline: `{definition.baseline}`; higher accuracy is better\n",

@@ -141,7 +141,8 @@ class Cost:
 
     def prefill_flops(self, n: int) -> Flops:
         """Prefill of an n-token prompt: the prefill steps over the first n - 1 tokens (in YOCO
-        the self-decoder and the global K,V, not the cross-decoder), then the last token through
+        the self-decoder and the global K,V; the cross-decoder only as far as a K,V per iteration
+        needs), then the last token through
         the whole model, as the engine runs it. Chunked cores count the prompt as one chunk run."""
         head = self.flops(self.plan.prefill_steps, n - 1, logits=0) if n > 1 else Flops()
         return head + self.decode_flops(n)
@@ -225,7 +226,8 @@ def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: st
         "- **FLOPs**: 2 x multiply-adds of matmuls; norms, activations and softmax are not counted. Attention"
         " counts each query against the keys it may see (causal, or its window). *train*: 3 x the forward"
         " pass at that sequence length, per token. *prefill*: the prefill steps over the prompt (in the YOCO"
-        " family the self-decoder and the global K,V, not the cross-decoder) plus the last token through the"
+        " family the self-decoder and the global K,V; the cross-decoder only in a loop that projects a K,V per"
+        " iteration) plus the last token through the"
         " whole model. *decode*: one step whose token is the seq_len-th. A loop multiplies its layers' FLOPs"
         " by T.\n"
         "- **KV**: cache bytes per sequence at seq_len tokens in the spec's inference dtype. *global* grows with"

@@ -1,8 +1,9 @@
 """Prefill and decode with the cache the architecture calls for.
 
 Prefill feeds all prompt tokens but the last, chunk by chunk, through the model's prefill steps
-only: in YOCO the self-decoder (every loop iteration) and the global K,V projection, never the
-cross-decoder. The last prompt token is then the first decoding step through the whole model.
+only: in YOCO the self-decoder (every loop iteration) and the global K,V projection, and the
+cross-decoder only where a later step reads what it leaves (a looped cross-decoder that projects a
+K,V per iteration). The last prompt token is then the first decoding step through the whole model.
 Prompts of different lengths are prefilled in groups of equal length; decoding runs them together,
 each row at its own position.
 """

@@ -75,7 +75,9 @@ def steps(segs: tuple[Segment, ...]) -> tuple[Step, ...]:
 
 def prefill_end(spec: ModelSpec, segs: tuple[Segment, ...], plan: tuple[Step, ...]) -> int:
     """How many leading steps a prefill must run: up to the last one that leaves inference
-    state behind. In YOCO that is the global K,V projection: the cross-decoder is skipped."""
+    state behind. In YOCO that is the global K,V projection, so the cross-decoder is skipped,
+    unless a looped one projects a K,V per iteration: then its iterations up to the last
+    projection run too."""
     stateful = [
         step.project or any(spec.block_at(i).keeps_state for i in segs[step.segment].layers) for step in plan
     ]

@@ -473,6 +473,10 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
     merged = _deep_merge(_read_yaml(path.parent / parent, (*chain, path), origins), data)
     _note(data, str(path), origins)  # after the ancestors: what this file sets overrides theirs
+    present: dict[str, str] = {}
+    _note(merged, "", present)
+    for gone in origins.keys() - present.keys():  # an ancestor's values that this file replaced whole
+        del origins[gone]
     return merged
 
 
@@ -594,14 +598,15 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             part = int(part)
         elif isinstance(node, str):  # a shorthand such as a block named by its type alone
             field = f"{part}: {_flow(value)}" if last else f"{part}: ..."
+            tag = "position" if parts[depth - 1] == "loop" else "type"
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is the shorthand {node!r}: to set {part!r} in it, give the "
-                                          f"item whole, as {'.'.join(parts[:depth])}='{{type: {node}, {field}}}' for a block")])
+                                          f"item whole, as {'.'.join(parts[:depth])}='{{{tag}: {node}, {field}}}'")])
         elif not isinstance(node, dict):
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
         if last:
             node[part] = value
         else:
-            if isinstance(node, dict) and not isinstance(node.get(part), (dict, list)):
+            if isinstance(node, dict) and node.get(part) is None:  # a value there (a shorthand) is named next round
                 node[part] = {}
             node = node[part]
     return data

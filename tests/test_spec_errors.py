@@ -111,6 +111,11 @@ CASES = [
      ["layout.cross_decoder.blocks[0].n_heads: unset, it is d_model // layout.global_kv.head_dim = 32 // 64 = 0 query heads"]),
     ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
      "s.yaml", ["d_model: Input should be greater than 0 (got -4) (set in ", "base.yaml)"]),
+    ("a parent's loop replaced by another kind",  # the parent's kv_cache is gone with its loop: not blamed on it
+     {"s.yaml": "extends: base.yaml\nname: c\nloop: {position: prefix, n_layers: 2, times: 2}\n",
+      "base.yaml": STACK + "loop: {position: all, times: 2, kv_cache: per_iteration}\n"}, "s.yaml", ["loop.kv_cache: required"]),
+    ("a parent's value replaced by a list", {"s.yaml": "extends: base.yaml\nname: [1, 2]\n", "base.yaml": STACK}, "s.yaml",
+     ["name: Input should be a valid string"]),
     ("a bad value of the file's own", {"s.yaml": "extends: base.yaml\nd_model: -4\n", "base.yaml": BASE}, "s.yaml",
      ["d_model: Input should be greater than 0 (got -4)"]),
     ("a folder", {"d/s.yaml": BASE}, "d", ["<file>: is a folder, not a YAML file"]),
@@ -149,6 +154,9 @@ def test_override_inside_a_shorthand_names_the_whole_item_form():
     assert hint in str(caught.value)
     override = hint.replace("'", "")
     assert archlab.load_spec(spec, [override]).layout.cross_decoder.blocks[0].backend == "flex"  # the hint works
+    with pytest.raises(archlab.SpecError) as caught:  # outside a list too (it was replaced by {theta: ...}, then "missing 'type'")
+        archlab.load_spec(spec, ["layout.cross_decoder.position.theta=5e5"])
+    assert "layout.cross_decoder.position: is the shorthand 'none': to set 'theta' in it, give the item whole" in str(caught.value)
 
 
 @pytest.mark.parametrize("d_model,divisors", [

@@ -28,7 +28,7 @@ YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check; its co
 
 class Strict(BaseModel):
     """Base of every spec model: unknown keys are errors, numbers are finite and never yes/no values,
-    values are immutable once validated."""
+    fields cannot be reassigned once validated (and a model spec's block lists are tuples)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -69,6 +69,7 @@ class BuildContext:
     global_head_dim: int | None = None
     streams: int = 1  # ParScale parallel streams (1: off)
     prefix_len: int = 0  # ParScale learned prefix K,V per stream
+    init_std: float = 0.02  # the model's weight init, for weights a block draws itself (nn.Linear's the model redraws)
 
 
 @dataclass

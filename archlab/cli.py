@@ -290,9 +290,7 @@ def generate(
     sys.stdout.write(prompt)
     start, new = time.perf_counter(), []
     shown = ""
-    for tokens, _, done in engine.stream([ids], max_new_tokens, sampling, cache):
-        if done[0]:
-            break
+    for tokens, _, _ in engine.stream([ids], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop token
         new.append(int(tokens[0]))
         text = codec.decode(new)
         if not text.endswith("\ufffd"):  # hold back a partly decoded character

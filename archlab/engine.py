@@ -227,8 +227,9 @@ class Engine:
         sampling: Sampling = Sampling(),
         cache: Cache | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Yield (tokens [B], logits [B, V], finished [B]) once per new token. Rows that met a stop
-        token keep decoding (their tokens are to be ignored) until every row has stopped. At the
+        """Yield (tokens [B], logits [B, V], stopped [B]) once per new token; ``stopped``: the row
+        met a stop token before this one, so this one is to be ignored (rows keep decoding until
+        every row has stopped; the stop token itself is the row's last). At the
         end the last tokens are written into the cache too, so it holds every token. A ``cache``
         given is checked here, at the call."""
         prompts = self.check_prompts(prompts)

@@ -26,7 +26,7 @@ class MoEFFN(nn.Module):
     ``n_shared`` experts every token uses. Appends the Switch-style balance loss
     ``weight * E * sum_e(fraction routed to e * mean router probability of e)`` to ``aux_losses``."""
 
-    def __init__(self, d_model: int, spec: MoE):
+    def __init__(self, d_model: int, spec: MoE, init_std: float):
         super().__init__()
         self.top_k, self.aux_weight = spec.top_k, spec.aux_loss_weight
         self.router = nn.Linear(d_model, spec.n_experts, bias=False)
@@ -34,11 +34,8 @@ class MoEFFN(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(experts, d_model, 2 * hidden))
         self.down = nn.Parameter(torch.empty(experts, hidden, d_model))
         self.shared = SwiGLUFFN(d_model, hidden * spec.n_shared) if spec.n_shared else None
-        self.reset_parameters()
-
-    def reset_parameters(self, std: float = 0.02) -> None:
-        nn.init.normal_(self.gate_up, std=std)
-        nn.init.normal_(self.down, std=std)
+        nn.init.normal_(self.gate_up, std=init_std)  # the model's init reaches nn.Linear weights only
+        nn.init.normal_(self.down, std=init_std)
 
     def route(self, tokens: torch.Tensor) -> torch.Tensor:
         """Router scores, multiplied out in float32 (or wider), autocast or not: in bfloat16 their
@@ -67,7 +64,7 @@ class MoEFFN(nn.Module):
         return out.view_as(x)
 
 
-def build_ffn(spec: FFN, d_model: int) -> nn.Module:
+def build_ffn(spec: FFN, d_model: int, init_std: float) -> nn.Module:
     if isinstance(spec, SwiGLU):
         return SwiGLUFFN(d_model, spec.hidden_for(d_model))
-    return MoEFFN(d_model, spec)
+    return MoEFFN(d_model, spec, init_std)

@@ -37,7 +37,7 @@ class Layer(nn.Module):
     def __init__(self, spec: ModelSpec, mixer: nn.Module):
         super().__init__()
         self.mixer_norm, self.mixer = build_norm(spec.norm, spec.d_model), mixer
-        self.ffn_norm, self.ffn = build_norm(spec.norm, spec.d_model), build_ffn(spec.ffn, spec.d_model)
+        self.ffn_norm, self.ffn = build_norm(spec.norm, spec.d_model), build_ffn(spec.ffn, spec.d_model, spec.init_std)
 
     def forward(self, x: torch.Tensor, inp: MixerInput, aux_losses: list) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), inp)
@@ -45,7 +45,7 @@ class Layer(nn.Module):
 
 
 class GlobalKV(nn.Module):
-    """YOCO's one K,V for the whole cross-decoder: RMSNorm, then K and V projections (RoPE on K
+    """YOCO's one K,V for the whole cross-decoder: the model's norm, then K and V projections (RoPE on K
     when the cross-decoder uses RoPE)."""
 
     def __init__(self, spec: ModelSpec):

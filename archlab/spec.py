@@ -138,7 +138,7 @@ class Half(Strict):
     """A run of layers: ``blocks`` is a pattern repeated over ``n_layers`` (e.g. [gdn, gdn, swa])."""
 
     n_layers: PositiveInt
-    blocks: list[Block] = Field(min_length=1)
+    blocks: tuple[Block, ...] = Field(min_length=1)
     position: Position = RoPE(type="rope")
 
     def block_at(self, i: int) -> BlockSpec:
@@ -148,7 +148,7 @@ class Half(Strict):
 class CrossHalf(Half):
     """The YOCO cross-decoder: by default plain cross-attention to the global K,V, without RoPE."""
 
-    blocks: list[Block] = Field(
+    blocks: tuple[Block, ...] = Field(
         default_factory=lambda: [{"type": "cross_attention"}], min_length=1, validate_default=True
     )
     position: Position = NoPosition(type="none")
@@ -306,6 +306,7 @@ class ModelSpec(Strict):
             global_head_dim=self.layout.global_kv.head_dim if cross else None,
             streams=self.parscale.streams if self.parscale else 1,
             prefix_len=self.parscale.prefix_len if self.parscale else 0,
+            init_std=self.init_std,
         )
 
     def problems(self) -> list[Problem]:

@@ -83,8 +83,8 @@ class SelfAttention(nn.Module):
         self.rotary = Rotary(head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
         if ctx.streams > 1:
             shape = (ctx.streams, ctx.prefix_len, kv_heads, head_dim)
-            self.prefix_k = nn.Parameter(torch.randn(shape) * 0.02)
-            self.prefix_v = nn.Parameter(torch.randn(shape) * 0.02)
+            self.prefix_k = nn.Parameter(torch.randn(shape) * ctx.init_std)
+            self.prefix_v = nn.Parameter(torch.randn(shape) * ctx.init_std)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x if self.rotary is None else self.rotary(x, positions)

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 import archlab
-from conftest import PAPER, TINY, ids
+from conftest import PAPER, ROOT, TINY, ids
 
 SEQ = 40  # longer than the tiny window (16) and the tiny chunk sizes (16)
 
@@ -25,6 +26,10 @@ def test_spec_validates_and_round_trips(path):
     spec = archlab.load_spec(path)
     again = archlab.validate_spec(spec.model_dump(mode="json"), "round-trip")
     assert again == spec
+    for _, half in spec.halves:  # nothing downstream can change a validated spec's layers
+        assert isinstance(half.blocks, tuple)
+        with pytest.raises(ValidationError):
+            half.n_layers = 1
 
 
 @pytest.mark.parametrize("path", PAPER, ids=ids(PAPER))
@@ -74,3 +79,16 @@ def test_tiny_causal(path):
             out = model(changed)
             torch.testing.assert_close(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
             assert (out[:, t] - base[:, t]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("name", ["yoco-u-moe", "parscale"])
+def test_init_std_reaches_every_weight_matrix(name):
+    """MoE experts and ParScale's prefix K,V are drawn by their own modules; they drew at 0.02
+    whatever the spec's init_std said."""
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml", ["init_std=0.5"])
+    torch.manual_seed(0)
+    model = archlab.build_model(spec)
+    drawn = {n: p for n, p in model.named_parameters() if p.dim() >= 2 and p.numel() >= 1000}
+    assert any("gate_up" in n or "prefix_k" in n for n in drawn)
+    for n, p in drawn.items():
+        assert p.std().item() == pytest.approx(0.5, rel=0.15), n

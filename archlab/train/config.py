@@ -16,8 +16,8 @@ Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
 SYNTHETIC = ("mqar", "copy")  # recall tasks, generated rather than read
 NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor hf:NAME)
-TOKEN_FILES = (".bin", ".npy")
-MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started  # data sources of token ids, which need no tokenizer
+TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
+MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started
 
 
 class Optimizer(Strict):

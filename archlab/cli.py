@@ -148,12 +148,13 @@ def build(
         if params <= CPU_CHECK_LIMIT:
             model = build_model(spec)
             forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
-            tokens = torch.randint(0, spec.vocab_size, (2, n))
             start = time.perf_counter()
-            with torch.set_grad_enabled(not forward_only):
-                logits, aux = model(tokens, return_aux=True)
-            if not forward_only:
-                (logits.float().logsumexp(-1).mean() + aux).backward()
+            with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len", None):
+                tokens = torch.randint(0, spec.vocab_size, (2, n))
+                with torch.set_grad_enabled(not forward_only):
+                    logits, aux = model(tokens, return_aux=True)
+                if not forward_only:
+                    (logits.float().logsumexp(-1).mean() + aux).backward()
             grads_ok = all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
             ok = bool(logits.isfinite().all()) and grads_ok
             failed += not ok
@@ -592,7 +593,7 @@ def study_run(
             err.print("interrupted; finished trials are kept, and the trial this worker was training is run again by the next"
                       f" `study run` once it has sent no heartbeat for --grace-period ({grace_period} s)", highlight=False)
             raise typer.Exit(130) from None
-        sys.stdout.write(report(loaded, optuna_study, where, storage_url(loaded, where, storage)))
+        sys.stdout.write(report(loaded, optuna_study, where, storage_url(where, storage)))
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
             err.print(f"[bold red]error[/]: no trial succeeded ({planned} of {planned} failed); why each failed is under"
@@ -619,8 +620,8 @@ def study_report(
     def action():
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
-        url = storage_url(loaded, where, storage)
-        if url.startswith("sqlite") and not (where / "optuna.db").is_file():
+        url = storage_url(where, storage)
+        if storage is None and not (where / "optuna.db").is_file():
             raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first")])
         optuna_study = open_study(loaded, url, create=False)
         check_unchanged(loaded, optuna_study)

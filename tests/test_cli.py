@@ -375,7 +375,8 @@ def test_an_option_out_of_bounds_is_refused(cli, tmp_path, args, message):
     (["generate", SPEC, "--max-new-tokens", 10**13], "a cache for 16 prompt + 10,000,000,000,000 new tokens does not fit in memory (asked for "),
     (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", 10**13], "yoco: a batch of 1 x (16 prompt + 10,000,000,000,000 new tokens) does not fit"),
     (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", "1", "--page-size", 10**14], "in pages of 100,000,000,000,000 does not fit"),
-], ids=["generate", "bench", "bench pages"])
+    (["build", "specs/tiny/transformer.yaml", "--seq-len", "16384M"], "transformer: a check of 2 x 17,179,869,184 tokens does not fit in memory"),
+], ids=["generate", "bench", "bench pages", "build"])
 def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
     code, _, stderr = cli(*args)
     assert code == 1 and message in stderr and "bytes)" in stderr, stderr

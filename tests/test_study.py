@@ -92,6 +92,9 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     again = archlab("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
     assert again.returncode == 0 and again.stdout == result.stdout
+    elsewhere = archlab("study", "report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}", "--out", tmp_path / "copy")
+    assert elsewhere.returncode == 0 and "4 complete" in elsewhere.stdout, elsewhere.stderr  # a storage named, not --out's
+    assert (tmp_path / "copy" / "report.md").is_file()
     rerun = archlab("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
     assert rerun.returncode == 0 and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4
 
@@ -165,7 +168,7 @@ def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
 def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
     study = load_study(str(mini(tmp_path, "partial")))
     out = tmp_path / "out"
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
     run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)
     optuna_study._pop_waiting_trial_id()  # claimed by a worker still training it
@@ -178,7 +181,7 @@ def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
 def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(tmp_path):
     path, out = mini(tmp_path, "edited", steps=2), tmp_path / "out"
     study = load_study(str(path))
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
     run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)  # yoco, seed 0, lr slot 0 (lr 0.002)
     trained = optuna_study.get_trials()[0]
@@ -212,7 +215,7 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
 def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
     path, out = mini(tmp_path, "grown", steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), tmp_path / "out"
     study = load_study(str(path))
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
     assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)  # yoco seed 0; yoco-u seed 0 is still queued
     log = io.StringIO()
@@ -233,7 +236,7 @@ def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
 def test_a_trial_claimed_by_a_worker_that_died_before_training_goes_stale(tmp_path):
     study, out = load_study(str(mini(tmp_path, "claimed"))), tmp_path / "out"
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=1)
     claimed = claim(optuna_study, url, out)  # the worker dies here, before its heartbeat thread starts
     time.sleep(3)  # past the grace period (SQLite's clock counts whole seconds)
@@ -283,7 +286,7 @@ def test_workers_on_one_sqlite_file_never_claim_the_same_trial(tmp_path):
 def test_a_metric_that_is_not_a_number_fails_the_trial_with_that_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "evaluate", lambda self, data: {"eval_loss": float("nan"), "eval_ppl": float("nan")})
     study, out = load_study(str(mini(tmp_path, "nan", steps=4))), tmp_path / "out"
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
     assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
     trial = optuna_study.get_trials()[0]
@@ -299,7 +302,7 @@ def test_a_worker_whose_trial_was_taken_over_goes_on(tmp_path, monkeypatch):
 
     def paused(self, steps, **kwargs):  # while this worker is stopped, another fails its trial as stale and queues it again
         if not taken:
-            optuna_study = join(study, out, storage_url(study, out, None), grace_period=60)
+            optuna_study = join(study, out, storage_url(out, None), grace_period=60)
             taken.append(optuna_study.get_trials(states=(optuna.trial.TrialState.RUNNING,))[0])
             optuna_study._storage.set_trial_state_values(taken[0]._trial_id, optuna.trial.TrialState.FAIL)
             RetryHeartbeatStaleTrialCallback(max_retry=2)(optuna_study, taken[0])
@@ -318,7 +321,7 @@ def test_a_worker_whose_trial_was_taken_over_goes_on(tmp_path, monkeypatch):
 def test_a_report_reads_only_a_study_that_is_there(tmp_path):
     path, out = mini(tmp_path, "named"), tmp_path / "out"
     study = load_study(str(path))
-    url = storage_url(study, out, None)
+    url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)  # planned; nothing trained yet
     report(study, optuna_study, tmp_path / "new" / "dir", url)  # a directory not yet there
     assert (tmp_path / "new" / "dir" / "report.md").is_file() and (tmp_path / "new" / "dir" / "curves.png").is_file()

@@ -51,7 +51,7 @@ def default_dir(study: Study) -> Path:
     return Path("runs") / "studies" / f"{study.name}-{study.scale}"
 
 
-def storage_url(study: Study, out: Path, url: str | None) -> str:
+def storage_url(out: Path, url: str | None) -> str:
     """The given storage, or a SQLite file in the study directory (one machine, no server)."""
     return url or f"sqlite:///{(out / 'optuna.db').resolve()}"
 
@@ -329,7 +329,7 @@ def settled(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.
 
 def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:
     """Be one worker of the study until every planned trial has finished."""
-    url = storage_url(study, out, url)
+    url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
     optuna_study = join(study, out, url, grace_period)
     planned = len(study.plan())

@@ -132,15 +132,18 @@ def build(
     paths: SpecPaths,
     seq_len: Annotated[str, typer.Option(help="tokens in the CPU forward/backward check (e.g. 64, 1K)")] = "64",
 ) -> None:
-    """Validate and build every spec; run a forward and backward pass on the CPU for those small
-    enough (forward only where a kernel has no CPU backward), and build the rest on the meta
-    device. Prints parameters and structure per spec."""
+    """Validate and build every spec. Those small enough for the CPU also run a forward and
+    backward pass (forward only where a kernel has no CPU backward), have their cost formulas
+    checked against the built model and its cache, and decode token by token as a full forward
+    pass computes; the rest are built on the meta device. Prints parameters and structure."""
+    from archlab.checks import DECODE_TOLERANCE, cost_problems, decode_error
+
     n = _lengths([seq_len])[0]
     good, bad = _load_all(paths)
     if not good:
         raise typer.Exit(1)  # no table of nothing under the errors
     table = Table("spec", "structure", "params", "check")
-    failed = 0
+    failed, problems = 0, []
     for path, spec in good:
         model = build_model(spec, device="meta")
         params = sum(p.numel() for p in model.parameters())
@@ -157,11 +160,22 @@ def build(
                     (logits.float().logsumexp(-1).mean() + aux).backward()
             grads_ok = all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
             ok = bool(logits.isfinite().all()) and grads_ok
-            failed += not ok
             passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
-            check = f"{'[green]ok' if ok else '[red]non-finite'}[/] {passes} {time.perf_counter() - start:.1f}s"
+            found = cost_problems(model) if ok else []
+            error = decode_error(model, min(n, 48)) if ok else 0.0
+            if error > DECODE_TOLERANCE:
+                found.append(f"decoding token by token differs from a full forward pass by {error:.1e} of the largest logit"
+                             " (does the module's forward read and update inp.state?)")
+            problems += [f"{spec.name}: {problem}" for problem in found]
+            ok = ok and not found
+            failed += not ok
+            verdict = "[green]ok" if ok else "[red]non-finite" if not found else f"[red]{len(found)} problem(s)"
+            checked = f"{passes}, costs, decoding" if ok or found else passes
+            check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
         table.add_row(spec.name, _describe_structure(model), f"{params:,}", check)
     out.print(table)
+    for problem in problems:
+        err.print(f"[bold red]error[/]: {escape(problem)}", highlight=False)
     if bad or failed:
         raise typer.Exit(1)
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -88,50 +89,13 @@ def test_build_runs_tiny_specs():
     assert nothing.returncode == 1 and "not found" in nothing.stderr and nothing.stdout == ""  # no empty table
 
 
-PLUGIN = '''
-from typing import Literal
-
-import torch
-from torch import nn
-
-from archlab import BlockSpec
-from archlab.block import Flops
-from archlab.block import Flops
+def readme_plugin() -> str:
+    """The block plugin the README's "Writing one" shows, run as printed there."""
+    readme = (ROOT / "README.md").read_text()
+    return re.search(r"\*\*Writing one\.\*\*.*?```python\n(.*?)```", readme, re.S)[1]
 
 
-class CausalMeanSpec(BlockSpec):
-    """Mixes each token with the running mean of its prefix."""
-
-    type: Literal["causal_mean"]
-
-    def build(self, ctx):
-        return CausalMean(ctx.d_model)
-
-    def params(self, ctx):
-        return ctx.d_model ** 2
-
-    def flops(self, ctx, n, start=0, reuse_kv=False):
-        return Flops(matmul=2 * n * ctx.d_model ** 2)
-
-    def state_bytes(self, ctx, context, kv_bytes):
-        return 4 * ctx.d_model  # the running sum, fp32
-
-
-class CausalMean(nn.Module):
-    def __init__(self, d_model):
-        super().__init__()
-        self.proj = nn.Linear(d_model, d_model, bias=False)
-
-    def new_state(self, batch, capacity, dtype):
-        return {"sum": torch.zeros(batch, self.proj.in_features)}
-
-    def forward(self, x, inp):
-        sums = x.float().cumsum(1)
-        if inp.state is not None:
-            sums = sums + inp.state["sum"][:, None]
-            inp.state["sum"].copy_(sums[:, -1])
-        return self.proj((sums / (inp.positions + 1)[..., None]).to(x.dtype))
-'''
+PLUGIN = readme_plugin()
 
 
 def install_plugin(root, entry):
@@ -179,6 +143,22 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
     type: Literal["unshared"]
     shares_kv: ClassVar[bool] = False
 '''
+
+
+@pytest.mark.parametrize("mistake,said", [
+    (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536"),
+    (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give"),
+    (("if inp.state is not None:", "if False:"), "decoding token by token differs from a full forward pass"),
+], ids=["params", "state bytes", "state ignored"])
+def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said):
+    env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
+    spec = tmp_path / "mine.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: mine\nlayout: {{self_decoder: {{blocks: [causal_mean]}}}}\n")
+    assert archlab("build", spec, env=env).returncode == 0
+    (tmp_path / "my_blocks.py").write_text(PLUGIN.replace(*mistake))
+    result = archlab("build", spec, env=env)
+    assert result.returncode == 1 and f"error: mine: {said}" in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert "1 problem(s)" in result.stdout
 
 
 def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):

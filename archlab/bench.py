@@ -45,7 +45,10 @@ class BenchRow:
         return self.kv_global_mb + self.kv_local_mb
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "kv_total_mb": self.kv_total_mb}
+        """The fields, with the total cache beside its two parts."""
+        fields = asdict(self)
+        device = fields.pop("device")
+        return {**fields, "kv_total_mb": self.kv_total_mb, "device": device}
 
 
 class PeakMemory:

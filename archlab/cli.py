@@ -26,7 +26,7 @@ from archlab.kv import PAGE_KERNELS
 from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
-from archlab.spec import ModelSpec, SpecError, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, SpecError, differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError
 from archlab.train.config import SEED_LIMIT
@@ -144,7 +144,7 @@ def build(
         raise typer.Exit(1)  # no table of nothing under the errors
     table = Table("spec", "structure", "params", "check")
     failed, problems = 0, []
-    for path, spec in good:
+    for label, (_, spec) in zip(_labels(good), good):
         model = build_model(spec, device="meta")
         params = sum(p.numel() for p in model.parameters())
         check = "built on meta"
@@ -166,13 +166,13 @@ def build(
             if error > DECODE_TOLERANCE:
                 found.append(f"decoding token by token differs from a full forward pass by {error:.1e} of the largest logit"
                              " (does the module's forward read and update inp.state?)")
-            problems += [f"{spec.name}: {problem}" for problem in found]
+            problems += [f"{label}: {problem}" for problem in found]
             ok = ok and not found
             failed += not ok
             verdict = "[green]ok" if ok else "[red]non-finite" if not found else f"[red]{len(found)} problem(s)"
             checked = f"{passes}, costs, decoding" if ok or found else passes
             check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
-        table.add_row(spec.name, _describe_structure(model), f"{params:,}", check)
+        table.add_row(label, _describe_structure(model), f"{params:,}", check)
     out.print(table)
     for problem in problems:
         err.print(f"[bold red]error[/]: {escape(problem)}", highlight=False)
@@ -180,10 +180,11 @@ def build(
         raise typer.Exit(1)
 
 
-def _label(path: Path, spec: ModelSpec) -> str:
-    """A table row's name: the spec's, and the run's folder where it came from one (runs of one
-    spec, as a study's, differ only there)."""
-    return f"{spec.name} ({path.parent})" if path.name == RUN_SPEC else spec.name
+def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
+    """Table rows' names: each spec's, with the run's folder where it came from one (runs of one
+    spec, as a study's, differ only there), or its file where two share a name."""
+    labels = [f"{spec.name} ({path.parent})" if path.name == RUN_SPEC else spec.name for path, spec in loaded]
+    return [f"{spec.name} ({path})" if labels.count(label) > 1 else label for label, (path, spec) in zip(labels, loaded)]
 
 
 def _load_one(path: Path) -> ModelSpec:
@@ -385,14 +386,14 @@ def bench(
     rows = []
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("bench", total=len(good) * len(lengths))
-        for path, spec in good:
+        for label, (_, spec) in zip(_labels(good), good):
             model_dtype = DTYPES[spec.inference_dtype if dtype == "auto" else dtype]
             model = build_model(spec, device=device, dtype=model_dtype).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
                 with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
                                      "--seq-len, --batch or --gen", page_size):
-                    rows.append(measure(model, _label(path, spec), n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                    rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
                                         page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
@@ -421,7 +422,7 @@ def cost(
         doc.write_text(cost_doc([(str(p), s) for p, s in good], lengths, command))
         err.print(f"wrote {doc}")
         return
-    rows = [replace(Cost(spec).row(n), spec=_label(path, spec)) for path, spec in good for n in lengths]
+    rows = [replace(Cost(spec).row(n), spec=label) for label, (_, spec) in zip(_labels(good), good) for n in lengths]
     sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
 
 
@@ -442,7 +443,8 @@ def equal_flops(
     if bad or not good:
         raise typer.Exit(1)
     table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
-    for label, spec in [(_label(_spec_file(reference), ref), ref), *((_label(p, s), s) for p, s in good)]:
+    compared = [(_spec_file(reference), ref), *good]
+    for label, (_, spec) in zip(_labels(compared), compared):
         matched = equal_flops_steps(ref, steps, spec, n)
         table.add_row(label, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
     out.print(table)
@@ -482,7 +484,7 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
 
 @app.command()
 def train(
-    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec")],
+    spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec (or a run's folder, for its spec)")],
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
     data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
@@ -504,7 +506,7 @@ def train(
     try:
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} is a file; a run is a folder")
-        spec = load_spec(spec_path)
+        spec = load_spec(_spec_file(spec_path))
         if resume:
             saved = out / "config.yaml"
             if config or data:
@@ -512,8 +514,12 @@ def train(
                                  " (--set may change what a resume can, such as optimizer.lr)")
             if not saved.is_file():
                 raise TrainError(f"nothing to resume in {out}: no config.yaml")
-            if load_spec(out / RUN_SPEC) != spec:
-                raise TrainError(f"{out} was trained with a different spec than {spec_path}")
+            trained = load_spec(out / RUN_SPEC)
+            if trained != spec:
+                changed = [f"{path} {was} -> {now}" for path, (was, now) in
+                           differences(trained.model_dump(mode="json"), spec.model_dump(mode="json")).items()]
+                raise TrainError(f"{out} was trained with a different spec than {spec_path}: {'; '.join(changed[:5])}"
+                                 f"{'; ...' if len(changed) > 5 else ''}")
             cfg = load_config(str(saved), set_ or [])
             fixed = [key for key in changes(load_config(str(saved)), cfg) if key.split(".")[0] not in RESUMABLE]
             if fixed:
@@ -534,7 +540,7 @@ def train(
                 else "no checkpoint had been written, so there is nothing to resume")
         say.print(f"interrupted; {kept}", highlight=False)
         raise typer.Exit(130) from None
-    say.print(f"done: {cfg.steps} steps; checkpoints and metrics.jsonl in {out}", highlight=False)
+    say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
 def _shipped_studies() -> list[str]:
@@ -636,7 +642,8 @@ def study_report(
         where = out or default_dir(loaded)
         url = storage_url(where, storage)
         if storage is None and not (where / "optuna.db").is_file():
-            raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first")])
+            raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first, or give"
+                                                            " the --out (or --storage) it ran with")])
         optuna_study = open_study(loaded, url, create=False)
         check_unchanged(loaded, optuna_study)
         sys.stdout.write(report(loaded, optuna_study, where, url))

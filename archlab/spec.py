@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args
@@ -483,21 +483,43 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
 
 def _note(data: Any, source: str, origins: dict[str, str], at: str = "") -> None:
     """Record ``source`` as where each value in ``data`` was set, under its path as errors print it."""
+    origins.update((path, source) for path, _ in leaves(data, at))
+
+
+def leaves(data: Any, at: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, value) of every leaf of nested mappings and lists, paths as errors print them
+    (``layout.self_decoder.blocks[0].window``); an empty mapping or list is a leaf."""
     if isinstance(data, dict) and data:
         for key, value in data.items():
-            _note(value, source, origins, f"{at}.{key}" if at else str(key))
+            yield from leaves(value, f"{at}.{key}" if at else str(key))
     elif isinstance(data, list) and data:
         for index, value in enumerate(data):
-            _note(value, source, origins, f"{at}[{index}]")
+            yield from leaves(value, f"{at}[{index}]")
     else:
-        origins[at] = source
+        yield at, data
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()  # the value of a leaf one side of ``differences`` lacks
+
+
+def differences(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
+    """The leaves of two nested mappings that differ, by path, each with its (old, new) value
+    (``ABSENT`` where one side lacks it)."""
+    before, after = dict(leaves(old)), dict(leaves(new))
+    paths = [*before, *(path for path in after if path not in before)]
+    pairs = {path: (before.get(path, ABSENT), after.get(path, ABSENT)) for path in paths}
+    return {path: pair for path, pair in pairs.items() if pair[0] != pair[1]}
 
 
 def _origin(loc: str, origins: dict[str, str]) -> str | None:
-    """The file that set the value a problem at ``loc`` is about: of the longest path recorded
-    that is ``loc`` or holds it."""
-    holding = [path for path in origins if loc == path or loc.startswith((path + ".", path + "["))]
-    return origins[max(holding, key=len)] if holding else None
+    """The file that set the value a problem at ``loc`` is about, if a file set that value itself
+    (not one the problem is derived from, such as a head count from d_model)."""
+    return origins.get(loc)
 
 
 def _loc(parts: tuple, data: Any) -> str:

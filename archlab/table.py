@@ -21,6 +21,8 @@ def _three_digits(value: float) -> str:
 
 
 def _cell(value) -> str:
+    if value is None:  # not applicable (a bench row without pages has no page size)
+        return "-"
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 10 else _three_digits(value)
     if isinstance(value, int):

@@ -29,15 +29,12 @@ class CrossAttentionSpec(BlockSpec):
         if ctx.global_kv_heads is None:
             return  # outside a cross-decoder; the model reports that
         heads = self.heads(ctx)
-        if heads == 0:  # n_heads unset, and the global K,V's heads are wider than the model
-            problems.at("n_heads").add(
-                f"unset, it is d_model // layout.global_kv.head_dim = {ctx.d_model} // {ctx.global_head_dim} = 0 query heads;"
-                " give n_heads, or a head_dim no wider than d_model"
-            )
-        elif heads % ctx.global_kv_heads:
+        derived = "" if self.n_heads else (f" (n_heads unset: d_model // layout.global_kv.head_dim = {ctx.d_model} //"
+                                           f" {ctx.global_head_dim} = {heads}; give n_heads)")
+        if heads == 0 or heads % ctx.global_kv_heads:
             problems.at("n_heads").add(
                 f"{heads} query heads must be a positive multiple of the global K,V's"
-                f" {ctx.global_kv_heads} heads (layout.global_kv.n_kv_heads)"
+                f" {ctx.global_kv_heads} heads (layout.global_kv.n_kv_heads){derived}"
             )
 
     def build(self, ctx: BuildContext) -> nn.Module:

@@ -73,6 +73,12 @@ def test_a_training_run_stands_for_its_spec(tmp_path):
             assert f"yoco-u ({runs / 'a'})" in result.stdout and f"yoco-u ({runs / 'b'})" in result.stdout, command
 
 
+def test_rows_of_specs_sharing_a_name_name_their_files(cli):
+    code, out, _ = cli("cost", "specs/tiny/yoco-u.yaml", "specs/paper/yoco-u.yaml", "specs/tiny/yoco.yaml", "--seq-len", "1K")
+    assert code in (0, None)
+    assert "| yoco-u (specs/tiny/yoco-u.yaml) |" in out and "| yoco-u (specs/paper/yoco-u.yaml) |" in out and "| yoco |" in out
+
+
 def test_show_missing_file_is_a_clear_error():
     result = archlab("show", "specs/tiny/nope.yaml")
     assert result.returncode == 1

@@ -108,7 +108,10 @@ CASES = [
     ("range loop ending before it starts", {"s.yaml": STACK + "loop: {position: range, start: 2, end: 1, times: 2}\n"}, "s.yaml",
      ["loop.end: 1 must be past start (2)"]),
     ("global head wider than the model", {"s.yaml": BASE.replace("head_dim: 8", "head_dim: 64")}, "s.yaml",
-     ["layout.cross_decoder.blocks[0].n_heads: unset, it is d_model // layout.global_kv.head_dim = 32 // 64 = 0 query heads"]),
+     ["layout.cross_decoder.blocks[0].n_heads: 0 query heads must be a positive multiple of the global K,V's 2 heads",
+      "(n_heads unset: d_model // layout.global_kv.head_dim = 32 // 64 = 0; give n_heads)"]),
+    ("a count derived from a parent's value", {"s.yaml": "extends: base.yaml\nd_model: 40\n", "base.yaml": BASE}, "s.yaml",
+     ["n_heads: 5 query heads", "(n_heads unset: d_model // layout.global_kv.head_dim = 40 // 8 = 5; give n_heads)"]),
     ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
      "s.yaml", ["d_model: Input should be greater than 0 (got -4) (set in ", "base.yaml)"]),
     ("a parent's loop replaced by another kind",  # the parent's kv_cache is gone with its loop: not blamed on it

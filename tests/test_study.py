@@ -87,6 +87,7 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path):
     assert sorted(settled(trials)) == [("yoco", 0, 0), ("yoco", 0, 1), ("yoco-u", 0, 0), ("yoco-u", 0, 1)]
     assert all(sorted(t.intermediate_values) == [2, 4] for t in trials)  # reported for the pruner
     assert "| yoco-u |" in result.stdout and "vs baseline" in result.stdout and "4 complete" in result.stdout
+    assert "lr grid of 2 points over [0.002, 0.004]" in result.stdout and "\n\n\n" not in result.stdout  # no question: no gap
     assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in result.stderr.splitlines()) == 4  # a log, not a terminal
     for png in ("curves.png", "loss_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"

@@ -144,6 +144,7 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, div
         (["--set", "optimizer.learning_rate=1"], ["optimizer.learning_rate", "unknown key"]),
         (["--set", "seq_len=5000000"], ["sequence length 5000000 needs at least 5000001 tokens"]),
         (["--set", "lr"], ["expected KEY=VALUE"]),
+        (["--set", "lr=1e-3"], ["lr: not a training config field: did you mean optimizer.lr?"]),
         (["--set", "layout.cross_decoder.blocks.0.backend=flex"],
          ["layout.cross_decoder.blocks.0.backend", "--set reaches only the training config", "a spec that `extends` it"]),
     ],
@@ -153,12 +154,20 @@ def test_bad_input_is_a_clear_error(tmp_path, args, fragments):
     clean_failure(result, *fragments)
 
 
+def test_a_config_key_at_the_wrong_level_is_pointed_to_its_section(cli, tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text("lr: 1.0e-3\nwarmup_steps: 3\n")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--config", config),
+            "lr: unknown key", "did you mean optimizer.lr?", "warmup_steps: unknown key", "did you mean schedule.warmup_steps?")
+    assert not (tmp_path / "run").exists()
+
+
 def test_empty_corpus_and_bad_token_file(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("   \n")
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r1", "--data", empty, *SMALL),
-                  "holds no text")
+                  "holds no text (looked at 1 file(s); a folder's files ending in .c, .csv,")
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(5000) % 300)  # ids beyond the vocabulary of 256
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r2", "--data", tokens, *SMALL),
@@ -187,7 +196,7 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
         assert "weights_only" not in resumed.stderr  # torch's advice to load it unsafely is not passed on
         assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     other = archlab("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
-    clean_failure(other, "different spec")
+    clean_failure(other, "was trained with a different spec than specs/tiny/yoco.yaml: name transformer -> yoco;")
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
@@ -406,7 +415,7 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
     assert (decayed["weight_decay"], rest["weight_decay"]) == (0.05, 0.0)
     assert all(group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6 for group in (decayed, rest))
 
-    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6",
+    code, _, stderr = cli("train", run, "--out", run, "--resume", "--steps", "6",  # the run's folder stands for its spec
                           "--set", "optimizer.lr=1e-3", "--set", "eval_interval=3")
     assert code == 0, stderr
     for said in ("the run's total goes from 4 to 6 steps", "optimizer.lr goes from 0.003 to 0.001", "eval_interval goes from 50 to 3",

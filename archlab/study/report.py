@@ -176,7 +176,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     plots = plot(study, trials, out)
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
-        f"{definition.question or definition.description}\n",
+        *([f"{definition.question or definition.description}\n"] if definition.question or definition.description else []),
         f"- budget: {'equal steps' if definition.budget == 'steps' else 'equal training FLOPs (the baseline' + chr(39) + 's)'};"
         f" {study.config.batch_size} x {study.config.seq_len} tokens per step; data: {study.config.data.source};"
         f" seeds {definition.seeds}; lr {definition.sampler} of {definition.lr.points}"

@@ -21,7 +21,6 @@ import socket
 import time
 import warnings
 import zlib
-from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from archlab.spec import differences
 from archlab.study.definition import Study
 from archlab.train.data import prepare
 from archlab.train.trainer import TrainError, Trainer
@@ -64,25 +64,11 @@ class StudyChanged(StorageError):
     """The storage holds trials that trained under another definition of the study."""
 
 
-def _flat(value, prefix: str = "") -> Iterator[tuple[str, object]]:
-    """(dotted path, leaf) pairs of nested dicts and lists."""
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else None
-    if items is None:
-        yield prefix, value
-        return
-    for key, item in items:
-        yield from _flat(item, f"{prefix}.{key}" if prefix else str(key))
-
-
 def _differences(old: dict, new: dict) -> list[str]:
-    before, after = dict(_flat(old)), dict(_flat(new))
-    absent = object()
-
     def shown(value) -> str:
-        return "(absent)" if value is absent else f"{value:.6g}" if isinstance(value, float) else str(value)
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
 
-    pairs = ((key, before.get(key, absent), after.get(key, absent)) for key in sorted(before.keys() | after.keys()))
-    return [f"{key} {shown(was)} -> {shown(now)}" for key, was, now in pairs if was != now]
+    return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in differences(old, new).items()]
 
 
 def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.spec import SpecError, apply_overrides, load_yaml, validate_as
+from archlab.spec import SpecError, apply_overrides, differences, load_yaml, validate_as
 
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
@@ -111,13 +111,7 @@ step reads or how it computes them, so changing it would make the resumed run an
 
 def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
     """The fields that differ, as dotted keys, each with its (old, new) values."""
-    def flat(data: dict, prefix: str = "") -> dict:
-        out = {}
-        for key, value in data.items():
-            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value})
-        return out
-    before, after = flat(old.model_dump(mode="json")), flat(new.model_dump(mode="json"))
-    return {key: (before[key], after[key]) for key in before if before[key] != after[key]}
+    return differences(old.model_dump(mode="json"), new.model_dump(mode="json"))
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
@@ -126,6 +120,20 @@ def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
     keys = [item.partition("=")[0] for item in overrides]
     strays = [key for key in keys if key.split(".")[0] not in TrainConfig.model_fields]
     if strays:  # most often a spec field, which pydantic alone would call an unknown key
-        raise SpecError("--set", [Problem(key, "not a training config field: --set reaches only the training config; a spec"
-                                               " field belongs in the spec file, or in a spec that `extends` it") for key in strays])
-    return validate_as(TrainConfig, data, path or "--set", origins)
+        raise SpecError("--set", [Problem(key, f"not a training config field: did you mean {_home(key)}?" if _home(key) else
+                                          "not a training config field: --set reaches only the training config; a spec field"
+                                          " belongs in the spec file, or in a spec that `extends` it") for key in strays])
+    try:
+        return validate_as(TrainConfig, data, path or "--set", origins)
+    except SpecError as exc:  # a nested field given at the top (lr: for optimizer.lr) is named where it goes
+        raise SpecError(exc.source, [Problem(p.loc, f"{p.msg}; did you mean {_home(p.loc)}?") if _home(p.loc) and
+                                     p.msg.startswith("unknown key") else p for p in exc.problems]) from None
+
+
+def _home(key: str) -> str | None:
+    """Where a top-level key that is not a field belongs: the section holding a field of that name."""
+    for section, field in TrainConfig.model_fields.items():
+        holder = field.annotation
+        if isinstance(holder, type) and issubclass(holder, Strict) and key in holder.model_fields:
+            return f"{section}.{key}"
+    return None

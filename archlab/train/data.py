@@ -126,6 +126,7 @@ def _stdlib_files() -> list[Path]:
 
 def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[str]:
     """Documents of a text corpus, in a fixed order, up to ``max_bytes`` in all."""
+    looked_for = ""  # which files of a folder are read, said when none held text
     if source == "stdlib":
         files = _stdlib_files()
     elif source.startswith("hf:"):
@@ -135,6 +136,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
         if not path.exists():
             raise DataError(f"data source {source!r}: no such file or folder")
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) if path.is_dir() else [path]
+        looked_for = f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}" if path.is_dir() else ""
     texts, total = [], 0
     for file in files:
         try:
@@ -147,7 +149,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
         if total >= max_bytes:
             break
     if not texts:
-        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s))")
+        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for})")
     return texts
 
 

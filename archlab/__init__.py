@@ -9,6 +9,7 @@ from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
 from archlab.engine import Engine, Generation, Sampling, generate
 from archlab.model import Model, build_model
 from archlab.spec import ModelSpec, SpecError, load_spec, validate_spec
+from archlab.train.checkpoint import load_trained
 
 __all__ = [
     "BlockSpec",
@@ -24,5 +25,6 @@ __all__ = [
     "SpecError",
     "build_model",
     "load_spec",
+    "load_trained",
     "validate_spec",
 ]

@@ -261,6 +261,11 @@ def test_token_files_tokenizer_and_budgets(tmp_path):
     assert generated.returncode == 0, generated.stderr
     assert "weights from" in generated.stderr and "tokenizer" in generated.stderr
     assert generated.stdout.startswith("the lazy")
+    spec, model, used, tokens = lab.load_trained(str(run))  # the README's way in from Python
+    assert (spec.name, used.name, tokens) == ("transformer", "step-00000003", run / "tokenizer.json")
+    weights, held = load_file(used / "model.safetensors"), model.state_dict()
+    assert len(weights.keys() & held.keys()) >= len(held) - 1  # all (one name fewer where embeddings are tied)
+    assert all(torch.equal(weights[name], held[name]) for name in weights.keys() & held.keys())
     reuse = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "reuse", "--data", text, *SMALL,
                     "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
     assert reuse.returncode == 0, reuse.stderr

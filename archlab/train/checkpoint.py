@@ -117,12 +117,13 @@ def _non_finite(model: torch.nn.Module) -> list[str]:
     return [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 
 
-def load_trained(path: Path):
+def load_trained(path: str | Path):
     """(spec, model with the latest weights, the checkpoint used, tokenizer.json or None) of a
     run directory or one of its checkpoint folders."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 
+    path = Path(path)
     run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
     found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
     if not (run_dir / RUN_SPEC).is_file() or not found:

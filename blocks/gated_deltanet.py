@@ -7,7 +7,6 @@ output is per-head RMSNorm gated by silu(W_gate x), projected back to the width.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Literal
 
@@ -17,7 +16,7 @@ from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
-from archlab.ops.common import float32_or_wider
+from archlab.ops.common import decay_parameters, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 
@@ -88,9 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.v_conv = conv_weights(value_width, spec.conv_size)
         self.a_proj = nn.Linear(d, h, bias=False)
         self.b_proj = nn.Linear(d, h, bias=False)
-        self.A_log = nn.Parameter(torch.empty(h).uniform_(1, 16).log())
-        dt = torch.empty(h).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = decay_parameters(h)
         self.gate_proj = nn.Linear(d, value_width, bias=False)
         self.head_norm = nn.RMSNorm(self.value_dim, eps=1e-6)
         self.o_proj = nn.Linear(value_width, d, bias=False)

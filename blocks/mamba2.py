@@ -7,7 +7,6 @@ RMSNorm(y * silu(z)) (grouped by ``n_groups``), projected back to the width.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -16,7 +15,7 @@ from pydantic import PositiveInt
 from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
-from archlab.ops.common import float32_or_wider
+from archlab.ops.common import decay_parameters, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 
@@ -80,9 +79,7 @@ class Mamba2(nn.Module):
                                auto=("mamba_ssm",))
         self.in_proj = nn.Linear(ctx.d_model, self.inner + self.conv_dim + self.heads, bias=False)
         self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, spec.d_conv, groups=self.conv_dim, bias=True)
-        self.A_log = nn.Parameter(torch.empty(self.heads).uniform_(1, 16).log())
-        dt = torch.empty(self.heads).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+        self.A_log, self.dt_bias = decay_parameters(self.heads)
         self.D = nn.Parameter(torch.ones(self.heads))
         self.norm_weight = nn.Parameter(torch.ones(self.inner))
         self.out_proj = nn.Linear(self.inner, ctx.d_model, bias=False)

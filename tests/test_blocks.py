@@ -130,7 +130,7 @@ def test_moe_routes_bf16_tokens_as_float64_would(autocast):
     from archlab.spec import MoE
 
     torch.manual_seed(0)
-    moe = MoEFFN(64, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=16))
+    moe = MoEFFN(64, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=16), init_std=0.02)
     moe = moe if autocast else moe.bfloat16()
     tokens = torch.randn(16384, 64).bfloat16()
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):

@@ -254,6 +254,18 @@ def test_ssd_through_simple_gla_equals_the_ssd_ops(ngroups, init):
         state = new
 
 
+def test_ssd_through_simple_gla_passes_the_chunk_size():
+    """The scan's chunk size reaches the simple_gla op, by keyword (as fla's takes it)."""
+    seen = []
+
+    def op(*args, chunk_size, **kwargs):
+        seen.append(chunk_size)
+        return chunk_simple_gla(*args, chunk_size=chunk_size, **kwargs)
+
+    chunk_scan_from_gla(op)(**ssd_inputs(37, 1, False, (4,)), chunk_size=8)
+    assert seen == [8]
+
+
 def test_ssd_plain_dt_limit_and_state_flag():
     """No bias/softplus: dt is only clamped to dt_limit (mamba clamps unconditionally)."""
     i = ssd_inputs(37, 2, True, (4,))

@@ -1,8 +1,11 @@
-"""Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking)."""
+"""Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking,
+decay masks, decay parameter init)."""
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def float32_or_wider(dtype: torch.dtype) -> torch.dtype:
@@ -37,3 +40,19 @@ def to_chunks(x, C):
     x = x.transpose(1, 2)
     x = F.pad(x, (0, 0) * (x.dim() - 3) + (0, -x.shape[2] % C))
     return x.reshape(*x.shape[:2], -1, C, *x.shape[3:])
+
+
+def decay_matrix(G):
+    """exp(G_i - G_j) for j <= i, else 0: the causal decay mask within a chunk, from the cumulative
+    log-decays G [..., C]; returns [..., C, C]."""
+    C = G.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
+    return (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+
+def decay_parameters(heads: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """Mamba2's per-head (A_log, dt_bias) init: A = U(1, 16), dt log-uniform in [1e-3, 1e-1]
+    (at least 1e-4) stored as softplus^-1(dt); drawn in this order from the global generator."""
+    A_log = torch.empty(heads).uniform_(1, 16).log()
+    dt = torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+    return nn.Parameter(A_log), nn.Parameter(dt + torch.log(-torch.expm1(-dt)))

@@ -14,11 +14,8 @@ import importlib
 import importlib.util
 import warnings
 from functools import cache
-from typing import Literal
 
 from archlab.ops.ssd import chunk_scan_from_gla, state_update_from_gla
-
-Backend = Literal["auto", "torch", "fla", "mamba_ssm", "flash_attn", "flex"]
 
 # backend -> (module to import, pip package)
 PACKAGES = {"fla": ("fla", "flash-linear-attention"), "mamba_ssm": ("mamba_ssm", "mamba-ssm"), "flash_attn": ("flash_attn", "flash-attn")}

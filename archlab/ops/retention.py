@@ -10,7 +10,7 @@ v by keyword for a drop-in swap.
 """
 import torch
 
-from archlab.ops.common import float32_or_wider, setup_state, to_chunks, without_autocast
+from archlab.ops.common import decay_matrix, float32_or_wider, setup_state, to_chunks, without_autocast
 
 
 @without_autocast
@@ -25,8 +25,7 @@ def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_st
     q, k, v, g = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v, g))
     q = q * scale
     G = g.cumsum(-1)  # [B, H, N, C]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
+    decay = decay_matrix(G)  # exp(G_i - G_j), j <= i
     attn = q @ k.transpose(-1, -2) * decay
     o = []
     for n in range(q.shape[2]):
@@ -64,7 +63,7 @@ def _retention_g(q):
 def chunk_retention(q, k, v, scale=None, initial_state=None, output_final_state=False, chunk_size=64):
     """Multi-scale retention (chunked): chunk_simple_gla with g = log(gamma_h). Returns (o, final_state).
 
-    fla's kernel takes no chunk_size (it ignores unknown keywords), so pass it by keyword."""
+    fla's kernel takes chunk_size only as a keyword (a power of 2), so pass it by keyword."""
     return chunk_simple_gla(q, k, v, _retention_g(q), scale, initial_state, output_final_state, chunk_size)
 
 

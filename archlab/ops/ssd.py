@@ -9,7 +9,7 @@ Computed in fp32 (fp64 stays fp64), autocast or not; outputs keep x's dtype, sta
 import torch
 import torch.nn.functional as F
 
-from archlab.ops.common import float32_or_wider, without_autocast
+from archlab.ops.common import decay_matrix, float32_or_wider, to_chunks, without_autocast
 
 
 def _dt(dt, dt_bias, dt_softplus):
@@ -39,16 +39,11 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     xf = x.to(dtype)
     dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)  # clamped unconditionally, as the kernel
 
-    def chunks(t):  # [b, l, h, ...] -> [b, h, c, L, ...], zero-padded (dt = 0 makes padding a no-op)
-        t = t.transpose(1, 2)
-        t = F.pad(t, (0, 0) * (t.dim() - 3) + (0, -l % chunk_size))
-        return t.reshape(b, h, -1, chunk_size, *t.shape[3:])
-
-    X = chunks(xf * dt[..., None])
-    Bc, Cc = (chunks(t.to(dtype).repeat_interleave(h // t.shape[2], dim=2)) for t in (B, C))
-    Acum = chunks(dt * A.to(dtype)).cumsum(-1)  # [b, h, c, L]
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()
-    L = (Acum[..., :, None] - Acum[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(segsum)
+    # chunked [b, h, c, L, ...]; the zero padding has dt = 0, a no-op step
+    X = to_chunks(xf * dt[..., None], chunk_size)
+    Bc, Cc = (to_chunks(t.to(dtype).repeat_interleave(h // t.shape[2], dim=2), chunk_size) for t in (B, C))
+    Acum = to_chunks(dt * A.to(dtype), chunk_size).cumsum(-1)  # [b, h, c, L]
+    L = decay_matrix(Acum)  # exp(segsum)
     Y = (Cc @ Bc.transpose(-1, -2) * L) @ X  # intra-chunk outputs [b, h, c, L, p]
     states = X.transpose(-1, -2) @ (Bc * (Acum[..., -1:] - Acum).exp()[..., None])  # per-chunk [b, h, c, p, n]
     S = x.new_zeros(b, h, p, B.shape[-1], dtype=dtype) if initial_states is None else initial_states.to(dtype)
@@ -96,14 +91,16 @@ def chunk_scan_from_gla(chunk_simple_gla):
     """``mamba_chunk_scan_combined`` computed by a ``chunk_simple_gla`` (fla's kernel or ours).
 
     SSD is simple GLA with one decay per head and token (``_as_gla``), scale 1, the state stored
-    transposed ([K=n, V=p] against mamba's [p, n]); the D skip and z gate follow.
+    transposed ([K=n, V=p] against mamba's [p, n]); the D skip and z gate follow. ``chunk_size``
+    is passed on by keyword: both take it (fla 0.6 only a power of 2).
     """
 
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
         q, k, v, g = _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
         initial = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
-        y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial, output_final_state=return_final_states)
+        y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial, output_final_state=return_final_states,
+                                    chunk_size=chunk_size)
         out = _skip_and_gate(y.to(g.dtype), x.to(g.dtype), D, z).to(x.dtype)
         return (out, final.transpose(-1, -2)) if return_final_states else out
 

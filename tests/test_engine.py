@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import archlab
+from archlab.cache import CacheBytes
 from archlab.engine import Engine, Sampling
 from archlab.kv import CacheFull
 from conftest import TINY, ids, tiny_model
@@ -88,7 +89,8 @@ def test_cache_layout_follows_the_architecture():
         cache = Engine(model).new_cache(sequences=1, capacity=100)
         layouts[name] = (len(cache.global_kv), len(cache.layers), cache.bytes_per_sequence())
     per_layer = 100 * 2 * 2 * 16 * 4  # rows x (K, V) x kv heads x head dim x fp32
-    assert layouts["transformer"] == (0, 4, layouts["transformer"][2]) and layouts["transformer"][2].global_ == 4 * per_layer
+    # no global K,V, a state per layer, and bytes: 4 layers' full-attention K,V, all growing, nothing local
+    assert layouts["transformer"] == (0, 4, CacheBytes(global_=4 * per_layer, local=0))
     assert layouts["universal-transformer"][2].global_ == 2 * 4 * per_layer  # a KV cache per (pass, layer)
     assert layouts["rins"][2].global_ == (3 * 2 + 2) * per_layer
     assert layouts["parscale"][2].global_ == 2 * 4 * per_layer  # the P streams' caches

@@ -41,11 +41,15 @@ def test_t1_twin_of_yoco_u_is_yoco():
     torch.testing.assert_close(twin(tokens), yoco(tokens), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("path", LOOPED, ids=ids(LOOPED))
-def test_gradients_reach_shared_weights_from_every_iteration(path):
+@pytest.mark.parametrize(
+    "path, loop",  # and an attention loop sharing its own K,V (kv_memo), which no tiny spec has
+    [(p, {}) for p in LOOPED] + [(ROOT / "specs/tiny/rins.yaml", {"kv_cache": "shared"})],
+    ids=ids(LOOPED) + ["tiny/rins-shared-kv"],
+)
+def test_gradients_reach_shared_weights_from_every_iteration(path, loop):
     """Per application of a looped layer, recompute its weight-gradient contribution from the
     captured input and output gradient; each is nonzero and together they sum to the tied grad."""
-    spec = archlab.load_spec(path)
+    spec = with_loop(archlab.load_spec(path), **loop) if loop else archlab.load_spec(path)
     model = archlab.build_model(spec).double()
     start, end = spec.loop_range()
     layer = model.layers[start]
@@ -67,8 +71,14 @@ def test_gradients_reach_shared_weights_from_every_iteration(path):
     total = [torch.zeros_like(w) for w in weights]
     for i, call in enumerate(calls):
         x, inp = call["x"].detach().requires_grad_(), call["inp"]
+        # the global K,V (shared or not) is projected outside the layer: a constant here
         kv = inp.global_kv and tuple(t.detach() for t in inp.global_kv)
-        memo = {"kv": tuple(t.detach() for t in inp.kv_memo["kv"])} if inp.kv_memo and i > 0 else None
+        memo = None
+        if inp.kv_memo and i > 0:
+            # K,V shared from the first iteration: rebuild them from that iteration's input, so this
+            # application's gradient through them to the layer's norm and K,V projection is counted here
+            memo, first = {}, calls[0]
+            layer(first["x"].detach(), replace(first["inp"], global_kv=kv, kv_memo=memo), [])
         aux_losses = []  # MoE's balance loss reaches the router directly, not through the output
         out = layer(x, replace(inp, global_kv=kv, kv_memo=memo), aux_losses)
         objective = (out * call["grad"]).sum() + sum(aux_losses)
@@ -79,8 +89,7 @@ def test_gradients_reach_shared_weights_from_every_iteration(path):
         assert mixer_weight["ffn_norm.weight"].abs().sum() > 0
         total = [t + (c if c is not None else 0) for t, c in zip(total, contribution)]
     for w, t in zip(weights, total):
-        if not spec.loop.kv_cache == "shared":  # shared K,V adds a path through the first iteration's memo
-            torch.testing.assert_close(w.grad, t, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(w.grad, t, rtol=1e-9, atol=1e-12)
 
 
 def count_calls(module):
@@ -108,10 +117,14 @@ def test_upper_loop_shares_one_global_kv_or_projects_one_per_iteration():
 def test_shared_kv_in_an_attention_loop_writes_k_v_once():
     rins = archlab.load_spec(ROOT / "specs/tiny/rins.yaml")
     tokens = torch.randint(0, 256, (1, 20))
-    outs = []
+    outs, weights = [], None
     for kv_cache in ("per_iteration", "shared"):
         spec = with_loop(rins, kv_cache=kv_cache)
         model = archlab.build_model(spec)
+        if weights is None:
+            weights = model.state_dict()
+        else:  # same weights: a difference can only come from the cache rule
+            model.load_state_dict(weights)
         qkv_calls = count_calls(model.layers[0].mixer.qkv_proj)  # later shared iterations project q alone
         outs.append(model(tokens))
         assert len(qkv_calls) == (3 if kv_cache == "per_iteration" else 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from functools import cache
 from importlib.metadata import EntryPoint, entry_points
 from typing import get_args
@@ -13,36 +14,56 @@ GROUP = "archlab.blocks"
 
 
 class RegistryError(Exception):
-    """An installed block plugin is broken (not a spec class, or a name that disagrees with it)."""
+    """No block can be used: none is registered, or a built model's block breaks the protocol."""
+
+
+class BrokenPlugin(UserWarning):
+    """An installed block plugin that cannot be used, left out (a spec naming it says so)."""
+
+
+def _is_archlab(ep: EntryPoint) -> bool:
+    return ep.dist is not None and ep.dist.name == "archlab"
 
 
 @cache
 def block_specs() -> dict[str, type[BlockSpec]]:
-    """Map of block ``type`` name to its spec class, from the installed entry points."""
+    """Map of block ``type`` name to its spec class, from the installed entry points. A broken
+    plugin is left out with a notice naming what is wrong, rather than failing every command."""
     named: dict[str, dict[str, EntryPoint]] = {}
     for ep in entry_points(group=GROUP):
         named.setdefault(ep.name, {})[ep.value] = ep  # one package seen twice on the path counts once
     found: dict[str, type[BlockSpec]] = {}
     for name, points in sorted(named.items()):
         if len(points) > 1:  # else one would silently replace the other, whichever the path lists last
-            raise RegistryError(f"block type {name!r} is registered more than once ({', '.join(sorted(points))}); a plugin"
-                                " must take a name of its own")
+            own = [ep for ep in points.values() if _is_archlab(ep)]
+            kept = f"; archlab's own {own[0].value} is kept" if own else "; none of them is used"
+            warnings.warn(f"block type {name!r} is registered more than once ({', '.join(sorted(points))}); a plugin"
+                          f" must take a name of its own{kept}", BrokenPlugin, stacklevel=2)
+            if not own:
+                continue
+            points = {own[0].value: own[0]}
         (ep,) = points.values()
-        try:
-            cls = ep.load()
-        except (Exception, SystemExit) as exc:  # a broken plugin names itself instead of killing every command
-            raise RegistryError(f"block plugin {ep.name!r} ({ep.value}) failed to import: {type(exc).__name__}: {exc}") from exc
-        if not (isinstance(cls, type) and issubclass(cls, BlockSpec)):
-            raise RegistryError(f"block plugin {ep.name!r} ({ep.value}) is not a subclass of archlab.BlockSpec")
-        if inspect.isabstract(cls):
-            raise RegistryError(f"block plugin {ep.name!r} ({ep.value}) does not define {', '.join(sorted(cls.__abstractmethods__))},"
-                                " which every block spec must")
-        tags = get_args(cls.model_fields["type"].annotation)
-        if tags != (ep.name,):
-            raise RegistryError(
-                f"block plugin {ep.name!r} ({ep.value}) must declare type: Literal[{ep.name!r}], has {tags}"
-            )
-        found[ep.name] = cls
+        why = _load(ep)
+        if isinstance(why, str):
+            warnings.warn(f"block plugin {ep.name!r} ({ep.value}) {why}; it is left out", BrokenPlugin, stacklevel=2)
+            continue
+        found[ep.name] = why
     if not found:
         raise RegistryError(f"no blocks registered under the {GROUP!r} entry-point group; is archlab installed?")
     return found
+
+
+def _load(ep: EntryPoint) -> type[BlockSpec] | str:
+    """The plugin's spec class, or why it cannot be used."""
+    try:
+        cls = ep.load()
+    except (Exception, SystemExit) as exc:  # a broken plugin names itself instead of killing every command
+        return f"failed to import: {type(exc).__name__}: {exc}"
+    if not (isinstance(cls, type) and issubclass(cls, BlockSpec)):
+        return "is not a subclass of archlab.BlockSpec"
+    if inspect.isabstract(cls):
+        return f"does not define {', '.join(sorted(cls.__abstractmethods__))}, which every block spec must define"
+    tags = get_args(cls.model_fields["type"].annotation)
+    if tags != (ep.name,):
+        return f"must declare type: Literal[{ep.name!r}], has {tags}"
+    return cls

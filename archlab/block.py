@@ -155,10 +155,10 @@ class BlockSpec(Strict):
         """Return the mixer module, which has
 
         - ``forward(x [B, N, D], inp: MixerInput) -> [B, N, D]``, and
-        - ``new_state(batch, capacity, dtype) -> dict[str, Tensor]``: its empty inference state,
-          zeros (a prefill empties a used cache by zeroing it), for sequences of up to ``capacity``
-          tokens (``{}`` for a stateless mixer). Every tensor
-          in it counts towards the cache bytes, so keep bookkeeping out of it.
+        - ``new_state(batch, capacity, dtype) -> dict[str, Tensor]``: its inference state before
+          any token (a prefill puts a used cache's back to it), for sequences of up to
+          ``capacity`` tokens (``{}`` for a stateless mixer). Every tensor in it counts towards
+          the cache bytes, so keep bookkeeping out of it.
         """
 
 

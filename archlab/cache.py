@@ -61,6 +61,13 @@ class Cache:
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
 
+        def initial(key: tuple[int, int, int], rows: int) -> State:
+            with torch.device(device):
+                return model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
+
+        self._initial = initial  # a layer's state as new_state makes it, for start_over
+        self.fresh = True  # nothing fed into it yet (the engine says when)
+
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
         def size(state: State) -> int:
@@ -78,12 +85,15 @@ class Cache:
         return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
 
     def start_over(self) -> None:
-        """Empty the states that do not grow, in place (a captured CUDA graph keeps their memory):
-        a prefill starts its sequences at position 0, where a recurrent state left by an earlier
-        use would carry on silently. A growing K,V needs nothing: its old rows lie past the new
-        positions, and each is written before it is read."""
-        for tensor in self.local_tensors():
-            tensor.zero_()
+        """Put the states that do not grow back as ``new_state`` made them, in place (a captured
+        CUDA graph keeps their memory): a prefill starts its sequences at position 0, where a
+        recurrent state left by an earlier use would carry on silently. A growing K,V needs
+        nothing: its old rows lie past the new positions, and each is written before it is read."""
+        for key, state in self.layers.items():
+            if not self._grows[key]:
+                for name, tensor in self._initial(key, len(next(iter(state.values())))).items():
+                    state[name].copy_(tensor)
+        self.fresh = True
 
     def reserve(self, ends: torch.Tensor, span: int) -> None:
         """Make room for positions below ends [rows], at most ``span`` past the last call's

@@ -29,7 +29,7 @@ from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError
-from archlab.train.config import SEED_LIMIT
+from archlab.train.config import MAX_STEPS, SEED_LIMIT
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -455,7 +455,6 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
     step still trains one, and says so on ``say``."""
     from archlab.cost import Cost
     from archlab.table import si
-    from archlab.train.config import MAX_STEPS
 
     if tokens is None and flops is None:
         return steps or cfg.steps
@@ -489,7 +488,7 @@ def train(
     data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3 (on --resume, the optimizer, schedule and intervals only)")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="optimizer steps")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, max=MAX_STEPS, help="optimizer steps")] = None,
     tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B, T = 1e3, 1e6, 1e9, 1e12)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,

@@ -147,6 +147,7 @@ class Engine:
         steps = self.model.plan.steps if full else self.model.plan.prefill_steps
         positions = self._positions(start, tokens.shape[1])
         cache.reserve(positions[:, -1] + 1, tokens.shape[1])
+        cache.fresh = False
         x = self.model.run(x, positions, steps, cache)
         return self.model.logits(x[:, -1:])[:, -1] if full else None
 
@@ -204,7 +205,8 @@ class Engine:
 
     @torch.no_grad()
     def _prefill(self, prompts: list[torch.Tensor], cache: Cache) -> torch.Tensor:
-        cache.start_over()  # a cache used before starts its sequences afresh
+        if not cache.fresh:  # a cache used before starts its sequences afresh
+            cache.start_over()
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         for length in lengths.unique().tolist():
             group = (lengths == length).nonzero()[:, 0]

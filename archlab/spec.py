@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator
 
 from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict
 from archlab.registry import block_specs
@@ -138,8 +138,17 @@ class Half(Strict):
     """A run of layers: ``blocks`` is a pattern repeated over ``n_layers`` (e.g. [gdn, gdn, swa])."""
 
     n_layers: PositiveInt
-    blocks: tuple[Block, ...] = Field(min_length=1)
+    blocks: tuple[Block, ...]
     position: Position = RoPE(type="rope")
+
+    @field_validator("blocks")
+    @classmethod
+    def _some(cls, blocks: tuple) -> tuple:
+        """At least one block: checked after the blocks themselves (a tuple's min_length would also
+        count a list whose one block is invalid as empty, and say so under the block's own error)."""
+        if not blocks:
+            raise ValueError("give at least one block")
+        return blocks
 
     def block_at(self, i: int) -> BlockSpec:
         return self.blocks[i % len(self.blocks)]
@@ -149,7 +158,7 @@ class CrossHalf(Half):
     """The YOCO cross-decoder: by default plain cross-attention to the global K,V, without RoPE."""
 
     blocks: tuple[Block, ...] = Field(
-        default_factory=lambda: [{"type": "cross_attention"}], min_length=1, validate_default=True
+        default_factory=lambda: [{"type": "cross_attention"}], validate_default=True
     )
     position: Position = NoPosition(type="none")
 
@@ -562,9 +571,14 @@ def _describe(err: dict) -> str:
     return msg
 
 
+def _unions() -> dict[str, Any]:
+    """The keys that hold a tagged union (each of which a shorthand string may stand for)."""
+    return {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
+
+
 def _kinds(loc: tuple, tag: str) -> list[str]:
     """The tags a discriminated union at ``loc`` takes: of the union its nearest named key holds."""
-    unions = {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
+    unions = _unions()
     key = next((part for part in reversed(loc) if part in unions), None)
     if key is None:
         return []
@@ -592,7 +606,7 @@ def validate_as(cls: type[M], data: dict, source: str, origins: dict[str, str] |
 
 def _with_origin(problem: Problem, source: str, origins: dict[str, str]) -> Problem:
     origin = _origin(problem.loc, origins)
-    return problem if origin in (None, source) else Problem(problem.loc, f"{problem.msg} (set in {origin})")
+    return problem if origin is None or Path(origin) == Path(source) else Problem(problem.loc, f"{problem.msg} (set in {origin})")
 
 
 def load_yaml(path: str | Path, origins: dict[str, str] | None = None) -> dict:
@@ -619,7 +633,7 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             if not part.isdigit() or int(part) >= len(node):
                 raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
             part = int(part)
-        elif isinstance(node, str):  # a shorthand such as a block named by its type alone
+        elif isinstance(node, str) and _holder(parts[:depth]) in _unions():  # a shorthand, such as a block named by its type
             field = f"{part}: {_flow(value)}" if last else f"{part}: ..."
             tag = "position" if parts[depth - 1] == "loop" else "type"
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is the shorthand {node!r}: to set {part!r} in it, give the "
@@ -653,8 +667,16 @@ def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | 
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
         data = set_dotted(data, key, parsed)
         if origins is not None:
-            _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
+            at = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key)
+            for replaced in [path for path in origins if path == at or path.startswith((at + ".", at + "["))]:
+                del origins[replaced]  # what the file said there is gone
+            _note(parsed, "--set", origins, at)
     return data
+
+
+def _holder(path: list[str]) -> str | None:
+    """The named key a dotted path ends in, past list indices (``blocks`` for ``...blocks.0``)."""
+    return next((part for part in reversed(path) if not part.isdigit()), None)
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> ModelSpec:

@@ -349,6 +349,7 @@ BAD_OPTIONS = [
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "1e300"], "--flops 1e+300 buys 3.31e+290 steps"),
     (["train", SPEC, "--out", "{tmp}/run", "--tokens", "999999T"], "more than the 1e+12 a run may take; check its units"),
+    (["train", SPEC, "--out", "{tmp}/run", "--steps", "2000000000000"], "Invalid value for '--steps'"),
     (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),

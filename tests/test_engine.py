@@ -214,6 +214,41 @@ def test_a_cache_used_before_starts_its_sequences_afresh(name, page_size):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+class RunningMax(torch.nn.Module):
+    """A mixer whose empty state is not zeros: the running maximum of its input, from -inf."""
+
+    def __init__(self, d_model):
+        super().__init__()
+        self.proj = torch.nn.Linear(d_model, d_model, bias=False, dtype=torch.float64)
+
+    def new_state(self, batch, capacity, dtype):
+        return {"max": torch.full((batch, self.proj.in_features), float("-inf"), dtype=dtype)}
+
+    def forward(self, x, inp):
+        if inp.state is not None:
+            x = torch.cat([inp.state["max"][:, None], x], 1)
+        peak = x.cummax(1).values[:, -inp.positions.shape[-1]:]
+        if inp.state is not None:
+            inp.state["max"].copy_(peak[:, -1])
+        return self.proj(peak)
+
+
+def test_a_state_that_starts_other_than_zero_starts_as_new_state_made_it():
+    """A cache starts over as its layers' new_state made it, not at zeros: a fresh cache is left
+    as made, and one used before is put back."""
+    spec, model = tiny_model("yoco")
+    model = model.to(torch.float64).eval()
+    model.layers[0].mixer = RunningMax(spec.d_model)
+    engine = Engine(model)
+    first, second = prompts_for(spec, (12,)), prompts_for(spec, (9,))
+    with torch.no_grad():
+        expected = model(second[0][None])[0, -1]
+    cache = engine.new_cache(1, 20)
+    for prompt in (first, second):  # the second prefill reuses the cache the first one filled
+        logits = engine.prefill(prompt, cache)
+    torch.testing.assert_close(logits[0], expected, rtol=0, atol=1e-12)
+
+
 def test_generate_refuses_a_prompt_of_no_tokens(cli):
     """Not a silent token 0: a run's tokenizer has no beginning-of-text token to start from."""
     code, out, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "", "--max-new-tokens", "2")

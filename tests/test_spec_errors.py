@@ -101,6 +101,8 @@ CASES = [
     ("extends too deep", {**{f"s{i}.yaml": f"extends: s{i + 1}.yaml\nname: x\n" for i in range(1200)}, "s1200.yaml": BASE}, "s0.yaml",
      ["extends", "a chain of more than 100 files"]),
     ("missing spec file", {}, "absent.yaml", ["absent.yaml", "not found"]),
+    ("no blocks", {"s.yaml": STACK.replace("[{type: attention, n_heads: 4}]", "[]")}, "s.yaml",
+     ["layout.layers.blocks: Value error, give at least one block"]),
     ("block without a type", {"s.yaml": BASE.replace("{type: swa, window: 8, n_heads: 4}", "{window: 8}")}, "s.yaml",
      ["layout.self_decoder.blocks[0]: missing 'type', which says what kind this is (one of: attention, cross_attention, gdn,"]),
     ("loop without a position", {"s.yaml": BASE + "loop: {times: 2}\n"}, "s.yaml",
@@ -139,6 +141,7 @@ def test_malformed_spec_message(tmp_path, name, files, target, fragments):
         assert fragment in message, f"{fragment!r} missing from:\n{message}"
     if not any("(set in" in fragment for fragment in fragments):
         assert "(set in" not in message  # only a value from another file is traced to it
+    assert "after validation" not in message  # a list whose one block is bad is not also called empty
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -149,6 +152,17 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert len(caught.value.problems) == 2
 
 
+def test_a_value_an_override_replaced_is_not_traced_to_the_file(tmp_path):
+    (tmp_path / "base.yaml").write_text(STACK.replace("n_heads: 4}", "n_heads: 4, head_dim: 8}"))
+    (tmp_path / "s.yaml").write_text("extends: base.yaml\nname: c\n")
+    with pytest.raises(archlab.SpecError) as caught:  # head_dim is derived now (32 // 32): neither file set it
+        archlab.load_spec(tmp_path / "s.yaml", ["layout.layers.blocks=[{type: attention, n_heads: 32}]"])
+    assert "head_dim: RoPE needs an even head_dim, got 1" in str(caught.value) and "(set in" not in str(caught.value)
+    with pytest.raises(archlab.SpecError) as caught:  # an inherited value overridden is the override's
+        archlab.load_spec(tmp_path / "s.yaml", ["layout.layers.blocks.0.head_dim=7"])
+    assert "got 7 (set in --set)" in str(caught.value)
+
+
 def test_override_inside_a_shorthand_names_the_whole_item_form():
     spec = ROOT / "specs" / "tiny" / "yoco-u.yaml"  # its cross-decoder block is the shorthand cross_attention
     with pytest.raises(archlab.SpecError) as caught:
@@ -157,6 +171,9 @@ def test_override_inside_a_shorthand_names_the_whole_item_form():
     assert hint in str(caught.value)
     override = hint.replace("'", "")
     assert archlab.load_spec(spec, [override]).layout.cross_decoder.blocks[0].backend == "flex"  # the hint works
+    with pytest.raises(archlab.SpecError) as caught:  # a plain string field is no shorthand
+        archlab.load_spec(spec, ["name.x=1"])
+    assert "name: is 'yoco-u', not a mapping or list" in str(caught.value)
     with pytest.raises(archlab.SpecError) as caught:  # outside a list too (it was replaced by {theta: ...}, then "missing 'type'")
         archlab.load_spec(spec, ["layout.cross_decoder.position.theta=5e5"])
     assert "layout.cross_decoder.position: is the shorthand 'none': to set 'theta' in it, give the item whole" in str(caught.value)

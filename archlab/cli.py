@@ -26,7 +26,7 @@ from archlab.kv import PAGE_KERNELS
 from archlab.model import build_model
 from archlab.registry import RegistryError, block_specs
 from archlab.block import Problem
-from archlab.spec import ModelSpec, SpecError, differences, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError
 from archlab.train.config import MAX_STEPS, SEED_LIMIT
@@ -495,7 +495,7 @@ def train(
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
     from archlab.train.checkpoint import CheckpointError, checkpoints
-    from archlab.train.config import RESUMABLE, changes, load_config
+    from archlab.train.config import load_config
     from archlab.train.data import DataError
     from archlab.train.trainer import Trainer, TrainError
 
@@ -515,15 +515,10 @@ def train(
                 raise TrainError(f"nothing to resume in {out}: no config.yaml")
             trained = load_spec(out / RUN_SPEC)
             if trained != spec:
-                changed = [f"{path} {was} -> {now}" for path, (was, now) in
-                           differences(trained.model_dump(mode="json"), spec.model_dump(mode="json")).items()]
+                changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))
                 raise TrainError(f"{out} was trained with a different spec than {spec_path}: {'; '.join(changed[:5])}"
                                  f"{'; ...' if len(changed) > 5 else ''}")
-            cfg = load_config(str(saved), set_ or [])
-            fixed = [key for key in changes(load_config(str(saved)), cfg) if key.split(".")[0] not in RESUMABLE]
-            if fixed:
-                raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
-                                 f" it computes them; a resume may --set {', '.join(RESUMABLE)}")
+            cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
         else:
             cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})

@@ -483,15 +483,13 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
     merged = _deep_merge(_read_yaml(path.parent / parent, (*chain, path), origins), data)
     _note(data, str(path), origins)  # after the ancestors: what this file sets overrides theirs
-    present: dict[str, str] = {}
-    _note(merged, "", present)
-    for gone in origins.keys() - present.keys():  # an ancestor's values that this file replaced whole
-        del origins[gone]
     return merged
 
 
 def _note(data: Any, source: str, origins: dict[str, str], at: str = "") -> None:
-    """Record ``source`` as where each value in ``data`` was set, under its path as errors print it."""
+    """Record ``source`` as where each value in ``data`` was set, under its path as errors print it.
+    A value a later file or override replaced whole keeps its entry, but is no longer in the data:
+    ``validate_as`` traces only values that are."""
     origins.update((path, source) for path, _ in leaves(data, at))
 
 
@@ -525,10 +523,12 @@ def differences(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
     return {path: pair for path, pair in pairs.items() if pair[0] != pair[1]}
 
 
-def _origin(loc: str, origins: dict[str, str]) -> str | None:
-    """The file that set the value a problem at ``loc`` is about, if a file set that value itself
-    (not one the problem is derived from, such as a head count from d_model)."""
-    return origins.get(loc)
+def describe_differences(old: Any, new: Any) -> list[str]:
+    """``differences`` as lines ``path old -> new`` (floats to 6 significant digits)."""
+    def shown(value: Any) -> str:
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+
+    return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in differences(old, new).items()]
 
 
 def _loc(parts: tuple, data: Any) -> str:
@@ -600,12 +600,15 @@ def validate_as(cls: type[M], data: dict, source: str, origins: dict[str, str] |
     else:
         found = obj.problems() if hasattr(obj, "problems") else []
     if found:
-        raise SpecError(source, [_with_origin(p, source, origins or {}) for p in found]) from None
+        traced = {path: origins[path] for path, _ in leaves(data) if path in (origins or {})}
+        raise SpecError(source, [_with_origin(p, source, traced) for p in found]) from None
     return obj
 
 
 def _with_origin(problem: Problem, source: str, origins: dict[str, str]) -> Problem:
-    origin = _origin(problem.loc, origins)
+    """The problem, naming the file that set its very value where that is another (not a file that
+    set a value it is derived from, such as a head count from d_model)."""
+    origin = origins.get(problem.loc)
     return problem if origin is None or Path(origin) == Path(source) else Problem(problem.loc, f"{problem.msg} (set in {origin})")
 
 
@@ -667,10 +670,7 @@ def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | 
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
         data = set_dotted(data, key, parsed)
         if origins is not None:
-            at = re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key)
-            for replaced in [path for path in origins if path == at or path.startswith((at + ".", at + "["))]:
-                del origins[replaced]  # what the file said there is gone
-            _note(parsed, "--set", origins, at)
+            _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
     return data
 
 

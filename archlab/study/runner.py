@@ -32,7 +32,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from archlab.spec import differences
+from archlab.spec import describe_differences
 from archlab.study.definition import Study
 from archlab.train.data import prepare
 from archlab.train.trainer import TrainError, Trainer
@@ -64,13 +64,6 @@ class StudyChanged(StorageError):
     """The storage holds trials that trained under another definition of the study."""
 
 
-def _differences(old: dict, new: dict) -> list[str]:
-    def shown(value) -> str:
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-    return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in differences(old, new).items()]
-
-
 def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
     """Refuse a storage whose trials trained under another definition (another spec, training
     config, learning rate or step count for the same variant, seed and lr slot): their results
@@ -84,7 +77,7 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
         kept = trial.user_attrs
         recorded = kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept})
         current = study.setup(key[0], key[2])
-        if differences := _differences(recorded, {name: current.get(name) for name in recorded}):
+        if differences := describe_differences(recorded, {name: current.get(name) for name in recorded}):
             changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {'; '.join(differences[:3])}"
                            + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
     if changed:

@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
+from archlab.cost import TRAINING_LENGTH
 from archlab.spec import SpecError, apply_overrides, differences, load_yaml, validate_as
 
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
@@ -79,7 +80,7 @@ class TrainConfig(Strict):
     steps: int = Field(200, gt=0, le=MAX_STEPS)
     batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
     micro_batch_size: PositiveInt = 16  # sequences per forward pass per process
-    seq_len: int = Field(128, ge=2)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
+    seq_len: int = Field(128, ge=TRAINING_LENGTH)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     grad_clip: float = Field(1.0, ge=0)  # 0: off

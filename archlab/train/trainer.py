@@ -30,7 +30,7 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
-from archlab.train.config import TrainConfig, changes, load_config
+from archlab.train.config import RESUMABLE, TrainConfig, changes, load_config
 from archlab.train.data import CORPUS_FILES, Batch, prepare
 
 
@@ -139,6 +139,7 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
+        self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_start_run_dir)
 
     def _refuse_untrainable_kernels(self) -> None:
         """Choose every block's kernels now, so that one which cannot train here fails before the run
@@ -174,6 +175,12 @@ class Trainer:
         if not found:
             start_over = "" if metrics.exists() else "; start it without --resume"
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
+        recorded = load_config(str(self.run_dir / "config.yaml"))
+        self.recorded = recorded.model_copy(update={"data": recorded.data.anchored()})  # as self.cfg holds it
+        fixed = [key for key in changes(self.recorded, self.cfg) if key.split(".")[0] not in RESUMABLE]
+        if fixed:
+            raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
+                             f" it computes them; a resume may --set {', '.join(RESUMABLE)}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
@@ -227,11 +234,9 @@ class Trainer:
     def _adopt_config(self, step: int, steps: int) -> None:
         """Resuming with a new total or ``--set`` values: say what changes, with the learning rate of
         the next step (the schedule is a function of the step and the total), and record them."""
-        if not self.world.main:  # the first process alone reads and writes the run directory's files
+        if not self.world.main:  # the first process alone writes the run directory's files
             return
-        planned = load_config(str(self.run_dir / "config.yaml"))
-        planned = planned.model_copy(update={"data": planned.data.anchored()})
-        now = self.cfg.model_copy(update={"steps": steps})
+        planned, now = self.recorded, self.cfg.model_copy(update={"steps": steps})
         changed = changes(planned, now)
         if not changed:
             return

@@ -577,3 +577,28 @@ def test_compiled_layers_train_as_eager(tmp_path):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
     assert runs[True][-1]["eval_loss"] == pytest.approx(runs[False][-1]["eval_loss"], rel=1e-5)
+
+
+def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatch):
+    """tokens/s in a logged record is the mean over the steps it stands for, not its own step's."""
+    import types
+
+    import archlab
+    from archlab.train import trainer as trainer_module
+
+    durations = iter([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    clock = types.SimpleNamespace(now=0.0, started=False)
+
+    def perf_counter():  # a step's end is its start plus the next duration
+        if clock.started:
+            clock.now += next(durations)
+        clock.started = not clock.started
+        return clock.now
+
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml")
+    cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 2, "seq_len": 16, "data": {"source": "mqar"},
+                                      "eval_interval": 100, "eval_batches": 1, "log_interval": 3})
+    records = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True)).fit(6)
+    assert [r["step"] for r in records] == [3, 6]
+    assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]

@@ -318,6 +318,7 @@ class Trainer:
         live = self.console.is_interactive  # a terminal; a log file gets a plain line per logged step instead
         with Progress(*columns, console=self.console, disable=not (live and self.world.main)) as progress:
             task = progress.add_task("train", total=steps, completed=start, status="")
+            timed_steps, timed_seconds = 0, 0.0  # training steps since the last logged one, and their time
             for step in range(start, steps):
                 began = time.perf_counter()
                 record = self._step(step, steps, data, model)
@@ -327,10 +328,10 @@ class Trainer:
                             f" --resume --set optimizer.lr=...)" if last_saved else "no checkpoint had been written")
                     what = "loss" if bad == "loss" else "gradient norm"
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it, {kept}")
-                elapsed = time.perf_counter() - began
-                record["tok_s"] = self.tokens_per_step / elapsed
+                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
+                record["tok_s"] = self.tokens_per_step * timed_steps / timed_seconds  # evaluations and saves not counted
                 if self.peak:
-                    record["mfu"] = self.flops_per_step / elapsed / self.peak
+                    record["mfu"] = self.flops_per_step * timed_steps / timed_seconds / self.peak
                 done = step + 1
                 if on_step is not None:
                     on_step(done, record)
@@ -339,6 +340,7 @@ class Trainer:
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:
                     self._log(record)
                     records.append(record)
+                    timed_steps, timed_seconds = 0, 0.0
                     if not live:
                         self._say(f"step {done}/{steps}  {status_line(record)}")
                 if on_eval is not None and "eval_loss" in record:

@@ -647,6 +647,10 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             node[part] = value
         else:
             if isinstance(node, dict) and node.get(part) is None:  # a value there (a shorthand) is named next round
+                if parts[depth + 1].isdigit():
+                    where = ".".join(parts[: depth + 1])
+                    raise SpecError(key, [Problem(where, f"is not given, so its item {parts[depth + 1]} cannot be set alone:"
+                                                         f" give it whole, as {where}=[...]")])
                 node[part] = {}
             node = node[part]
     return data

@@ -179,6 +179,14 @@ def test_override_inside_a_shorthand_names_the_whole_item_form():
     assert "layout.cross_decoder.position: is the shorthand 'none': to set 'theta' in it, give the item whole" in str(caught.value)
 
 
+def test_an_item_of_a_list_not_given_is_refused_with_the_whole_form(cli, tmp_path):
+    """A list left to its default cannot be set an item at a time (it read as a mapping {0: ...})."""
+    code, _, stderr = cli("train", ROOT / "specs" / "tiny" / "transformer.yaml", "--out", tmp_path / "run", "--steps", "1",
+                          "--set", "optimizer.betas.0=0.8")
+    assert code != 0 and not (tmp_path / "run").exists()
+    assert "optimizer.betas: is not given, so its item 0 cannot be set alone: give it whole, as optimizer.betas=[...]" in stderr
+
+
 @pytest.mark.parametrize("d_model,divisors", [
     (32, [1, 2, 4, 8, 16, 32]),
     (720720, [h for h in range(1, 720721) if 720720 % h == 0][:12]),

@@ -235,17 +235,31 @@ def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
-def test_a_trial_claimed_by_a_worker_that_died_before_training_goes_stale(tmp_path):
+def test_a_trial_taken_by_a_worker_that_died_before_training_goes_stale_even_mid_claim(tmp_path):
     study, out = load_study(str(mini(tmp_path, "claimed"))), tmp_path / "out"
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=1)
     claimed = claim(optuna_study, url, out)  # the worker dies here, before its heartbeat thread starts
+    storage, taken = optuna_study._storage, []
+
+    class Killed(BaseException):
+        pass
+
+    def killed_once_taken(trial_id, state, values=None):  # a kill inside the claim, right after the take
+        taken.append(trial_id)
+        assert type(storage).set_trial_state_values(storage, trial_id, state, values)
+        raise Killed
+
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(Killed):
+        patch.setattr(storage, "set_trial_state_values", killed_once_taken)
+        claim(optuna_study, url, out)
     time.sleep(3)  # past the grace period (SQLite's clock counts whole seconds)
     fail_stale_trials(optuna_study)  # what the next worker does first
-    stale = optuna_study._storage.get_trial(claimed)
-    retry = [t for t in optuna_study.get_trials() if t.system_attrs.get("failed_trial") == stale.number]
-    assert stale.state.name == "FAIL" and len(retry) == 1 and retry[0].state.name == "WAITING"
-    assert planned_as(retry[0]) == planned_as(stale)
+    for dead in (claimed, *taken):
+        stale = optuna_study._storage.get_trial(dead)
+        retry = [t for t in optuna_study.get_trials() if t.system_attrs.get("failed_trial") == stale.number]
+        assert stale.state.name == "FAIL" and len(retry) == 1 and retry[0].state.name == "WAITING"
+        assert planned_as(retry[0]) == planned_as(stale)
 
 
 CLAIMER = """

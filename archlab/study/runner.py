@@ -211,15 +211,21 @@ class NotPlanned(Exception):
 
 def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
     """Fail the trials of dead workers (queued again), then take a waiting trial (None when none is
-    waiting). It beats at once: a running trial that never beat is never found stale, so a worker
-    dying before its first beat would leave it running for ever. Optuna makes a claim one worker's
-    with SELECT ... FOR UPDATE, which SQLite ignores: there both steps hold the folder's lock."""
+    waiting). A trial beats before it is taken: a running trial that never beat is never found
+    stale, so a worker dying between taking a trial and its first beat would leave it running for
+    ever. Optuna makes a take one worker's with SELECT ... FOR UPDATE, which SQLite ignores: there
+    both steps hold the folder's lock."""
+    storage = optuna_study._storage
     with nullcontext() if url.startswith("postgresql") else folder_lock(out):
         fail_stale_trials(optuna_study)
-        trial_id = optuna_study._pop_waiting_trial_id()
-        if trial_id is not None:
-            optuna_study._storage.record_heartbeat(trial_id)
-    return trial_id
+        for waiting in storage.get_all_trials(optuna_study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+            storage.record_heartbeat(waiting._trial_id)  # a beat on a waiting trial is not looked at
+            try:
+                if storage.set_trial_state_values(waiting._trial_id, state=TrialState.RUNNING):
+                    return waiting._trial_id
+            except UpdateFinishedTrialError:  # failed meanwhile by another worker
+                continue
+    return None
 
 
 def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:

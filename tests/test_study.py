@@ -466,9 +466,42 @@ def test_a_median_pruner_weighs_a_trial_against_its_own_variant():
     running = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 5.05, 4: 5.05})
     median = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     assert median.prune(study, running)  # pooled: 5.05 is above the median of all four
-    assert not SameVariant(median).prune(study, running)
+    assert not SameVariant(lambda: median).prune(study, running)
     worse = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 6.0, 4: 6.0})
-    assert SameVariant(median).prune(study, worse)
+    assert SameVariant(lambda: median).prune(study, worse)
+
+
+def _runs(pruner, runs):
+    """How each (variant, value at every evaluation, steps) run ends under ``pruner``, in order."""
+    study = optuna.create_study(study_name="runs", pruner=pruner)  # the name places trials in Hyperband's brackets
+    outcomes = []
+    for slot, (variant, value, steps) in enumerate(runs):
+        study.enqueue_trial({"variant": variant, "seed": 0, "slot": slot})
+        trial = study.ask({"variant": CategoricalDistribution(["yoco", "yoco-u"]), "seed": CategoricalDistribution([0]),
+                           "slot": CategoricalDistribution(list(range(len(runs))))})
+        for step in range(2, steps + 1, 2):
+            trial.report(value, step)
+            if trial.should_prune():
+                study.tell(trial, state=TrialState.PRUNED)
+                outcomes.append(f"pruned at {step}")
+                break
+        else:
+            study.tell(trial, value)
+            outcomes.append("complete")
+    return outcomes
+
+
+def test_hyperband_weighs_a_trial_against_its_own_variant_and_its_steps():
+    """yoco-u's best run lies above every yoco run: pooled Hyperband cuts it at its first rung.
+    Per variant, its brackets are also sized by yoco-u's own steps (equal FLOPs: fewer of them)."""
+    from archlab.study.runner import VariantHyperband
+
+    runs = [("yoco", 1.0, 54), ("yoco", 1.1, 54), ("yoco", 1.2, 54), ("yoco-u", 5.2, 18), ("yoco-u", 5.1, 18), ("yoco-u", 5.0, 18)]
+    assert _runs(optuna.pruners.HyperbandPruner(min_resource=2), runs)[3:] == ["pruned at 6"] * 3
+    per_variant = SameVariant(lambda: VariantHyperband(min_resource=2))
+    assert _runs(per_variant, runs) == ["complete"] * 6  # the bracket's own view of the storage pruned the second
+    per_variant = SameVariant(lambda: VariantHyperband(min_resource=2))
+    assert _runs(per_variant, runs + [("yoco", 1.5, 54)] * 2)[6:] == ["pruned at 6"] * 2  # worse runs of a variant still are
 
 
 def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):

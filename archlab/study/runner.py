@@ -21,6 +21,7 @@ import socket
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -114,8 +115,8 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
     pruners = {
         "none": optuna.pruners.NopPruner(),
-        "median": SameVariant(optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
-        "hyperband": optuna.pruners.HyperbandPruner(),
+        "median": SameVariant(lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
+        "hyperband": SameVariant(lambda: VariantHyperband(min_resource=study.config.eval_interval)),
     }
     return optuna.create_study(
         study_name=name,
@@ -129,26 +130,39 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
 
 class SameVariant(optuna.pruners.BasePruner):
     """A pruner that weighs a trial against the trials of its own variant only: architectures'
-    loss curves differ, and a median over all of them would cut every trial of the worse ones."""
+    loss curves differ, and a median over all of them would cut every trial of the worse ones.
+    Each variant has a pruner of its own, made by ``make``: Hyperband sizes its brackets by the
+    steps of the first run it sees finish, and an equal-FLOPs budget gives variants different steps."""
 
-    def __init__(self, pruner: optuna.pruners.BasePruner):
-        self.pruner = pruner
+    def __init__(self, make: Callable[[], optuna.pruners.BasePruner]):
+        self.make, self.pruners = make, {}
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        return self.pruner.prune(_TrialsOf(study, planned_as(trial)[0]), trial)
+        variant = planned_as(trial)[0]
+        if variant not in self.pruners:
+            self.pruners[variant] = self.make()
+        return self.pruners[variant].prune(_TrialsOf(study, variant), trial)
 
 
 class _TrialsOf:
     """A study seen through the trials of one variant."""
 
     def __init__(self, study: optuna.Study, variant: str):
-        self._study, self._variant = study, variant
+        self._study, self.variant = study, variant
 
     def get_trials(self, deepcopy: bool = True, states=None) -> list[optuna.trial.FrozenTrial]:
-        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if planned_as(t)[0] == self._variant]
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if planned_as(t)[0] == self.variant]
 
     def __getattr__(self, name: str):
         return getattr(self._study, name)
+
+
+class VariantHyperband(optuna.pruners.HyperbandPruner):
+    """Hyperband under ``SameVariant``: its brackets read their trials from the storage, past the
+    one variant's view they are given, so each bracket is seen through that view again."""
+
+    def _create_bracket_study(self, study: _TrialsOf, bracket_id: int) -> _TrialsOf:
+        return _TrialsOf(super()._create_bracket_study(study, bracket_id), study.variant)
 
 
 @contextmanager

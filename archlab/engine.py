@@ -58,7 +58,7 @@ class Sampling:
 @dataclass
 class Generation:
     """What ``generate`` returns: new tokens per sequence (cut after a stop token), the logits of
-    every step [steps, B, V] if asked for, and the cache holding the whole sequences."""
+    every step if asked for (a [B, V] per step), and the cache holding the whole sequences."""
 
     tokens: list[list[int]]
     cache: Cache
@@ -90,7 +90,7 @@ class CapturedDecode:
             self.logits = engine.feed(self.tokens, self.start, cache, full=True)
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
-        for tensor, copy in zip(self.cache.local_tensors(), saved):
+        for tensor, copy in zip(self.cache.local_tensors(), saved, strict=True):
             tensor.copy_(copy)
 
     def __call__(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -235,14 +235,13 @@ class Engine:
         end the last tokens are written into the cache too, so it holds every token. A ``cache``
         given is checked here, at the call."""
         prompts = self.check_prompts(prompts)
+        _check_new_tokens(max_new_tokens)
         if cache is not None:
             self.check_cache(cache, prompts, max_new_tokens)
         return self._stream(prompts, max_new_tokens, sampling, cache)
 
     @torch.no_grad()
     def _stream(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, cache: Cache | None):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         cache = cache or self.cache_for([len(p) for p in prompts], max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
@@ -268,6 +267,7 @@ class Engine:
         keep_logits: bool = False,
     ) -> Generation:
         prompts = self.check_prompts(prompts)
+        _check_new_tokens(max_new_tokens)
         cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []
@@ -278,6 +278,11 @@ class Engine:
             if keep_logits:
                 kept.append(logits)
         return Generation(out, cache, kept)
+
+
+def _check_new_tokens(max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def generate(

@@ -149,6 +149,11 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
                              ([[5], []], "prompt 1 is empty"), ([[0.5]], "integer token ids")):
         with pytest.raises(ValueError, match=message):
             archlab.generate(model, prompts, 2)
+    for count in (0, -5):  # named at the call, before a cache is sized by it
+        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {count}"):
+            archlab.generate(model, [[5]], count)
+        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {count}"):
+            archlab.Engine(model).stream([[5]], count)
 
 
 @pytest.mark.parametrize("name, page_size", [("yoco-u", None), ("yoco-u", 8), ("transformer", None),

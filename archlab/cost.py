@@ -5,7 +5,8 @@ this module only walks the plan, the same plan the model runs and the cache is l
 adds what the model itself owns: embeddings, norms, the global K,V projection, ParScale's stream
 mixing and the head. A loop counts its weights once and its FLOPs T times.
 
-FLOPs are 2 x multiply-adds of matmuls; norms, activations, softmax and other elementwise work
+FLOPs are 2 x multiply-adds of matmuls and convolutions, plus a decoding step's elementwise
+passes over a recurrent state and conv tail (``state_update``); norms, activations and softmax
 are not counted. The kinds are listed in ``archlab.block.FLOP_KINDS``.
 """
 

@@ -14,8 +14,7 @@ import optuna
 import pytest
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution
-from optuna.storages import RetryHeartbeatStaleTrialCallback
-from optuna.storages._heartbeat import fail_stale_trials
+from optuna.storages import RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from rich.console import Console
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import optuna
 from optuna.exceptions import UpdateFinishedTrialError
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
-from optuna.storages._heartbeat import fail_stale_trials, get_heartbeat_thread
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize beats with; not exported
 from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -413,9 +413,9 @@ def fake_run(root, config=RECALL, weights=lambda t: t):
 
 # (config.yaml, tokenizer.json or None, what the weights become, what stderr must say)
 BAD_RUNS = [
-    ("x: [\n", None, None, "config.yaml does not read as YAML"),
-    ("- 1\n", None, None, "config.yaml is not a training config"),
-    ("data: [1]\n", None, None, "config.yaml is not a training config"),
+    ("x: [\n", None, None, "config.yaml:\n  line 2, column 1: YAML syntax error"),
+    ("- 1\n", None, None, "config.yaml:\n  <root>: the file must be a YAML mapping"),
+    ("data: [1]\n", None, None, "config.yaml:\n  data: Input should be a valid dictionary"),
     ("steps: 1\n", "garbage", None, "tokenizer.json does not load"),
     ("steps: 1\n", "", None, "tokenizer.json does not load"),
     ("steps: 1\n", None, None, "the run's tokenizer is not at"),  # a run on text, its tokenizer gone

@@ -143,27 +143,17 @@ def load_trained(path: str | Path):
 def _tokenizer(run_dir: Path) -> Path | None:
     """A run's tokenizer.json: in its config's ``data.cache``, or in the run itself. A run on token
     ids or on a recall task has none; one on text that cannot be found is an error, since byte
-    tokens in its place would print garbage."""
-    import yaml
-
-    from archlab.train.config import tokenized
+    tokens in its place would print garbage. A config that does not validate is a SpecError."""
+    from archlab.train.config import load_config, tokenized
 
     file = run_dir / "config.yaml"
     if not file.is_file():
         return None
-    try:
-        config = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} does not read as YAML ({getattr(exc, 'problem', None) or exc})") from None
-    data = (config.get("data") or {}) if isinstance(config, dict) else None
-    if not isinstance(data, dict) or not all(isinstance(data.get(key), (str, type(None))) for key in ("cache", "source")):
-        raise CheckpointError(f"{file} is not a training config: expected a mapping, whose data.source and data.cache"
-                              " (if given) are strings")
-    cache, source = data.get("cache"), data.get("source") or "stdlib"
-    tokenizer = Path(cache or run_dir) / "tokenizer.json"
+    data = load_config(str(file)).data
+    tokenizer = Path(data.cache or run_dir) / "tokenizer.json"
     if tokenizer.is_file():
         return tokenizer
-    if not tokenized(source):
+    if not tokenized(data.source):
         return None  # a run on token ids or a recall task has none
-    where = f", where data.cache in {file} points (a relative folder is read from the current one)" if cache else ""
+    where = f", where data.cache in {file} points (a relative folder is read from the current one)" if data.cache else ""
     raise CheckpointError(f"the run's tokenizer is not at {tokenizer}{where}")

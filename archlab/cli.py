@@ -512,7 +512,8 @@ def train(
                 raise TrainError("a resumed run keeps the config and data it started with; drop --config and --data"
                                  " (--set may change what a resume can, such as optimizer.lr)")
             if not saved.is_file():
-                raise TrainError(f"nothing to resume in {out}: no config.yaml")
+                held = "it holds checkpoints but its config.yaml is gone; restore that file to resume" if checkpoints(out) else "no config.yaml"
+                raise TrainError(f"nothing to resume in {out}: {held}")
             trained = load_spec(out / RUN_SPEC)
             if trained != spec:
                 changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))

@@ -402,6 +402,34 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
     assert again[0] == 0, again[2]  # the same data reads the corpus back
 
 
+def test_a_run_folder_in_use_by_another_training_is_refused_untouched(cli, tmp_path):
+    """A resume of a run thought dead, still training elsewhere, would interleave the two's metrics."""
+    import fcntl
+
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--set", "data.source=mqar", *SMALL, "--steps", "2")[0] == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    held = os.open(run, os.O_RDONLY)  # as the training process holds it
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4"),
+                f"{run} is in use by another training process")
+    finally:
+        os.close(held)
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4")[0] == 0  # let go
+    (run / "config.yaml").unlink()
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"),
+            "it holds checkpoints but its config.yaml is gone; restore that file to resume")
+
+    import archlab
+
+    cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 2, "seq_len": 16, "data": {"source": "mqar"}})
+    with pytest.raises(Exception, match="nothing to resume"):
+        Trainer(archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml"), cfg, tmp_path / "none", Console(quiet=True)).fit(2, resume=True)
+    assert not (tmp_path / "none").exists()  # refused before writing: no folder left behind
+
+
 def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_path):
     run = tmp_path / "run"
     assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")[0] == 0

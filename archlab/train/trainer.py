@@ -7,12 +7,13 @@ every global batch and DDP averages the gradients; rank 0 alone writes the run d
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,6 +297,32 @@ class Trainer:
         evaluation (a study reports it to its pruner, which may stop the run by raising);
         ``on_step(step, record)`` every training step as it ends, before any evaluation or
         checkpoint (a profiler's step marker, say)."""
+        with self._sole_writer():
+            return self._fit(steps, resume, on_eval, on_step)
+
+    @contextmanager
+    def _sole_writer(self):
+        """One training at a time in a run folder (by its main process): a second one, resuming a
+        run thought dead, would interleave metrics and write the same checkpoints."""
+        if not self.world.main:
+            yield
+            return
+        made = not self.run_dir.exists()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        folder = os.open(self.run_dir, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go by the system when the process ends
+            except BlockingIOError:
+                raise TrainError(f"{self.run_dir} is in use by another training process; wait for it to end"
+                                 " (or stop it), or choose another --out") from None
+            yield
+        finally:
+            os.close(folder)
+            if made and not any(self.run_dir.iterdir()):  # a start refused before writing leaves no folder
+                self.run_dir.rmdir()
+
+    def _fit(self, steps: int, resume: bool, on_eval, on_step) -> list[dict]:
         start = self._start_run_dir(steps, resume)
         if self.cfg.schedule.warmup_steps >= steps:
             self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"

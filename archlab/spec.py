@@ -14,7 +14,7 @@ import re
 from collections.abc import Hashable, Iterator
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator
@@ -122,6 +122,10 @@ def block_union() -> Any:
     classes = tuple(block_specs().values())
     tagged = [Field(discriminator="type")] if len(classes) > 1 else []  # a lone class is no union
     return Annotated[(Union[classes], *tagged, _tag_shorthand("type"))]
+
+
+if TYPE_CHECKING:  # for readers and linters; at run time ``Block`` is the union of the installed blocks
+    Block = BlockSpec
 
 
 def _resolve_blocks() -> None:

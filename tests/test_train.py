@@ -134,6 +134,20 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, div
         raise AssertionError(f"metrics.jsonl holds {constant}")
     records = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == int(kept[-1].name.removeprefix("step-"))  # nothing logged past the last good step
+    if spec == "transformer":  # its last checkpoint's own weights give a NaN gradient: no learning rate helps
+        again = archlab("train", f"specs/tiny/{spec}.yaml", "--out", run, "--resume", "--set", "optimizer.lr=1e-3", "--steps", "50")
+        clean_failure(again, f"and it is the first step from {kept[-1]}, whose weights lead there at any learning rate",
+                      f"move {kept[-1].name} out of checkpoints/")
+
+
+def test_weights_past_float_range_are_not_saved(tmp_path):
+    """The loss of the step that overflowed them is still finite; the checkpoint would be unusable."""
+    run = tmp_path / "run"
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0",
+                     "--set", "optimizer.lr=1e39", "--set", "checkpoint_interval=1", "--steps", "5")
+    clean_failure(result, "weights became non-finite by step 1 (embed.weight", "training stopped before saving them",
+                  "no checkpoint had been written")
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
 
 
 @pytest.mark.parametrize(
@@ -456,6 +470,15 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
         assert said in " ".join(stderr.split()), stderr
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert (saved["steps"], saved["optimizer"]["lr"], saved["eval_interval"]) == (6, 1e-3, 3)
+
+
+def test_a_moe_resume_keeps_its_micro_batches(cli, tmp_path):
+    """The balance loss is taken over each pass, so splitting a step otherwise changes the objective."""
+    run = tmp_path / "run"
+    train = ["train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--set", "data.source=mqar", *SMALL]
+    assert cli(*train, "--steps", "1")[0] == 0
+    refused(cli("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--resume", "--steps", "2", "--set", "micro_batch_size=2"),
+            "a resumed run keeps its micro_batch_size", "with MoE, micro_batch_size: the balance loss is taken over each pass")
 
 
 def test_a_resume_that_fails_changes_nothing(cli, tmp_path):

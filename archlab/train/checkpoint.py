@@ -106,13 +106,13 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != _step_of(path):
         raise _damaged(path, f"its state.json is at step {step}")
-    broken = _non_finite(model)
+    broken = non_finite(model)
     if broken:  # resuming would train on from NaN
         raise _damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
     return trainer_state, info
 
 
-def _non_finite(model: torch.nn.Module) -> list[str]:
+def non_finite(model: torch.nn.Module) -> list[str]:
     """The names of the model's floating-point tensors holding a NaN or an infinity."""
     return [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 
@@ -134,7 +134,7 @@ def load_trained(path: str | Path):
         _load_weights(found[-1], model)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"checkpoint {found[-1]} is damaged ({type(exc).__name__}: {exc})") from None
-    broken = _non_finite(model)
+    broken = non_finite(model)
     if broken:  # generating from it would print garbage and succeed
         raise CheckpointError(f"checkpoint {found[-1]} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
     return spec, model, found[-1], _tokenizer(run_dir)

@@ -107,6 +107,16 @@ def _param_groups(model: Model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def _kept(last_saved: Path | None, its_first_step: bool) -> str:
+    """What a run that diverged leaves to go on from, for its message."""
+    if last_saved is None:
+        return "no checkpoint had been written"
+    if its_first_step:  # the step's loss and gradient come from the checkpoint's weights alone
+        return (f"and it is the first step from {last_saved}, whose weights lead there at any learning rate: resume from"
+                f" an earlier checkpoint, if one is kept (move {last_saved.name} out of checkpoints/)")
+    return f"the last checkpoint saved is {last_saved} (to go on from it at a lower learning rate: --resume --set optimizer.lr=...)"
+
+
 class Trainer:
     def __init__(self, spec: ModelSpec, cfg: TrainConfig, run_dir: Path, console: Console):
         self.spec, self.run_dir, self.console = spec, run_dir, console
@@ -178,10 +188,12 @@ class Trainer:
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
         recorded = load_config(str(self.run_dir / "config.yaml"))
         self.recorded = recorded.model_copy(update={"data": recorded.data.anchored()})  # as self.cfg holds it
-        fixed = [key for key in changes(self.recorded, self.cfg) if key.split(".")[0] not in RESUMABLE]
+        resumable = [key for key in RESUMABLE if not (key == "micro_batch_size" and self.moe_layers)]
+        fixed = [key for key in changes(self.recorded, self.cfg) if key.split(".")[0] not in resumable]
         if fixed:
+            moe = " (with MoE, micro_batch_size: the balance loss is taken over each pass)" if self.moe_layers else ""
             raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
-                             f" it computes them; a resume may --set {', '.join(RESUMABLE)}")
+                             f" it computes them{moe}; a resume may --set {', '.join(resumable)}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
@@ -351,10 +363,9 @@ class Trainer:
                 record = self._step(step, steps, data, model)
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record[name])), None)
                 if bad:
-                    kept = (f"the last good checkpoint is {last_saved} (to go on from it at a lower learning rate:"
-                            f" --resume --set optimizer.lr=...)" if last_saved else "no checkpoint had been written")
                     what = "loss" if bad == "loss" else "gradient norm"
-                    raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it, {kept}")
+                    raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it,"
+                                     f" {_kept(last_saved, resume and step == start)}")
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
                 record["tok_s"] = self.tokens_per_step * timed_steps / timed_seconds  # evaluations and saves not counted
                 if self.peak:
@@ -373,6 +384,9 @@ class Trainer:
                 if on_eval is not None and "eval_loss" in record:
                     on_eval(done, record)
                 if done % self.cfg.checkpoint_interval == 0 or done == steps:
+                    if broken := checkpoint.non_finite(self.model):  # a step past float range: finite loss, unusable weights
+                        raise TrainError(f"weights became non-finite by step {done} ({', '.join(broken[:3])}); training stopped"
+                                         f" before saving them, {_kept(last_saved, False)}")
                     last_saved = self._save(done) or last_saved
                 progress.update(task, completed=done, status=status_line(record))
         return records

@@ -193,6 +193,25 @@ def test_empty_corpus_and_bad_token_file(tmp_path):
     objects = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
     clean_failure(objects, "could not be read: it holds Python objects, not token ids")
     assert "allow_pickle" not in objects.stderr
+    raw = tmp_path / "tokens.bin"  # ids written as uint32, read with the default width of uint16
+    (np.arange(5000) % 200).astype(np.uint32).tofile(raw)
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL),
+                  "read as uint16 has every other id 0", "set data.token_dtype: uint32")
+    (np.arange(5000) % 200).astype(np.uint16).tofile(raw)  # and the other way round
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r6", "--data", raw, *SMALL,
+                          "--set", "data.token_dtype=uint32"), "(read as uint32: is that the width it was written in?")
+
+
+def test_a_text_folder_leaves_out_its_hidden_folders(tmp_path):
+    """A project folder's .venv or .git would otherwise fill the corpus before the text meant."""
+    from archlab.train.data import read_texts
+
+    (tmp_path / ".venv" / "lib").mkdir(parents=True)
+    (tmp_path / ".venv" / "lib" / "big.py").write_text("import os\n" * 1000)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("the notes")
+    assert read_texts(str(tmp_path), 5000) == ["the notes"]
+    assert read_texts(str(tmp_path / ".venv"), 20) == ["import os\n" * 2]  # given as the corpus, it is read
 
 
 def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):

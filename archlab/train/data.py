@@ -135,8 +135,10 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
         path = Path(source)
         if not path.exists():
             raise DataError(f"data source {source!r}: no such file or folder")
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES) if path.is_dir() else [path]
-        looked_for = f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}" if path.is_dir() else ""
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
+                       and not _hidden(p.relative_to(path))) if path.is_dir() else [path]
+        looked_for = (f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}, outside hidden folders such as .git"
+                      f" or .venv" if path.is_dir() else "")
     texts, total = [], 0
     for file in files:
         try:
@@ -151,6 +153,11 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
     if not texts:
         raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for})")
     return texts
+
+
+def _hidden(relative: Path) -> bool:
+    """A file under a hidden folder (.git, .venv) of a text folder: tooling, not the corpus."""
+    return any(part.startswith(".") for part in relative.parts[:-1])
 
 
 def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
@@ -211,11 +218,22 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
         raise DataError(f"token file {str(path)!r} could not be read: {why}") from None
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise DataError(f"token file {str(path)!r} must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}")
+    raw = path.suffix != ".npy"  # its ids' width is data.token_dtype's word, not the file's
+    if raw and cfg.token_dtype == "uint16" and len(tokens) % 2 == 0 and _every_other_zero(tokens):
+        raise DataError(f"token file {str(path)!r} read as uint16 has every other id 0, as uint32 ids read as uint16 do;"
+                        " if it holds uint32 ids, set data.token_dtype: uint32")
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise DataError(f"token file {str(path)!r} has token id {int(tokens.max())} >= vocab_size {vocab_size}")
+        hint = f" (read as {cfg.token_dtype}: is that the width it was written in? data.token_dtype)" if raw else ""
+        raise DataError(f"token file {str(path)!r} has token id {int(tokens.max())} >= vocab_size {vocab_size}{hint}")
     if len(tokens) and int(tokens.min()) < 0:
         raise DataError(f"token file {str(path)!r} has token id {int(tokens.min())}; ids start at 0")
     return tokens
+
+
+def _every_other_zero(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
+    """Whether the odd positions of the file's start are all 0 while the even ones are not."""
+    start = np.asarray(tokens[:sample])
+    return len(start) >= 64 and not start[1::2].any() and bool(start[0::2].any())
 
 
 CORPUS_FILES = ("train.npy", "val.npy", "corpus.json")  # a tokenized corpus, in data_dir / "data"

@@ -48,6 +48,8 @@ def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) 
 class TokenSource:
     """Train and validation token arrays, sampled at random offsets."""
 
+    reports_accuracy = False  # every next token counts: loss says it all
+
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, describe: str):
         for name, tokens in (("training", train), ("validation", val)):
             if len(tokens) < seq_len + 1:
@@ -74,6 +76,8 @@ class RecallTask:
     - ``copy`` (selective copying): tokens scattered among blanks, then a marker; the tokens must
       be repeated in order.
     """
+
+    reports_accuracy = True  # of the answers: the share recalled is the task's measure
 
     def __init__(self, kind: str, vocab_size: int, seq_len: int, seed: int):
         if vocab_size < 16:
@@ -272,7 +276,10 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     (data_dir / "tokenizer.json").unlink(missing_ok=True)
 
 
-def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False):
+DataSource = TokenSource | RecallTask  # what a trainer draws batches from
+
+
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False) -> DataSource:
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
     the same tokens. A corpus there made from other data is replaced if ``replace``, else refused."""

@@ -32,7 +32,7 @@ from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import RESUMABLE, TrainConfig, changes, load_config
-from archlab.train.data import CORPUS_FILES, Batch, prepare
+from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 
 
 # what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
@@ -286,7 +286,7 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, data) -> dict:
+    def evaluate(self, data: DataSource) -> dict:
         self.model.eval()
         totals = torch.zeros(3, device=self.device)  # summed loss, correct, counted
         for i in range(self.cfg.eval_batches):
@@ -299,7 +299,7 @@ class Trainer:
         self.model.train()
         loss = (totals[0] / totals[2]).item()
         record = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
-        if getattr(data, "kind", None):  # synthetic tasks report accuracy on their answers
+        if data.reports_accuracy:
             record["eval_acc"] = (totals[1] / totals[2]).item()
         return record
 
@@ -391,7 +391,7 @@ class Trainer:
                 progress.update(task, completed=done, status=status_line(record))
         return records
 
-    def _step(self, step: int, steps: int, data, model) -> dict:
+    def _step(self, step: int, steps: int, data: DataSource, model: torch.nn.Module) -> dict:
         cfg = self.cfg
         lr = cfg.optimizer.lr * lr_factor(step, steps, cfg)
         for group in self.optimizer.param_groups:

@@ -476,7 +476,7 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
     cfg = TrainConfig.model_validate({**yaml.safe_load((run / "config.yaml").read_text()),
                                       "optimizer": {"lr": 1e-3, "weight_decay": 0.05, "betas": [0.8, 0.9], "eps": 1e-6}})
     trainer = Trainer(load_spec(run / "spec.yaml"), cfg, run, Console(quiet=True))
-    assert trainer._start_run_dir(6, resume=True) == 4
+    assert trainer._resume(6) == 4
     decayed, rest = trainer.optimizer.param_groups
     assert (decayed["weight_decay"], rest["weight_decay"]) == (0.05, 0.0)
     assert all(group["betas"] == (0.8, 0.9) and group["eps"] == 1e-6 for group in (decayed, rest))

@@ -31,7 +31,7 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, spec_to_yaml
 from archlab.train import checkpoint
-from archlab.train.config import RESUMABLE, TrainConfig, changes, load_config
+from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, changes, load_config
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 
 
@@ -101,10 +101,17 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     return [Batch(*(t[i : i + size] if t is not None else None for t in parts)) for i in range(0, len(batch.inputs), size)]
 
 
-def _param_groups(model: Model, weight_decay: float) -> list[dict]:
+def _param_groups(model: Model, optimizer: Optimizer) -> list[dict]:
+    """Matrices decay; gains and biases do not."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [{"params": params, **settings} for params, settings in zip((decay, rest), _group_settings(optimizer), strict=True)]
+
+
+def _group_settings(optimizer: Optimizer) -> list[dict]:
+    """The AdamW settings of each parameter group, in ``_param_groups``'s order."""
+    shared = {"betas": optimizer.betas, "eps": optimizer.eps}
+    return [{**shared, "weight_decay": optimizer.weight_decay}, {**shared, "weight_decay": 0.0}]
 
 
 def _kept(last_saved: Path | None, its_first_step: bool) -> str:
@@ -139,10 +146,8 @@ class Trainer:
         if cfg.compile:
             self.model.compile_layers()
         self.optimizer = torch.optim.AdamW(
-            _param_groups(self.model, cfg.optimizer.weight_decay),
+            _param_groups(self.model, cfg.optimizer),
             lr=cfg.optimizer.lr,
-            betas=cfg.optimizer.betas,
-            eps=cfg.optimizer.eps,
             fused=True,  # one kernel for the whole update, on the CPU as on CUDA
         )
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -150,7 +155,7 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
-        self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_start_run_dir)
+        self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_resume)
 
     def _refuse_untrainable_kernels(self) -> None:
         """Choose every block's kernels now, so that one which cannot train here fails before the run
@@ -164,27 +169,28 @@ class Trainer:
 
     # -- the run directory --------------------------------------------------------------------
 
-    def _start_run_dir(self, steps: int, resume: bool) -> int:
-        """Create or reopen the run directory; return the step to start from. A folder is a run once
-        it holds a checkpoint or metrics; one where an attempt failed before either starts afresh.
-        A resumed run's files are left as they are until its data is ready (``_continue_record``)."""
-        metrics = self.run_dir / "metrics.jsonl"
+    def _start_fresh(self, steps: int) -> int:
+        """Make the run directory; the step to start from, 0. A folder is a run once it holds a
+        checkpoint or metrics; one where an attempt failed before either starts afresh."""
+        if checkpoint.checkpoints(self.run_dir):
+            raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
+        if (self.run_dir / "metrics.jsonl").exists():
+            raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
+                             " over, or choose a new --out")
+        self._refuse_foreign_files()
+        self.world.barrier()  # every process has looked before the first one writes
+        if self.world.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
+            self._write_config(steps)
+        return 0
+
+    def _resume(self, steps: int) -> int:
+        """Load the latest checkpoint's weights, optimizer and RNG state; the step to go on from.
+        The run's files are left as they are until its data is ready (``_continue_record``)."""
         found = checkpoint.checkpoints(self.run_dir)
-        if not resume:
-            if found:
-                raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
-            if metrics.exists():
-                raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
-                                 " over, or choose a new --out")
-            self._refuse_foreign_files()
-            self.world.barrier()  # every process has looked before the first one writes
-            if self.world.main:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
-                self._write_config(steps)
-            return 0
         if not found:
-            start_over = "" if metrics.exists() else "; start it without --resume"
+            start_over = "" if (self.run_dir / "metrics.jsonl").exists() else "; start it without --resume"
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
         recorded = load_config(str(self.run_dir / "config.yaml"))
         self.recorded = recorded.model_copy(update={"data": recorded.data.anchored()})  # as self.cfg holds it
@@ -200,9 +206,9 @@ class Trainer:
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
-        hyper = self.cfg.optimizer  # the state holds the settings it was saved with; a resume may have --set others
-        for group, decay in zip(self.optimizer.param_groups, (hyper.weight_decay, 0.0)):
-            group.update(betas=hyper.betas, eps=hyper.eps, weight_decay=decay)
+        # the state holds the settings it was saved with; a resume may have --set others
+        for group, settings in zip(self.optimizer.param_groups, _group_settings(self.cfg.optimizer), strict=True):
+            group.update(settings)
         step = info["step"]
         if step > steps:
             raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
@@ -335,7 +341,7 @@ class Trainer:
                 self.run_dir.rmdir()
 
     def _fit(self, steps: int, resume: bool, on_eval, on_step) -> list[dict]:
-        start = self._start_run_dir(steps, resume)
+        start = self._resume(steps) if resume else self._start_fresh(steps)
         if self.cfg.schedule.warmup_steps >= steps:
             self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
                       " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")

@@ -8,6 +8,8 @@ import json
 from decimal import Decimal, InvalidOperation
 from enum import Enum
 
+MIB = 2**20  # the tables' memory columns are MiB
+
 
 class Format(str, Enum):
     md = "md"
@@ -20,9 +22,21 @@ def _three_digits(value: float) -> str:
     return f"{value:#.3g}".rstrip(".") if value else "0"
 
 
+class Decimals(float):
+    """A number shown to a fixed count of decimals (losses that differ in the third place); a
+    plain number in JSON and CSV."""
+
+    def __new__(cls, value: float, places: int):
+        number = super().__new__(cls, round(value, places))
+        number.places = places
+        return number
+
+
 def _cell(value) -> str:
     if value is None:  # not applicable (a bench row without pages has no page size)
         return "-"
+    if isinstance(value, Decimals):
+        return f"{value:.{value.places}f}"
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 10 else _three_digits(value)
     if isinstance(value, int):

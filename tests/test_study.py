@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 
 from archlab.spec import SpecError
+from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, report, summarize
 from archlab.study.runner import (
@@ -501,6 +502,41 @@ def test_hyperband_weighs_a_trial_against_its_own_variant_and_its_steps():
     assert _runs(per_variant, runs) == ["complete"] * 6  # the bracket's own view of the storage pruned the second
     per_variant = SameVariant(lambda: VariantHyperband(min_resource=2))
     assert _runs(per_variant, runs + [("yoco", 1.5, 54)] * 2)[6:] == ["pruned at 6"] * 2  # worse runs of a variant still are
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_tpe_draws_differ_across_workers_and_resumes(tmp_path, monkeypatch):
+    """Every worker process, and every resume, had a sampler seeded alike: its draws repeated."""
+    monkeypatch.setattr(Trainer, "fit", lambda self, steps, **kw: [{"eval_loss": 1.0}])
+    study = load_study(str(mini(tmp_path, "draws", {"yoco": {"spec": "yoco.yaml"}}, sampler="tpe",
+                                lr={"low": 1e-4, "high": 1e-2, "points": 4})))
+    out = tmp_path / "out"
+    url = storage_url(out, None)
+    for _ in range(2):  # two processes, one after the other: each opens the study afresh
+        optuna_study = join(study, out, url, grace_period=60)
+        for _ in range(2):
+            assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
+    lrs = [t.params["lr"] for t in optuna_study.get_trials()]
+    assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
+
+
+def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
+    """At 0.003 seed 0 diverged and seed 1 did well: scored on its survivor alone, it beat 0.002,
+    where both seeds finished."""
+    study = load_study(str(mini(tmp_path, "lost", seeds=[0, 1])))
+    trials = [finished("yoco", 0, 0, 3.05, 0.002), finished("yoco", 1, 0, 3.05, 0.002),
+              finished("yoco", 0, 1, None, 0.003, state=TrialState.FAIL, curve={2: 3.0}), finished("yoco", 1, 1, 2.90, 0.003)]
+    (yoco, _) = summarize(study, trials)
+    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned/failed"]) == (3.05, 2, "0.002", "0/1")
+    assert "| yoco | " in (table := render(summarize(study, trials), Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
+
+
+def test_a_trial_lost_before_training_is_listed_with_its_planned_lr(tmp_path):
+    study = load_study(str(mini(tmp_path, "early")))
+    lost = finished("yoco", 0, 1, None, state=TrialState.FAIL, curve={2: 3.0})
+    lost = optuna.trial.create_trial(state=TrialState.FAIL, params=lost.params, distributions=lost.distributions)
+    (row,) = failures(study, [lost])
+    assert row["why"] == "its worker stopped sending heartbeats before training" and row["lr"] == "0.004"
 
 
 def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):

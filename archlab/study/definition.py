@@ -65,6 +65,15 @@ class StudySpec(Strict):
     report_seq_len: PositiveInt = 16384  # context at which the report gives cache memory
     scales: dict[str, Scale] = Field(min_length=1)
 
+    @property
+    def maximize(self) -> bool:
+        return self.metric == "accuracy"
+
+    @property
+    def record_key(self) -> str:
+        """The trainer's evaluation record holding the metric."""
+        return "eval_acc" if self.maximize else "eval_loss"
+
     def problems(self) -> list[Problem]:
         root = Problems()
         if self.baseline not in self.variants:
@@ -132,6 +141,11 @@ class Study:
     @property
     def name(self) -> str:
         return self.definition.name
+
+    @property
+    def key(self) -> str:
+        """The study's name in a storage, and its folder's: one per scale."""
+        return f"{self.name}-{self.scale}"
 
     def planned(self) -> set[tuple]:
         """The (variant, seed, lr slot) of every planned trial: what the report covers."""

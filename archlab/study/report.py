@@ -13,9 +13,7 @@ from optuna.trial import TrialState
 from archlab.cost import Cost
 from archlab.study.definition import Study
 from archlab.study.runner import latest, planned_as, settled
-from archlab.table import Format, render, si, tokens_label
-
-MIB = 2**20
+from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 
 
 def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -25,8 +23,10 @@ def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
 
 def _chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
     """The completed trials a variant's score is the mean of, and their learning rate. On a grid:
-    the learning rate whose seeds score best on average. Under TPE, where every draw differs:
-    each seed's best draw (the best of as many draws for every variant, so alike in its optimism)."""
+    of the learning rates with the most seeds completed (a seed that failed or was pruned counts
+    against its rate, not for it), the one whose seeds score best on average. Under TPE, where
+    every draw differs: each seed's best draw (the best of as many draws for every variant, so
+    alike in its optimism)."""
     choose = max if maximize else min
     if sampler == "tpe":
         by_seed: dict[int, list] = {}
@@ -38,7 +38,8 @@ def _chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str
     by_lr: dict[float, list] = {}
     for t in trials:
         by_lr.setdefault(_lr(t), []).append(t)
-    lr = choose(by_lr, key=lambda k: statistics.mean(t.value for t in by_lr[k]))
+    sign = 1 if maximize else -1
+    lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
     return f"{lr:.2g}", by_lr[lr]
 
 
@@ -56,7 +57,7 @@ def all_failed(study: Study, trials: list[optuna.trial.FrozenTrial]) -> bool:
 
 def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     definition = study.definition
-    maximize = definition.metric != "val_loss"
+    maximize = definition.maximize
     done = _reported(study, trials)
     rows, means, baseline = [], {}, None
     for variant, spec in study.specs.items():
@@ -76,7 +77,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
             lr, best = _chosen(complete, maximize, definition.sampler)
             values = [t.value for t in best]
             mean = means[variant] = statistics.mean(values)
-            row.update({metric: round(mean, 4), "spread (sd)": round(statistics.stdev(values), 4) if len(values) > 1 else "-",
+            row.update({metric: Decimals(mean, 4), "spread (sd)": Decimals(statistics.stdev(values), 4) if len(values) > 1 else "-",
                         "seeds": len(values), "best lr": lr})
             if variant == definition.baseline:
                 baseline = mean
@@ -118,13 +119,15 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
     for t in trials:
         if t.state != TrialState.FAIL or planned_as(t) not in planned or t.number not in shown:
             continue
-        variant, seed, _ = planned_as(t)
+        variant, seed, slot = planned_as(t)
         if "failure" in t.user_attrs:
             why = t.user_attrs["failure"].splitlines()[0][:200]
         else:  # failed by the heartbeat check, which records no reason
-            last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else ""
-            why = f"its worker {t.user_attrs.get('worker', '')} stopped sending heartbeats{last}"
-        lr, retry = _lr(t), retry_of.get(t.number)
+            last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before training"
+            worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
+            why = f"its worker{worker} stopped sending heartbeats{last}"
+        grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it
+        lr, retry = _lr(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)
         rows.append({"trial": t.number, "variant": variant, "seed": seed, "lr": f"{lr:.2g}" if lr else "-", "why": why.replace("|", "\\|"),
                      "retried as": f"trial {retry.number}, {retry.state.name.lower()}" if retry else "-"})
     return rows
@@ -138,7 +141,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    maximize = study.definition.metric != "val_loss"
+    maximize = study.definition.maximize
     done = _reported(study, trials)
     figures = {"curves": plt.subplots(figsize=(7, 4.5)), "loss_vs_flops": plt.subplots(figsize=(7, 4.5))}
     for variant in study.specs:
@@ -184,7 +187,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
         progress(study, trials),
         f"- storage `{storage}` (open it with `optuna-dashboard {storage}`)",
-        f"- baseline: `{definition.baseline}`; lower val loss is better\n" if definition.metric == "val_loss" else f"- baseline: `{definition.baseline}`; higher accuracy is better\n",
+        f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),

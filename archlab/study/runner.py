@@ -49,7 +49,7 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 
 
 def default_dir(study: Study) -> Path:
-    return Path("runs") / "studies" / f"{study.name}-{study.scale}"
+    return Path("runs") / "studies" / study.key
 
 
 def storage_url(out: Path, url: str | None) -> str:
@@ -109,7 +109,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         )
     except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials
         raise _unopenable(url, exc) from None
-    name = f"{study.name}-{study.scale}"
+    name = study.key
     if not create and name not in (held := optuna.get_all_study_names(storage)):
         raise StorageError(f"no study {name} in {url}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
     first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
@@ -121,8 +121,8 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     return optuna.create_study(
         study_name=name,
         storage=storage,
-        direction="minimize" if study.definition.metric == "val_loss" else "maximize",
-        sampler=optuna.samplers.TPESampler(seed=0),  # fills lr under sampler: tpe; the rest of a trial is planned
+        direction="maximize" if study.definition.maximize else "minimize",
+        sampler=optuna.samplers.TPESampler(seed=0),  # replaced per trial where it draws (_train)
         pruner=pruners[study.definition.pruner],
         load_if_exists=True,
     )
@@ -205,7 +205,7 @@ def folder_lock(out: Path):
 def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     """Open the study, plan its trials and prepare its data, one worker at a time (the first one
     also creates the storage's tables)."""
-    with planning_lock(url, out, f"{study.name}-{study.scale}"):
+    with planning_lock(url, out, study.key):
         optuna_study = open_study(study, url, grace_period)
         check_unchanged(study, optuna_study)
         queued = latest(optuna_study.get_trials(deepcopy=False))
@@ -252,7 +252,8 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
     if definition.sampler == "grid":
         lr = setup["lr"]
         trial.set_user_attr("lr", lr)
-    else:
+    else:  # seeded by the trial: every worker and every resume would otherwise repeat one sampler's draws
+        trial.study.sampler = optuna.samplers.TPESampler(seed=trial.number)
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
     cfg = cfg.model_copy(
@@ -264,8 +265,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
     )
     trial.set_user_attr("steps", steps)
     trial.set_user_attr("setup", setup)  # what it trained as (check_unchanged)
-    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-    metric = "eval_loss" if definition.metric == "val_loss" else "eval_acc"
+    metric = definition.record_key
 
     def on_eval(step: int, record: dict) -> None:
         if not math.isfinite(record[metric]):  # Optuna would fail the trial without saying why
@@ -297,6 +297,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     period, e.g. while paused) and queued it again."""
     trial = optuna.Trial(optuna_study, trial_id)
     key = planned_as(optuna_study._storage.get_trial(trial_id))
+    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
     with get_heartbeat_thread(trial_id, optuna_study._storage):
         try:
             value, state, failure = _outcome(study, trial, key, out)

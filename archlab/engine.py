@@ -32,7 +32,7 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # nan too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k}")
@@ -165,6 +165,8 @@ class Engine:
     def check_prompts(self, prompts: Sequence) -> list[torch.Tensor]:
         """Prompts as 1-D token tensors (lists of ids are taken too), each at least one token long
         and inside the vocabulary, or a ValueError that says which is not."""
+        if not len(prompts):
+            raise ValueError("no prompts given; pass a list of at least one")
         vocab = self.model.spec.vocab_size
         checked = []
         for i, prompt in enumerate(prompts):
@@ -184,8 +186,9 @@ class Engine:
 
     def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0) -> None:
         """A cache the caller made must hold a sequence per prompt (a ValueError) and room for the
-        longest with its new tokens (``CacheFull``): said before anything runs, where either would
-        otherwise surface mid-run as a shape or index error."""
+        longest with its new tokens, and paged, pages for them all (``CacheFull``): said before
+        anything runs, where each would otherwise surface mid-run, as a shape or index error or
+        as pages running out with tokens already given out."""
         if cache.sequences != len(prompts):
             raise ValueError(f"the cache's sequences ({cache.sequences}) must be one per prompt ({len(prompts)}); "
                              f"make it with new_cache({len(prompts)}, ...)")
@@ -195,6 +198,13 @@ class Engine:
             new = f" + {new_tokens} new" if new_tokens else ""
             raise CacheFull(f"the longest prompt ({longest} tokens{new}) needs {need} positions, past the cache's "
                             f"capacity of {cache.capacity}; make the cache with capacity {need} or more")
+        if cache.pages is not None:
+            ends = self.model.streams_of(torch.tensor([len(p) + new_tokens for p in prompts]))
+            pages = cache.pages.needed(ends)
+            if pages > cache.pages.pages:
+                new = f" and their {new_tokens} new tokens each" if new_tokens else ""
+                raise CacheFull(f"the prompts{new} need {pages} K,V pages of {cache.pages.page_size} positions; the cache has"
+                                f" {cache.pages.pages}: make it with pages={pages} or more")
 
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
@@ -255,6 +265,7 @@ class Engine:
             yield tokens, logits, done_before
             if finished.all() or i == max_new_tokens - 1:  # the last token only needs writing into the cache
                 self.feed(tokens[:, None], lengths + i, cache, full=False)
+                cache.check()
                 return
             logits = self.decode(tokens[:, None], lengths + i, cache)
             cache.check()

@@ -107,6 +107,10 @@ class PageTable:
         self.held[self.rows] = torch.maximum(held, need)
         self.handed += new.sum()
 
+    def needed(self, ends: torch.Tensor) -> int:
+        """Pages the rows hold once each holds positions [0, ends[r]) (the pages they hold kept)."""
+        return int(torch.maximum(self.held[self.rows], (ends.to(self.held.device) + self.page_size - 1) // self.page_size).sum())
+
     def check(self) -> None:
         """Raise ``CacheFull`` if a row asked for more than the pool or the capacity holds."""
         if self.overrun:
@@ -115,7 +119,7 @@ class PageTable:
         if handed > self.pages:
             raise CacheFull(
                 f"the cache's {self.pages} K,V pages of {self.page_size} positions ran out: its sequences"
-                f" needed {handed}. Make the cache with more pages (pages={handed} or more)"
+                f" needed {handed} by then. Make the cache with more pages (pages={handed} or more)"
             )
 
     def column(self, positions: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,10 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
             archlab.generate(model, [[5]], count)
         with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {count}"):
             archlab.Engine(model).stream([[5]], count)
+    with pytest.raises(ValueError, match="no prompts given"):
+        archlab.generate(model, [], 2)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
+        archlab.generate(model, [[5]], 2, temperature=float("nan"))
 
 
 @pytest.mark.parametrize("name, page_size", [("yoco-u", None), ("yoco-u", 8), ("transformer", None),
@@ -195,6 +199,9 @@ def test_a_cache_given_that_does_not_fit_the_prompts_is_refused_before_it_runs(n
          r"the cache's sequences \(2\) must be one per prompt \(1\); make it with new_cache\(1, ...\)"),
         (lambda cache: engine.prefill(prompt * 3, cache), (2, 40), ValueError, r"sequences \(2\) must be one per prompt \(3\)"),
     ]
+    if page_size:  # 30 + 5 tokens in pages of 4 need 9 pages; the cache has 8
+        cases.append((lambda cache: engine.stream(prompt, 5, cache=cache), (1, 40, 8), CacheFull,
+                      r"the prompts and their 5 new tokens each need 9 K,V pages of 4 positions; the cache has 8: .* pages=9 or more"))
     for call, shape, error, message in cases:
         cache = engine.new_cache(*shape)
         with pytest.raises(error, match=message):

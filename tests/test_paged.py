@@ -140,11 +140,16 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
     spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
     engine = Engine(archlab.build_model(spec).eval(), page_size=16)
     prompts = [torch.randint(0, spec.vocab_size, (40,)) for _ in range(2)]
-    enough = engine.new_cache(2, 48)
-    engine.prefill(prompts, enough)
-    short = engine.new_cache(2, 48, pages=4)  # the two prompts need 3 pages each
-    with pytest.raises(CacheFull, match=r"4 K,V pages of 16 positions ran out: its sequences needed 6\. .*pages=6"):
-        engine.prefill(prompts, short)
+    enough, short = engine.new_cache(2, 48), engine.new_cache(2, 48, pages=4)  # the two prompts need 3 pages each
+    with pytest.raises(CacheFull, match=r"the prompts need 6 K,V pages of 16 positions; the cache has 4: make it with pages=6"):
+        engine.prefill(prompts, short)  # said before anything runs
+    assert int(short.pages.handed) == 0
+    for cache in (enough, short):  # fed by hand, the short pool runs out on the way
+        for row, prompt in enumerate(prompts):
+            engine.feed(prompt[None], torch.tensor([0]), cache.take(torch.tensor([row])), full=False)
+    enough.check()
+    with pytest.raises(CacheFull, match=r"4 K,V pages of 16 positions ran out: its sequences needed 6 by then\. .*pages=6"):
+        short.check()
     (pool,) = short.global_kv.values()
     (reference,) = enough.global_kv.values()
     for page in range(4):  # the pages handed out hold what they were given; the rest went to the spare

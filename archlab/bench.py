@@ -20,8 +20,7 @@ import torch
 
 from archlab.engine import Engine
 from archlab.model import Model
-
-MB = 1024 * 1024  # the "mb" columns are MiB
+from archlab.table import MIB
 
 
 @dataclass
@@ -82,11 +81,11 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = (torch.cuda.max_memory_allocated(self.device) - self.start) / MB
+            self.peak = (torch.cuda.max_memory_allocated(self.device) - self.start) / MIB
         else:
             self.running = False
             self.thread.join()
-            self.peak = (max(self.high, self._rss()) - self.start) / MB
+            self.peak = (max(self.high, self._rss()) - self.start) / MIB
 
 
 @functools.cache
@@ -166,8 +165,8 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
         prefill_tok_s=rows * seq_len / prefill_s,
         decode_tok_s=batch * gen / decode_s,
         peak_mb=peak.peak,
-        kv_global_mb=size.global_ / MB,
-        kv_local_mb=size.local / MB,
+        kv_global_mb=size.global_ / MIB,
+        kv_local_mb=size.local / MIB,
         device=device_name(engine.device),
     )
 

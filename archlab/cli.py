@@ -21,15 +21,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from archlab.block import Problem
+from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling
 from archlab.kv import PAGE_KERNELS
 from archlab.model import build_model
+from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs
-from archlab.block import Problem
 from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
-from archlab.table import Format, parse_budget, parse_length, render
-from archlab.train.checkpoint import RUN_SPEC, CheckpointError
-from archlab.train.config import MAX_STEPS, SEED_LIMIT
+from archlab.table import Format, parse_budget, parse_length, render, si
+from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained
+from archlab.train.config import MAX_STEPS, SEED_LIMIT, load_config
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -212,8 +214,9 @@ def _fits_in_memory(what: str, options: str, page_size: int | None):
     ``page_size`` if paged) and the options that size it, rather than by the allocator's internals."""
     try:
         yield
-    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
-        if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+    except (RuntimeError, TypeError) as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
+        # (a size past int64 overflows instead: a RuntimeError, or a TypeError unpacking it)
+        if not isinstance(exc, torch.OutOfMemoryError) and not re.search(r"can't allocate memory|overflow", str(exc), re.I):
             raise
         asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
         size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
@@ -223,12 +226,27 @@ def _fits_in_memory(what: str, options: str, page_size: int | None):
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Dtype = Enum("Dtype", {k: k for k in ("auto", *DTYPES)}, type=str)
+DtypeOption = Annotated[Dtype, typer.Option(help="the model's dtype; auto: the spec's inference_dtype")]
+
+
+def _dtype(spec: ModelSpec, dtype: Dtype) -> torch.dtype:
+    return DTYPES[spec.inference_dtype if dtype.value == "auto" else dtype.value]
+
+
+def _utf8(option: str, text: str) -> str:
+    """Text from the command line, refused if it holds bytes that are not UTF-8 (the shell passes them through)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise typer.BadParameter(f"{option} {text.encode('utf-8', 'surrogateescape')!r} is not UTF-8 text") from None
+    return text
 
 
 class TextCodec:
     """Text <-> token ids: a trained run's tokenizer, or raw UTF-8 bytes for a bare spec."""
 
-    def __init__(self, tokenizer_file: Path | None):
+    def __init__(self, tokenizer_file: Path | None, vocab_size: int):
         self.tokenizer = None
         if tokenizer_file is not None:
             from tokenizers import Tokenizer
@@ -237,6 +255,9 @@ class TextCodec:
                 self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
             except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
                 raise CheckpointError(f"tokenizer {tokenizer_file} does not load ({exc})") from None
+            if self.tokenizer.get_vocab_size() > vocab_size:
+                raise CheckpointError(f"tokenizer {tokenizer_file} has {self.tokenizer.get_vocab_size():,} tokens, past the"
+                                      f" model's vocab_size of {vocab_size:,}: it is not the tokenizer the run trained with")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode())
@@ -261,19 +282,20 @@ def generate(
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     page_size: PageSize = None,
     page_kernel: PageKernelOption = PageKernel("torch"),
+    dtype: DtypeOption = Dtype("auto"),
 ) -> None:
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
-    from archlab.train.checkpoint import load_trained
 
     try:
         sampling = Sampling(temperature, top_k, top_p, seed)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
+    prompt, stop = _utf8("--prompt", prompt), [_utf8("--stop", text) for text in stop or ()]
     if source.is_dir():
         try:
             spec, model, checkpoint, tokenizer = load_trained(source)
-            codec = TextCodec(tokenizer)
+            codec = TextCodec(tokenizer, spec.vocab_size)
         except SpecError as exc:
             _report(exc)
             raise typer.Exit(1) from None
@@ -286,7 +308,7 @@ def generate(
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
         model = build_model(spec)
         err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
-        codec = TextCodec(None)
+        codec = TextCodec(None, spec.vocab_size)
     if tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
@@ -294,12 +316,12 @@ def generate(
     if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
     stop_tokens = []
-    for text in stop or ():
+    for text in stop:
         stop_ids = codec.encode(text)
         if len(stop_ids) != 1:
             raise typer.BadParameter(f"--stop {text!r} is {len(stop_ids)} tokens; give text that is one token")
         stop_tokens += stop_ids
-    engine = Engine(model.eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
+    engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
@@ -355,7 +377,7 @@ def bench(
     gen: Annotated[int, typer.Option(min=1, help="new tokens per sequence")] = 128,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     prefill_rows: Annotated[int | None, typer.Option(min=1, help="prefill only this many prompts (a divisor of --batch) and copy their cache to the rest")] = None,
-    dtype: Annotated[str, typer.Option(help="auto: the spec's inference_dtype")] = "auto",
+    dtype: DtypeOption = Dtype("auto"),
     device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
     cuda_graph: Annotated[bool, typer.Option(help="replay each decoding step from a captured CUDA graph")] = False,
     page_size: PageSize = None,
@@ -371,8 +393,6 @@ def bench(
     from archlab.bench import plot
 
     lengths = _lengths(seq_len)
-    if dtype not in ("auto", *DTYPES):
-        raise typer.BadParameter(f"--dtype must be auto or one of {list(DTYPES)}")
     if prefill_rows is not None and batch % prefill_rows:
         raise typer.BadParameter(f"--prefill-rows {prefill_rows} must divide --batch {batch}")
     if cuda_graph and not device.startswith("cuda"):
@@ -387,8 +407,7 @@ def bench(
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("bench", total=len(good) * len(lengths))
         for label, (_, spec) in zip(_labels(good), good):
-            model_dtype = DTYPES[spec.inference_dtype if dtype == "auto" else dtype]
-            model = build_model(spec, device=device, dtype=model_dtype).eval()
+            model = build_model(spec, device=device, dtype=_dtype(spec, dtype)).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
                 with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
@@ -411,7 +430,6 @@ def cost(
 ) -> None:
     """Parameters, FLOPs (training per token, prefill, decode) and cache bytes per sequence
     (global, local), one row per spec and length."""
-    from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, readable
 
     lengths = _lengths(seq_len, TRAINING_LENGTH)
     good, bad = _load_all(paths)
@@ -434,8 +452,6 @@ def equal_flops(
     seq_len: Annotated[str, typer.Option(help="training sequence length")] = "8K",
 ) -> None:
     """Steps each spec may train for to spend the reference's training FLOPs (same tokens per step)."""
-    from archlab.cost import TRAINING_LENGTH, Cost, equal_flops_steps
-    from archlab.table import si
 
     n = _lengths([seq_len], TRAINING_LENGTH)[0]
     ref = _load_one(reference)
@@ -453,8 +469,6 @@ def equal_flops(
 def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None, say: Console) -> int:
     """The optimizer steps a budget buys (--tokens rounds up, --flops down); a budget under one
     step still trains one, and says so on ``say``."""
-    from archlab.cost import Cost
-    from archlab.table import si
 
     if tokens is None and flops is None:
         return steps or cfg.steps
@@ -494,8 +508,6 @@ def train(
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
-    from archlab.train.checkpoint import CheckpointError, checkpoints
-    from archlab.train.config import load_config
     from archlab.train.data import DataError
     from archlab.train.trainer import Trainer, TrainError
 
@@ -671,7 +683,6 @@ def _show_notice(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def main() -> None:
-    from archlab.ops.dispatch import BackendError
 
     warnings.showwarning = _show_notice
     try:

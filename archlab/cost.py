@@ -20,7 +20,7 @@ from archlab.block import Flops
 from archlab.cache import CacheBytes
 from archlab.plan import Plan, Step
 from archlab.spec import ModelSpec, YocoLayout
-from archlab.table import si
+from archlab.table import MIB, Format, render, si
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 TRAINING_LENGTH = 2  # the shortest training sequence costed: a block's FLOPs read one token as a decoding step
@@ -193,9 +193,6 @@ def equal_flops_steps(reference: ModelSpec, steps: int, other: ModelSpec, seq_le
     return steps * Cost(reference).train_flops_per_token(seq_len) // Cost(other).train_flops_per_token(seq_len)
 
 
-MIB = 2**20
-
-
 def readable(row: CostRow) -> dict:
     """A row for people: SI prefixes for counts, MiB for cache memory."""
     return {
@@ -214,7 +211,6 @@ def readable(row: CostRow) -> dict:
 
 def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: str) -> str:
     """The generated cost page: one table over specs and lengths, and how to read it."""
-    from archlab.table import Format, render
 
     rows = [readable(Cost(spec).row(n)) for _, spec in specs for n in lengths]
     sources = ", ".join(f"`{path}`" for path, _ in specs)

@@ -11,6 +11,8 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file, save_model
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from archlab import build_model, load_spec
 from archlab.spec import spec_to_yaml
@@ -346,6 +348,9 @@ BAD_OPTIONS = [
     (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),
     (["generate", SPEC, "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
     (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
+    (["generate", SPEC, "--prompt", b"ab\xffcd".decode("utf-8", "surrogateescape")], "--prompt b'ab\\xffcd' is not UTF-8 text"),
+    (["generate", SPEC, "--stop", b"\xff".decode("utf-8", "surrogateescape")], "--stop b'\\xff' is not UTF-8 text"),
+    (["generate", SPEC, "--dtype", "float64"], "'float64' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "1e300"], "--flops 1e+300 buys 3.31e+290 steps"),
     (["train", SPEC, "--out", "{tmp}/run", "--tokens", "999999T"], "more than the 1e+12 a run may take; check its units"),
@@ -374,6 +379,23 @@ def test_an_option_out_of_bounds_is_refused(cli, tmp_path, args, message):
 def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
     code, _, stderr = cli(*args)
     assert code == 1 and message in stderr and "bytes)" in stderr, stderr
+
+
+@pytest.mark.parametrize("count", [10**17, 10**19])  # sizes past int64: torch overflows before it allocates
+def test_a_cache_past_any_size_is_said_in_words_too(cli, count):
+    code, _, stderr = cli("generate", SPEC, "--max-new-tokens", count)
+    assert code == 1 and f"+ {count:,} new tokens does not fit in memory; lower --max-new-tokens" in stderr, stderr
+
+
+def test_generate_runs_in_the_specs_inference_dtype(cli, tmp_path):
+    spec = tmp_path / "bf16.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: bf16\ninference_dtype: bfloat16\n")
+    said = {}
+    for dtype in ("auto", "float32"):
+        code, _, stderr = cli("generate", spec, "--prompt", "ab", "--max-new-tokens", "2", "--dtype", dtype)
+        assert code == 0, stderr
+        said[dtype] = int(re.search(r"cache ([\d,]+) B global", stderr)[1].replace(",", ""))
+    assert said["float32"] == 2 * said["auto"] > 0
 
 
 def test_build_checks_a_kernel_without_a_cpu_backward_forward_only(cli, tmp_path):
@@ -411,6 +433,7 @@ def fake_run(root, config=RECALL, weights=lambda t: t):
     return root
 
 
+WIDE_TOKENIZER = Tokenizer(WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0")).to_str()  # another run's, say
 # (config.yaml, tokenizer.json or None, what the weights become, what stderr must say)
 BAD_RUNS = [
     ("x: [\n", None, None, "config.yaml:\n  line 2, column 1: YAML syntax error"),
@@ -419,6 +442,7 @@ BAD_RUNS = [
     ("steps: 1\n", "garbage", None, "tokenizer.json does not load"),
     ("steps: 1\n", "", None, "tokenizer.json does not load"),
     ("steps: 1\n", None, None, "the run's tokenizer is not at"),  # a run on text, its tokenizer gone
+    ("steps: 1\n", WIDE_TOKENIZER, None, "has 300 tokens, past the model's vocab_size of 256: it is not the tokenizer the run trained"),
     (RECALL, None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
     (RECALL, None, lambda t: t.long(), "does not fit this model (weights of another dtype: ['embed.weight: torch.int64, not torch.float32'"),
     (RECALL, None, lambda t: t.half(), "weights of another dtype: ['embed.weight: torch.float16, not torch.float32'"),
@@ -426,7 +450,7 @@ BAD_RUNS = [
 
 
 @pytest.mark.parametrize("config,tokenizer,weights,message", BAD_RUNS,
-                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "no tokenizer", "nan", "int64",
+                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "no tokenizer", "wide tokenizer", "nan", "int64",
                               "float16"])
 def test_generate_refuses_a_damaged_run(cli, tmp_path, config, tokenizer, weights, message):
     run = fake_run(tmp_path / "run", config, weights or (lambda t: t))

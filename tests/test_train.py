@@ -611,6 +611,16 @@ def test_batches_split_across_processes_exactly():
     assert torch.equal(whole.targets[:, :-1], whole.inputs[:, 1:])
 
 
+def test_a_batch_the_default_micro_batch_does_not_divide_says_so_and_what_would():
+    from archlab.spec import SpecError
+    from archlab.train.config import load_config
+
+    with pytest.raises(SpecError, match=r"16 \(the default\) does not divide batch_size=8; .* such as 8"):
+        load_config(None, ["batch_size=8"])
+    with pytest.raises(SpecError, match=r"micro_batch_size: 3 does not divide batch_size=16; .* such as 2"):
+        load_config(None, ["micro_batch_size=3"])
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig.model_validate({"schedule": {"warmup_steps": 10, "min_lr_ratio": 0.1}})
     factors = [lr_factor(s, 100, cfg) for s in range(100)]

@@ -97,9 +97,11 @@ class TrainConfig(Strict):
     def problems(self) -> list[Problem]:
         root = Problems()
         if self.batch_size % self.micro_batch_size:
+            default = "" if "micro_batch_size" in self.model_fields_set else " (the default)"
+            fits = max(d for d in range(1, self.micro_batch_size) if self.batch_size % d == 0)
             root.at("micro_batch_size").add(
-                f"{self.micro_batch_size} does not divide batch_size={self.batch_size}; the gradient is"
-                " accumulated over whole micro-batches"
+                f"{self.micro_batch_size}{default} does not divide batch_size={self.batch_size}; the gradient is"
+                f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as {fits}"
             )
         return root.found
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archlab.kv import PageTable
+from archlab.kv import PageTable, pages_for
 from archlab.plan import Step
 
 State = dict[str, torch.Tensor]
@@ -48,24 +48,25 @@ class Cache:
         rows = sequences * model.streams
         self.pages = None
         if page_size is not None and model.global_kv is not None:
-            pages = rows * -(-capacity // page_size) if pages is None else pages
+            pages = pages_for([capacity] * rows, page_size) if pages is None else pages
             self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
-        with torch.device(device):
-            def new_global() -> State:
+
+        def new_global() -> State:
+            with torch.device(device):
                 if self.pages is None:
                     return model.global_kv.new_state(rows, capacity, dtype)
                 return model.global_kv.new_pool(pages, page_size, dtype)
 
-            self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
-            states = {key: model.layers[key[2]].mixer.new_state(rows, capacity, dtype) for key in model.plan.state_keys()}
-        self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
-        self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
-
         def initial(key: tuple[int, int, int], rows: int) -> State:
+            """A layer's state as ``new_state`` makes it (again in ``start_over``)."""
             with torch.device(device):
                 return model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
 
-        self._initial = initial  # a layer's state as new_state makes it, for start_over
+        self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
+        states = {key: initial(key, rows) for key in model.plan.state_keys()}
+        self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
+        self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
+        self._initial = initial
         self.fresh = True  # nothing fed into it yet (the engine says when)
 
     def bytes_per_sequence(self) -> CacheBytes:
@@ -129,11 +130,11 @@ class Cache:
         if (self.pages is None) != (sub.pages is None):
             raise ValueError("cannot copy sequences between a paged and a contiguous cache")
         if self.pages is None:
-            states = zip(self._states(), sub._states())
+            states = zip(self._states(), sub._states(), strict=True)
         else:  # pages are copied page by page; the rest row by row
-            pools = [(ours[n], pool[n]) for ours, pool in zip(self.global_kv.values(), sub.global_kv.values()) for n in ours]
+            pools = [(ours[n], pool[n]) for ours, pool in zip(self.global_kv.values(), sub.global_kv.values(), strict=True) for n in ours]
             self.pages.select(rows).copy_from(sub.pages, pools)
-            states = zip(self.layers.values(), sub.layers.values())
+            states = zip(self.layers.values(), sub.layers.values(), strict=True)
         for state, other in states:
             for name, tensor in state.items():
                 tensor[rows] = other[name]

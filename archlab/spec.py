@@ -37,7 +37,8 @@ class SpecError(Exception):
 
 
 def _tag_shorthand(key: str):
-    """Let ``rope`` stand for ``{type: rope}`` (and likewise for every tagged union)."""
+    """Let ``rope`` stand for ``{type: rope}`` (likewise for every tagged union but the layout, which
+    always has fields to give)."""
     return BeforeValidator(lambda v: {key: v} if isinstance(v, str) else v)
 
 
@@ -576,7 +577,7 @@ def _describe(err: dict) -> str:
 
 
 def _unions() -> dict[str, Any]:
-    """The keys that hold a tagged union (each of which a shorthand string may stand for)."""
+    """The keys that hold a tagged union (each but ``layout`` may be given as a shorthand string)."""
     return {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
 
 

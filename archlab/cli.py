@@ -138,7 +138,7 @@ def build(
     backward pass (forward only where a kernel has no CPU backward), have their cost formulas
     checked against the built model and its cache, and decode token by token as a full forward
     pass computes; the rest are built on the meta device. Prints parameters and structure."""
-    from archlab.checks import DECODE_TOLERANCE, cost_problems, decode_error
+    from archlab.checks import cpu_check
 
     n = _lengths([seq_len])[0]
     good, bad = _load_all(paths)
@@ -152,27 +152,14 @@ def build(
         check = "built on meta"
         if params <= CPU_CHECK_LIMIT:
             model = build_model(spec)
-            forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
             start = time.perf_counter()
             with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len", None):
-                tokens = torch.randint(0, spec.vocab_size, (2, n))
-                with torch.set_grad_enabled(not forward_only):
-                    logits, aux = model(tokens, return_aux=True)
-                if not forward_only:
-                    (logits.float().logsumexp(-1).mean() + aux).backward()
-            grads_ok = all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
-            ok = bool(logits.isfinite().all()) and grads_ok
-            passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
-            found = cost_problems(model) if ok else []
-            error = decode_error(model, min(n, 48)) if ok else 0.0
-            if error > DECODE_TOLERANCE:
-                found.append(f"decoding token by token differs from a full forward pass by {error:.1e} of the largest logit"
-                             " (does the module's forward read and update inp.state?)")
-            problems += [f"{label}: {problem}" for problem in found]
-            ok = ok and not found
+                result = cpu_check(model, n)
+            problems += [f"{label}: {problem}" for problem in result.problems]
+            ok = result.finite and not result.problems
             failed += not ok
-            verdict = "[green]ok" if ok else "[red]non-finite" if not found else f"[red]{len(found)} problem(s)"
-            checked = f"{passes}, costs, decoding" if ok or found else passes
+            verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)" if result.finite else "[red]non-finite"
+            checked = f"{result.passes}, costs, decoding" if result.finite else result.passes
             check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
         table.add_row(label, _describe_structure(model), f"{params:,}", check)
     out.print(table)

@@ -44,7 +44,7 @@ class Layer(nn.Module):
         return x + self.ffn(self.ffn_norm(x), aux_losses)
 
 
-class GlobalKV(nn.Module):
+class GlobalKVProjection(nn.Module):
     """YOCO's one K,V for the whole cross-decoder: the model's norm, then K and V projections (RoPE on K
     when the cross-decoder uses RoPE)."""
 
@@ -105,7 +105,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(
             Layer(spec, _build_mixer(spec.block_at(i), contexts[self.plan.half_of(i)])) for i in range(spec.n_layers)
         )
-        self.global_kv = GlobalKV(spec) if isinstance(spec.layout, YocoLayout) else None
+        self.global_kv = GlobalKVProjection(spec) if isinstance(spec.layout, YocoLayout) else None
         self.streams = spec.parscale.streams if spec.parscale else 1
         self.stream_mix = nn.Linear(self.streams * spec.d_model, self.streams, bias=False) if self.streams > 1 else None
         self.norm = build_norm(spec.norm, spec.d_model)

@@ -567,7 +567,7 @@ def _describe(err: dict) -> str:
         return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}"
     if err["type"] == "union_tag_not_found":
         tag = err["ctx"]["discriminator"].strip(chr(39))
-        kinds = _kinds(err["loc"], tag)
+        kinds = _union_tags(err["loc"], tag)
         return f"missing {tag!r}, which says what kind this is" + (f" (one of: {', '.join(kinds)})" if kinds else "")
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
@@ -581,7 +581,7 @@ def _unions() -> dict[str, Any]:
     return {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
 
 
-def _kinds(loc: tuple, tag: str) -> list[str]:
+def _union_tags(loc: tuple, tag: str) -> list[str]:
     """The tags a discriminated union at ``loc`` takes: of the union its nearest named key holds."""
     unions = _unions()
     key = next((part for part in reversed(loc) if part in unions), None)

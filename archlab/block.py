@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_origin
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
@@ -162,9 +163,21 @@ class BlockSpec(Strict):
         """
 
 
-def chunked(n: int, chunk: int) -> int:
-    """Tokens a chunked op computes on: n padded up to whole chunks."""
-    return -(-n // chunk) * chunk
+def ceil_div(a: int, b: int) -> int:
+    """How many pieces of b cover a: a / b rounded up."""
+    return -(-a // b)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple, e.g. the tokens a chunked op computes on (n padded to whole chunks)."""
+    return ceil_div(n, multiple) * multiple
+
+
+def gated_head_output(mixer: nn.Module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """RetNet's and Gated DeltaNet's output: their heads o [B, N, H, V] through the mixer's per-head
+    ``head_norm``, gated by silu(``gate_proj`` x), then ``o_proj`` back to the width."""
+    o = mixer.head_norm(o) * F.silu(mixer.gate_proj(x)).view_as(o)
+    return mixer.o_proj(o.flatten(2))
 
 
 def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:

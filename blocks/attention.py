@@ -52,18 +52,15 @@ class AttentionSpec(BlockSpec):
     def build(self, ctx: BuildContext) -> nn.Module:
         return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size(), kernels=causal_kernels(self.type, self.backend))
 
-    def prefix_len(self, ctx: BuildContext) -> int:
-        return ctx.prefix_len if ctx.streams > 1 else 0
-
     def params(self, ctx: BuildContext) -> int:
         heads, kv_heads, head_dim = self.shape(ctx.d_model)
-        prefix = 2 * ctx.streams * self.prefix_len(ctx) * kv_heads * head_dim
+        prefix = 2 * ctx.streams * ctx.prefix_len * kv_heads * head_dim
         return 2 * ctx.d_model * (heads + kv_heads) * head_dim + prefix
 
     def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
         heads, kv_heads, head_dim = self.shape(ctx.d_model)
         projected = 2 * heads + (0 if reuse_kv else 2 * kv_heads)  # q, o (+ k, v)
-        pairs = attention_pairs(n, start, self.window_size()) + n * self.prefix_len(ctx)
+        pairs = attention_pairs(n, start, self.window_size()) + n * ctx.prefix_len
         return Flops(matmul=2 * n * ctx.d_model * projected * head_dim, attention=4 * heads * head_dim * pairs)
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
@@ -81,10 +78,9 @@ class SelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(ctx.d_model, (heads + 2 * kv_heads) * head_dim, bias=False)  # one matmul for q, k, v
         self.o_proj = nn.Linear(heads * head_dim, ctx.d_model, bias=False)
         self.rotary = Rotary(head_dim, ctx.rope_theta) if ctx.rope_theta is not None else None
-        if ctx.streams > 1:
-            shape = (ctx.streams, ctx.prefix_len, kv_heads, head_dim)
-            self.prefix_k = nn.Parameter(torch.randn(shape) * ctx.init_std)
-            self.prefix_v = nn.Parameter(torch.randn(shape) * ctx.init_std)
+        prefix_shape = (ctx.streams, ctx.prefix_len, kv_heads, head_dim)  # ParScale's per-stream prefix K,V; none without it
+        self.prefix_k = nn.Parameter(torch.randn(prefix_shape) * ctx.init_std) if ctx.prefix_len else None
+        self.prefix_v = nn.Parameter(torch.randn(prefix_shape) * ctx.init_std) if ctx.prefix_len else None
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return x if self.rotary is None else self.rotary(x, positions)
@@ -116,7 +112,7 @@ class SelfAttention(nn.Module):
             if inp.kv_memo is not None:
                 inp.kv_memo["kv"] = (k, v, k_pos)
         prefix = None
-        if hasattr(self, "prefix_k"):
+        if self.prefix_k is not None:
             copies = batch // self.prefix_k.shape[0]  # rows are (sequence, stream), stream fastest
             prefix = (self.prefix_k.repeat(copies, 1, 1, 1).to(k.dtype), self.prefix_v.repeat(copies, 1, 1, 1).to(v.dtype))
         if inp.causal and prefix is None:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pydantic import PositiveFloat, PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
-from archlab.ops.common import decay_parameters, float32_or_wider
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
+from archlab.ops.common import decay_parameters, float32_or_wider, linear_recurrence
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
 
@@ -56,7 +56,7 @@ class GatedDeltaNetSpec(BlockSpec):
         conv = 2 * (2 * h * key + h * value) * n * self.conv_size
         if n == 1:  # conv tails; decay, read k S, write k u^T, read q S
             return Flops(matmul=dense, state_update=conv + 7 * h * key * value)
-        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        padded, c = round_up(n, self.chunk_size), self.chunk_size
         mixer = h * padded * (4 * c * key + 2 * c * value + 6 * key * value)
         return Flops(matmul=dense, conv=conv, mixer=mixer, solve=h * padded * c * (key + value))
 
@@ -67,7 +67,7 @@ class GatedDeltaNetSpec(BlockSpec):
 
 
 def conv_weights(dim: int, size: int) -> nn.Conv1d:
-    """Depthwise causal conv weights (applied through the causal_conv1d ops)."""
+    """Depthwise causal conv weights (applied through ``short_conv``)."""
     return nn.Conv1d(dim, dim, size, groups=dim, bias=False)
 
 
@@ -106,10 +106,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, inp: MixerInput) -> torch.Tensor:
         batch, n, _ = x.shape
-        heads, state = (batch, n, self.heads, -1), inp.state or {}
+        head_shape, state = (batch, n, self.heads, -1), inp.state or {}
 
         def conv(name: str, proj: nn.Linear) -> torch.Tensor:
-            return short_conv(proj(x), getattr(self, name).weight.squeeze(1), state=state.get(name)).view(heads)
+            return short_conv(proj(x), getattr(self, name).weight.squeeze(1), state=state.get(name)).view(head_shape)
 
         q = F.normalize(conv("q_conv", self.q_proj), dim=-1)
         k = F.normalize(conv("k_conv", self.k_proj), dim=-1)
@@ -117,13 +117,6 @@ class GatedDeltaNet(nn.Module):
         wide = float32_or_wider(x.dtype)
         beta = self.b_proj(x).to(wide).sigmoid()
         g = -self.A_log.to(wide).exp() * F.softplus(self.a_proj(x).to(wide) + self.dt_bias)
-        ops = self.kernels(x.device)
-        chunked = partial(ops["chunk_gated_delta_rule"], chunk_size=self.chunk_size)
-        if inp.state is None:
-            o, _ = chunked(q, k, v, g=g, beta=beta)
-        else:  # a decoding step uses the recurrent form
-            op = ops["fused_recurrent_gated_delta_rule"] if n == 1 else chunked
-            o, final = op(q, k, v, g=g, beta=beta, initial_state=state["S"], output_final_state=True)
-            state["S"].copy_(final)
-        o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
-        return self.o_proj(o.reshape(batch, n, -1))
+        o = linear_recurrence(self.kernels(x.device), "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", q, k, v,
+                              state.get("S"), self.chunk_size, g=g, beta=beta)
+        return gated_head_output(self, o, x)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, chunked
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, round_up
 from archlab.ops.common import decay_parameters, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels
@@ -60,7 +60,7 @@ class Mamba2Spec(BlockSpec):
         conv = 2 * conv_dim * n * self.d_conv
         if n == 1:  # conv tail; decay, write dt B x, read C S
             return Flops(matmul=dense, state_update=conv + 5 * heads * p * state)
-        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        padded, c = round_up(n, self.chunk_size), self.chunk_size
         return Flops(matmul=dense, conv=conv, mixer=heads * (2 * padded * c * (state + p) + 4 * padded * state * p))
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
@@ -100,19 +100,16 @@ class Mamba2(nn.Module):
         xs = xs.reshape(batch, n, self.heads, self.head_dim)
         B, C = B.reshape(batch, n, self.groups, self.d_state), C.reshape(batch, n, self.groups, self.d_state)
         A = -self.A_log.to(float32_or_wider(x.dtype)).exp()
-        ops = self.kernels(x.device)
-        if ssm_state is not None and n == 1:  # a decoding step uses the recurrent form
-            y, new_ssm = ops["selective_state_update"](
-                ssm_state, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, dt_bias=self.dt_bias, dt_softplus=True
-            )
-            y = y[:, None]
+        ops, ssd_args = self.kernels(x.device), dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True)
+        if ssm_state is None:
+            y = ops["mamba_chunk_scan_combined"](xs, dt, A, B, C, self.chunk_size, **ssd_args)
         else:
-            y = ops["mamba_chunk_scan_combined"](
-                xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                initial_states=ssm_state, return_final_states=ssm_state is not None,
-            )
-            y, new_ssm = y if ssm_state is not None else (y, None)
-        if ssm_state is not None:
+            if n == 1:  # a decoding step uses the recurrent form
+                y, new_ssm = ops["selective_state_update"](ssm_state, xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], **ssd_args)
+                y = y[:, None]
+            else:
+                y, new_ssm = ops["mamba_chunk_scan_combined"](xs, dt, A, B, C, self.chunk_size, initial_states=ssm_state,
+                                                              return_final_states=True, **ssd_args)
             ssm_state.copy_(new_ssm)
         y = y.reshape(batch, n, self.inner) * F.silu(z)
         y = F.rms_norm(y.view(batch, n, self.groups, -1), (self.inner // self.groups,), eps=1e-5)

@@ -7,7 +7,6 @@ gated by silu(W_gate x), then projected back to the width.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Literal
 
 import torch
@@ -15,8 +14,8 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, chunked
-from archlab.ops.common import float32_or_wider
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
+from archlab.ops.common import float32_or_wider, linear_recurrence
 from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
 
@@ -53,7 +52,7 @@ class RetentionSpec(BlockSpec):
         dense = 2 * n * d * h * (2 * key + 3 * value + (1 if self.gated else 0))
         if n == 1:  # decay (1), write k v^T (2), read q S (2)
             return Flops(matmul=dense, state_update=5 * h * key * value)
-        padded, c = chunked(n, self.chunk_size), self.chunk_size
+        padded, c = round_up(n, self.chunk_size), self.chunk_size
         return Flops(matmul=dense, mixer=h * (2 * padded * c * (key + value) + 4 * padded * key * value))
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
@@ -65,8 +64,9 @@ class Retention(nn.Module):
     def __init__(self, ctx: BuildContext, spec: RetentionSpec):
         super().__init__()
         self.heads, self.chunk_size, self.gated = spec.n_heads, spec.chunk_size, spec.gated
-        kinds = ("chunk_simple_gla", "fused_recurrent_simple_gla") if spec.gated else ("chunk_retention", "fused_recurrent_retention")
-        self.kernels = Kernels("retnet", spec.backend, ("fla",), kinds)
+        gla, retention = ("chunk_simple_gla", "fused_recurrent_simple_gla"), ("chunk_retention", "fused_recurrent_retention")
+        self.chunk_op, self.step_op = gla if spec.gated else retention  # names of the ops in self.kernels
+        self.kernels = Kernels("retnet", spec.backend, ("fla",), (self.chunk_op, self.step_op))
         self.head_dim, self.value_dim = spec.dims(ctx.d_model)
         d, h = ctx.d_model, self.heads
         self.q_proj = nn.Linear(d, h * self.head_dim, bias=False)
@@ -88,16 +88,9 @@ class Retention(nn.Module):
         v = self.v_proj(x).view(batch, n, self.heads, self.value_dim)
         if self.rotary is not None:
             q, k = self.rotary(q, inp.positions), self.rotary(k, inp.positions)
-        chunk_op, step_op = self.kernels(x.device).values()
-        chunked, recurrent = partial(chunk_op, chunk_size=self.chunk_size), step_op
+        gates = {}
         if self.gated:  # decay per token and head
-            g = F.logsigmoid(self.decay_proj(x).to(float32_or_wider(x.dtype))) / 16
-            chunked, recurrent = partial(chunked, g=g), partial(recurrent, g=g)
-        state = inp.state
-        if state is None:
-            o, _ = chunked(q, k, v)
-        else:  # a decoding step uses the recurrent form
-            o, final = (recurrent if n == 1 else chunked)(q, k, v, initial_state=state["S"], output_final_state=True)
-            state["S"].copy_(final)
-        o = self.head_norm(o) * F.silu(self.gate_proj(x)).view_as(o)
-        return self.o_proj(o.reshape(batch, n, -1))
+            gates["g"] = F.logsigmoid(self.decay_proj(x).to(float32_or_wider(x.dtype))) / 16
+        state = None if inp.state is None else inp.state["S"]
+        o = linear_recurrence(self.kernels(x.device), self.chunk_op, self.step_op, q, k, v, state, self.chunk_size, **gates)
+        return gated_head_output(self, o, x)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from archlab.ops.conv import causal_conv1d_fn, causal_conv1d_update
+from archlab.ops.conv import short_conv
 from archlab.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from archlab.ops.retention import (
     chunk_retention,
@@ -232,18 +232,13 @@ def test_ssd_matches_references(T, ngroups, init, d_shape):
 
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("ngroups", [1, 2])
-def test_ssd_through_simple_gla_equals_the_ssd_ops(ngroups, init):
-    """The mapping that lets fla's simple_gla kernels run Mamba2 (q=C, k=B, v=dt x, g=dt A),
-    checked with our simple_gla ops in float64: scan and decoding steps, states included."""
+def test_ssd_step_through_simple_gla_equals_selective_state_update(ngroups, init):
+    """The mapping that lets fla's fused_recurrent_simple_gla kernel run Mamba2's decoding step
+    (q=C, k=B, v=dt x, g=dt A), checked with our simple_gla op in float64, states included.
+    (Our chunked SSD is this mapping over our chunk_simple_gla: test_ssd_matches_references.)"""
     i = ssd_inputs(37, ngroups, init, (4,))
-    scan = chunk_scan_from_gla(chunk_simple_gla)
-    out, s = scan(**i, chunk_size=16, dt_softplus=True, return_final_states=True)
-    ref_out, ref_s = mamba_chunk_scan_combined(**i, chunk_size=16, dt_softplus=True, return_final_states=True)
-    close(out, ref_out, F64)
-    close(s, ref_s, F64)
-    close(scan(**i, chunk_size=16, dt_softplus=True), ref_out, F64)
     step = state_update_from_gla(fused_recurrent_simple_gla)
-    state = i["initial_states"] if init else torch.zeros_like(ref_s)
+    state = i["initial_states"] if init else torch.zeros(2, 4, 3, 5, dtype=torch.float64)
     args = dict(D=i["D"], dt_bias=i["dt_bias"], dt_softplus=True)
     for t in range(3):
         x, dt, B, C, z = (i[k][:, t] for k in ("x", "dt", "B", "C", "z"))
@@ -279,6 +274,18 @@ def test_ssd_plain_dt_limit_and_state_flag():
     close(mamba_chunk_scan_combined(**i, chunk_size=8, dt_limit=limit), out_ref, F64)
 
 
+def test_ssd_in_bfloat16_rounds_only_its_output():
+    """From bfloat16 inputs, the chunked SSD computes as from their float32 values and rounds
+    once, at the end: v = dt x is not rounded to bfloat16 first (only for fla's kernels, which take
+    q, k, v in the model's dtype)."""
+    i = ssd_inputs(37, 2, True, (4,))
+    low = {k: t.bfloat16() for k, t in i.items()}
+    kw = dict(chunk_size=8, dt_softplus=True, return_final_states=True)
+    out, s = mamba_chunk_scan_combined(**low, **kw)
+    out_f32, s_f32 = mamba_chunk_scan_combined(**{k: t.float() for k, t in low.items()}, **kw)
+    assert torch.equal(out, out_f32.bfloat16()) and torch.equal(s, s_f32)
+
+
 def test_selective_state_update_expanded_shapes():
     """mamba2's step passes dt [b,h,p], A [h,p,n], dt_bias, D [h,p] (head values broadcast); same result."""
     b, h, p, n, g = 2, 4, 3, 5, 2
@@ -298,38 +305,48 @@ def test_selective_state_update_expanded_shapes():
 
 
 def conv_inputs(T, W, B=2, D=6, seed=0):
+    """x [B, T, D] (sequence-first, as the blocks), weight [D, W], bias [D], state [B, D, W-1]."""
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    return r(B, D, T), r(D, W), r(D), r(B, D, W - 1)
+    return r(B, T, D), r(D, W), r(D), r(B, D, W - 1)
 
 
-@pytest.mark.parametrize("activation", [None, "silu"])
+def conv_by_taps(x, weight, bias, state):
+    """The definition: out[t] = silu(bias + sum_w weight[:, w] * x[t - W + 1 + w]), the inputs
+    before x from ``state``; with the last W-1 inputs, the next state."""
+    W = weight.shape[1]
+    inputs = torch.cat([state.transpose(1, 2), x], dim=1)  # [B, W-1+T, D]
+    out = sum(weight[:, w] * inputs[:, w: w + x.shape[1]] for w in range(W)) + bias
+    return F.silu(out), inputs[:, x.shape[1]:].transpose(1, 2)
+
+
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("T", LENGTHS)
-def test_causal_conv1d_matches_torch_conv1d(T, W, activation):
-    x, w, bias, _ = conv_inputs(T, W)
-    ref = F.conv1d(F.pad(x, (W - 1, 0)), w[:, None], bias, groups=x.shape[1])
-    close(causal_conv1d_fn(x, w, bias, activation=activation), F.silu(ref) if activation else ref, F64)
-    close(causal_conv1d_fn(x, w), F.conv1d(F.pad(x, (W - 1, 0)), w[:, None], groups=x.shape[1]), F64)
+def test_short_conv_matches_its_definition(T, W):
+    x, w, bias, s0 = conv_inputs(T, W)
+    ref, ref_state = conv_by_taps(x, w, bias, s0)
+    state = s0.clone()
+    close(short_conv(x, w, bias, state=state), ref, F64)
+    close(state, ref_state, F64)
+    zeros_ref, _ = conv_by_taps(x, w, torch.zeros_like(bias), torch.zeros_like(s0))
+    close(short_conv(x, w), zeros_ref, F64)  # no state: zeros before x; no bias
 
 
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("T", [1, 2, 7, 33])
-def test_causal_conv1d_update_and_split_match_full(T, W):
+def test_short_conv_steps_and_pieces_match_the_whole(T, W):
     x, w, bias, s0 = conv_inputs(T, W)
-    kw = dict(bias=bias, activation="silu")
-    out, s = causal_conv1d_fn(x, w, initial_states=s0, return_final_states=True, **kw)
-    state, steps = s0, []
-    for t in range(T):
-        y, state = causal_conv1d_update(x[..., t], state, w, **kw)
-        steps.append(y)
-    close(torch.stack(steps, -1), out, F64)
-    close(state, s, F64)
+    whole_state = s0.clone()
+    whole = short_conv(x, w, bias, state=whole_state)
+    state = s0.clone()
+    steps = [short_conv(x[:, t: t + 1], w, bias, state=state) for t in range(T)]
+    close(torch.cat(steps, 1), whole, F64)
+    close(state, whole_state, F64)
     for cut in range(1, T):  # includes pieces shorter than W - 1, whose states carry initial-state values
-        o1, s1 = causal_conv1d_fn(x[..., :cut], w, initial_states=s0, return_final_states=True, **kw)
-        o2, s2 = causal_conv1d_fn(x[..., cut:], w, initial_states=s1, return_final_states=True, **kw)
-        close(torch.cat([o1, o2], -1), out, F64)
-        close(s2, s, F64)
+        state = s0.clone()
+        pieces = [short_conv(x[:, :cut], w, bias, state=state), short_conv(x[:, cut:], w, bias, state=state)]
+        close(torch.cat(pieces, 1), whole, F64)
+        close(state, whole_state, F64)
 
 
 # ----------------------------------------------------------------------------- dtypes and gradients
@@ -352,16 +369,19 @@ def test_low_precision_inputs_keep_dtype_and_fp32_states():
                                   i["C"][:, 0], D=i["D"], z=i["z"][:, 0], dt_bias=i["dt_bias"], dt_softplus=True)
     assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
     x, w, bias, s0 = (t.bfloat16() for t in conv_inputs(5, 4))
-    out, s = causal_conv1d_fn(x, w, bias, initial_states=s0, return_final_states=True)
-    assert out.dtype == torch.bfloat16 and s.dtype == torch.float32
+    state = s0.float()  # as the blocks' new_state makes it
+    assert short_conv(x, w, bias, state=state).dtype == torch.bfloat16
+    assert state.dtype == torch.float32 and torch.equal(state, x[:, -3:].transpose(1, 2).float())
 
 
-def _conv_steps(x, weight, bias, initial_states):
-    state, ys = initial_states, []
-    for t in range(x.shape[-1]):
-        y, state = causal_conv1d_update(x[..., t], state, weight, bias, activation="silu")
-        ys.append(y)
-    return torch.stack(ys, -1), state
+def _conv_whole(x, weight, bias, state):
+    state = state.clone()  # short_conv writes it in place
+    return short_conv(x, weight, bias, state=state), state
+
+
+def _conv_steps(x, weight, bias, state):
+    state = state.clone()
+    return torch.cat([short_conv(x[:, t: t + 1], weight, bias, state=state) for t in range(x.shape[1])], 1), state
 
 
 GRAD_CASES = {
@@ -386,8 +406,8 @@ GRAD_CASES = {
         ssd_via_steps,
     ),
     "conv": (
-        lambda: dict(zip(("x", "weight", "bias", "initial_states"), conv_inputs(9, 4))),
-        lambda **i: causal_conv1d_fn(**i, return_final_states=True, activation="silu"),
+        lambda: dict(zip(("x", "weight", "bias", "state"), conv_inputs(9, 4))),
+        _conv_whole,
         _conv_steps,
     ),
 }

@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from archlab.block import ceil_div
 from archlab.ops.dispatch import Kernels
 
 ATTENTION_KERNELS = ("flash_attn", "fla", "flex")  # backends for whole-sequence (training) attention
@@ -145,7 +146,7 @@ def local_attend(q, k, v, q_pos, k_pos, window, prefix=None, block: int | None =
     window = min(window, k.shape[1])
     q_pos = q_pos.expand(batch, -1)
     b = block or max(window, 64)
-    blocks = -(-n // b)
+    blocks = ceil_div(n, b)
     front = window - (k.shape[1] - n)  # left-pad so the keys start W positions before the queries
     back = blocks * b - n
     k = F.pad(k, (0, 0, 0, 0, front, back))[:, 1:]

@@ -1,5 +1,5 @@
 """Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking,
-decay masks, decay parameter init)."""
+decay masks, decay parameter init, running a linear recurrence)."""
 import functools
 import math
 
@@ -56,3 +56,18 @@ def decay_parameters(heads: int) -> tuple[nn.Parameter, nn.Parameter]:
     A_log = torch.empty(heads).uniform_(1, 16).log()
     dt = torch.empty(heads).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
     return nn.Parameter(A_log), nn.Parameter(dt + torch.log(-torch.expm1(-dt)))
+
+
+def linear_recurrence(ops: dict, chunk_op: str, step_op: str, q, k, v, state, chunk_size, **gates):
+    """Run a linear-recurrent core of ``ops`` (a block's kernels, fla's calling convention: RetNet,
+    GLA, Gated DeltaNet): the chunked form over a sequence, the recurrent one for a decoding step
+    (one token). With a ``state`` it starts from it and overwrites it in place with the final state."""
+    if state is None:
+        return ops[chunk_op](q, k, v, **gates, chunk_size=chunk_size)[0]
+    carry = dict(initial_state=state, output_final_state=True)
+    if q.shape[1] == 1:
+        o, final = ops[step_op](q, k, v, **gates, **carry)
+    else:
+        o, final = ops[chunk_op](q, k, v, **gates, **carry, chunk_size=chunk_size)
+    state.copy_(final)
+    return o

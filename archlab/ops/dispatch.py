@@ -49,7 +49,7 @@ class BackendError(Exception):
     """A named backend that cannot run here, said in words."""
 
 
-@cache  # asked on every forward pass of a CUDA model; the answer does not change in a process
+@cache  # asked for every layer (by its Kernels and by the model's checks); the answer does not change in a process
 def installed(backend: str) -> bool:
     if backend in ("torch", "flex"):
         return True
@@ -67,8 +67,8 @@ def trains_on(backend: str, device_type: str) -> bool:
 
 
 @cache
-def _notice(block: str, kernels: tuple[str, ...]) -> None:
-    packages = ", ".join(PACKAGES[k][1] for k in kernels if k in PACKAGES) or "none"
+def _notice(block: str, backends: tuple[str, ...]) -> None:
+    packages = ", ".join(PACKAGES[b][1] for b in backends if b in PACKAGES) or "none"
     warnings.warn(
         f"{block}: no CUDA kernel package installed ({packages}); using the PyTorch implementation."
         " pip install 'archlab[cuda]' for the kernels, or set backend: torch to silence this",
@@ -76,22 +76,22 @@ def _notice(block: str, kernels: tuple[str, ...]) -> None:
     )
 
 
-def choose(block: str, requested: str, kernels: tuple[str, ...], device_type: str, auto: tuple[str, ...] | None = None) -> str:
-    """The backend a block runs on a device. ``kernels``: the block's kernel backends; ``auto``:
+def choose(block: str, requested: str, backends: tuple[str, ...], device_type: str, auto: tuple[str, ...] | None = None) -> str:
+    """The backend a block runs on a device. ``backends``: the block's kernel backends; ``auto``:
     those ``auto`` may take, in order of preference (default: all but flex, taken only when named)."""
     if requested == "torch":
         return "torch"
     if requested == "auto":
         if device_type != "cuda":
             return "torch"  # the kernels are CUDA-only; on the CPU the PyTorch ops are the implementation
-        candidates = auto if auto is not None else tuple(k for k in kernels if k != "flex")
+        candidates = auto if auto is not None else tuple(b for b in backends if b != "flex")
         for backend in candidates:
             if installed(backend):
                 return backend
         _notice(block, candidates)
         return "torch"
-    if requested not in kernels:
-        raise BackendError(f"{block}: backend {requested!r} has no kernel for this block; allowed: auto, torch, {', '.join(kernels)}")
+    if requested not in backends:
+        raise BackendError(f"{block}: backend {requested!r} has no kernel for this block; allowed: auto, torch, {', '.join(backends)}")
     if not installed(requested):
         module, package = PACKAGES[requested]
         raise BackendError(

@@ -6,10 +6,10 @@ Per head h, with state S [P, N], dt processed as softplus(dt + dt_bias) clamped 
 B and C are shared by groups of heads (head h uses group h // (H / G), as mamba_ssm).
 Computed in fp32 (fp64 stays fp64), autocast or not; outputs keep x's dtype, states are fp32.
 """
-import torch
 import torch.nn.functional as F
 
-from archlab.ops.common import decay_matrix, float32_or_wider, to_chunks, without_autocast
+from archlab.ops.common import float32_or_wider, without_autocast
+from archlab.ops.retention import chunk_simple_gla
 
 
 def _dt(dt, dt_bias, dt_softplus):
@@ -22,38 +22,6 @@ def _skip_and_gate(y, x, D, z):
     if D is not None:
         y = y + x * D.reshape(D.shape[0], -1).to(y.dtype)  # D [H] or [H, P]
     return y if z is None else y * F.silu(z.to(y.dtype))
-
-
-@without_autocast
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
-    """Chunked SSD: quadratic (segsum-masked) attention inside chunks, state passing across chunks.
-
-    x [b, l, h, p], dt [b, l, h], A [h] (< 0), B, C [b, l, g, n], D [h] or [h, p], z [b, l, h, p],
-    dt_bias [h], initial_states [b, h, p, n]. Returns out [b, l, h, p], or (out, final_states
-    [b, h, p, n]) if return_final_states. Unlike mamba_ssm there is no seq_idx / cu_seqlens
-    (pass arguments after chunk_size by keyword).
-    """
-    b, l, h, p = x.shape
-    dtype = float32_or_wider(x.dtype)
-    xf = x.to(dtype)
-    dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)  # clamped unconditionally, as the kernel
-
-    # chunked [b, h, c, L, ...]; the zero padding has dt = 0, a no-op step
-    X = to_chunks(xf * dt[..., None], chunk_size)
-    Bc, Cc = (to_chunks(t.to(dtype).repeat_interleave(h // t.shape[2], dim=2), chunk_size) for t in (B, C))
-    Acum = to_chunks(dt * A.to(dtype), chunk_size).cumsum(-1)  # [b, h, c, L]
-    L = decay_matrix(Acum)  # exp(segsum)
-    Y = (Cc @ Bc.transpose(-1, -2) * L) @ X  # intra-chunk outputs [b, h, c, L, p]
-    states = X.transpose(-1, -2) @ (Bc * (Acum[..., -1:] - Acum).exp()[..., None])  # per-chunk [b, h, c, p, n]
-    S = x.new_zeros(b, h, p, B.shape[-1], dtype=dtype) if initial_states is None else initial_states.to(dtype)
-    out = []
-    for c in range(Y.shape[2]):
-        out.append(Y[:, :, c] + (Cc[:, :, c] * Acum[:, :, c, :, None].exp()) @ S.transpose(-1, -2))
-        S = S * Acum[:, :, c, -1, None, None].exp() + states[:, :, c]
-    y = torch.stack(out, 2).reshape(b, h, -1, p)[:, :, :l].transpose(1, 2)
-    out = _skip_and_gate(y, xf, D, z).to(x.dtype)
-    return (out, S) if return_final_states else out
 
 
 @without_autocast
@@ -77,27 +45,31 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return out.to(x.dtype), state
 
 
-def _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit):
+def _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, dtype):
     """SSD inputs [b, l, h, ...] as simple GLA's: q = C, k = B (groups expanded to heads),
-    v = dt x, g = dt A (log decay per head and token), with the kernels' dt processing."""
+    v = dt x, g = dt A (log decay per head and token), with the kernels' dt processing; q, k, v
+    in ``dtype``, g in float32 or wider."""
     h = x.shape[2]
-    dtype = float32_or_wider(x.dtype)
-    dt = _dt(dt.to(dtype), dt_bias, dt_softplus).clamp(*dt_limit)
-    q, k = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (C, B))
-    return q, k, (x.to(dtype) * dt[..., None]).to(x.dtype), dt * A.to(dtype)
+    wide = float32_or_wider(x.dtype)
+    dt = _dt(dt.to(wide), dt_bias, dt_softplus).clamp(*dt_limit)
+    q, k = (t.repeat_interleave(h // t.shape[2], dim=2).to(dtype) for t in (C, B))
+    return q, k, (x.to(wide) * dt[..., None]).to(dtype), dt * A.to(wide)
 
 
-def chunk_scan_from_gla(chunk_simple_gla):
+def chunk_scan_from_gla(chunk_simple_gla, wide=False):
     """``mamba_chunk_scan_combined`` computed by a ``chunk_simple_gla`` (fla's kernel or ours).
 
     SSD is simple GLA with one decay per head and token (``_as_gla``), scale 1, the state stored
     transposed ([K=n, V=p] against mamba's [p, n]); the D skip and z gate follow. ``chunk_size``
-    is passed on by keyword: both take it (fla 0.6 only a power of 2).
+    is passed on by keyword: both take it (fla 0.6 only a power of 2). fla's kernels take q, k, v
+    in x's dtype; ``wide`` hands them over in float32 or wider instead, so that nothing is rounded
+    to a bfloat16 x's dtype before the output (our op computes in float32 anyway).
     """
 
     def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
              dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
-        q, k, v, g = _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+        dtype = float32_or_wider(x.dtype) if wide else x.dtype
+        q, k, v, g = _as_gla(x, dt, A, B, C, dt_bias, dt_softplus, dt_limit, dtype)
         initial = None if initial_states is None else initial_states.transpose(-1, -2).contiguous()
         y, final = chunk_simple_gla(q, k, v, g=g, scale=1.0, initial_state=initial, output_final_state=return_final_states,
                                     chunk_size=chunk_size)
@@ -113,10 +85,18 @@ def state_update_from_gla(fused_recurrent_simple_gla):
 
     def update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
         unbounded = (-float("inf"), float("inf"))  # the step does not clamp dt
-        q, k, v, g = _as_gla(x[:, None], dt[:, None], A, B[:, None], C[:, None], dt_bias, dt_softplus, unbounded)
+        q, k, v, g = _as_gla(x[:, None], dt[:, None], A, B[:, None], C[:, None], dt_bias, dt_softplus, unbounded, x.dtype)
         y, final = fused_recurrent_simple_gla(q, k, v, g=g, scale=1.0, initial_state=state.transpose(-1, -2).contiguous(),
                                               output_final_state=True)
         out = _skip_and_gate(y[:, 0].to(g.dtype), x.to(g.dtype), D, z).to(x.dtype)
         return out, final.transpose(-1, -2)
 
     return update
+
+
+# Chunked SSD (quadratic, decay-masked attention inside chunks, state passing across chunks) is
+# our chunked simple GLA; x [b, l, h, p], dt [b, l, h], A [h] (< 0), B, C [b, l, g, n], D [h] or
+# [h, p], z [b, l, h, p], dt_bias [h], initial_states [b, h, p, n]. Returns out [b, l, h, p], or
+# (out, final_states [b, h, p, n]) if return_final_states. Unlike mamba_ssm there is no seq_idx /
+# cu_seqlens (pass arguments after chunk_size by keyword).
+mamba_chunk_scan_combined = without_autocast(chunk_scan_from_gla(chunk_simple_gla, wide=True))

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from archlab.block import Problem
+from archlab.block import Problem, ceil_div
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling
 from archlab.kv import PAGE_KERNELS
@@ -467,7 +467,7 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
         except ValueError as exc:
             raise typer.BadParameter(f"--tokens: {exc}") from None
         option, per_step = f"--tokens {tokens}", tokens_per_step
-        steps = -(-amount // per_step)
+        steps = ceil_div(amount, per_step)
     else:
         if not math.isfinite(flops):
             raise typer.BadParameter(f"--flops must be a finite number, got {flops}")

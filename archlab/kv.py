@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from archlab.block import ceil_div
 from archlab.ops.attention import attend, band_mask, flex_kernel
 
 
@@ -48,7 +49,7 @@ class CacheFull(RuntimeError):
 
 def pages_for(lengths: list[int], page_size: int) -> int:
     """Pages that sequences of these lengths hold."""
-    return sum(-(-n // page_size) for n in lengths)
+    return sum(ceil_div(n, page_size) for n in lengths)
 
 
 PAGE_KERNELS = ("torch", "flex")
@@ -63,7 +64,7 @@ class PageTable:
         """``kernel``: how a decoding step reads the pages, ``torch`` (split by page, batched
         matmuls) or ``flex`` (FlexAttention)."""
         self.page_size, self.pages, self.capacity, self.kernel = page_size, pages, capacity, kernel
-        width = -(-capacity // page_size)
+        width = ceil_div(capacity, page_size)
         with torch.device(device):
             self.rows = torch.arange(rows)  # the rows of the table this view covers
             self.table = torch.full((rows, width + 1), self.spare)  # [row, page of positions]; last column: a dump
@@ -94,7 +95,7 @@ class PageTable:
         self.overrun |= (ends > self.capacity).any()
         need = ((ends + self.page_size - 1) // self.page_size).clamp(max=self.width)
         held = self.held[self.rows]
-        col = held[:, None] + torch.arange(min(-(-span // self.page_size) + 1, self.width), device=ends.device)
+        col = held[:, None] + torch.arange(min(ceil_div(span, self.page_size) + 1, self.width), device=ends.device)
         new = col < need[:, None]
         page = self.handed + new.flatten().cumsum(0).view_as(new) - 1
         fits = new & (page < self.pages)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_a
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator
 
-from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict
+from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
 from archlab.registry import block_specs
 
 SCHEMA_VERSION = 1
@@ -77,7 +77,7 @@ class SwiGLU(Strict):
     hidden: PositiveInt | None = None
 
     def hidden_for(self, d_model: int) -> int:
-        return self.hidden or -(-8 * d_model // 3 // 64) * 64
+        return self.hidden or round_up(8 * d_model // 3, 64)
 
     def params(self, d_model: int) -> int:
         return 3 * d_model * self.hidden_for(d_model)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import archlab
+from archlab.block import ceil_div
 from archlab.engine import Engine
 from archlab.kv import CacheFull, KVRows, PagedKV, PageTable
 from archlab.spec import YocoLayout
@@ -19,7 +20,7 @@ def paged_copy(k, v, page_size, order, kernel="torch"):
     """The rows k, v [B, M, Hkv, Dh] in a pool, pages handed out in the order the (row, length)
     steps of ``order`` reach them, so rows' pages interleave."""
     rows, length, heads, dim = k.shape
-    pages = rows * -(-length // page_size)
+    pages = rows * ceil_div(length, page_size)
     table = PageTable(rows, pages, page_size, length, kernel=kernel)
     pool_k, pool_v = (torch.zeros(heads, pages + 1, page_size, dim, dtype=k.dtype) for _ in "kv")
     for row, end in order:

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import archlab
-from archlab.bench import MB, PeakMemory
+from archlab.bench import PeakMemory
+from archlab.table import MIB
 from archlab.engine import Engine
 from archlab.kv import pages_for
 
@@ -42,7 +43,7 @@ def measure(model: archlab.Model, prompts: list[torch.Tensor], gen: int, page_si
         seconds = time.perf_counter() - start
         cache.check()
     return {
-        "global_mb": cache.bytes_per_sequence().global_ * len(prompts) / MB,
+        "global_mb": cache.bytes_per_sequence().global_ * len(prompts) / MIB,
         "peak_mb": peak.peak,
         "decode_tok_s": len(prompts) * gen / seconds,
         "tokens": torch.stack(tokens).tolist(),

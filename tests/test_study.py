@@ -536,7 +536,7 @@ def test_a_trial_lost_before_training_is_listed_with_its_planned_lr(tmp_path):
     lost = finished("yoco", 0, 1, None, state=TrialState.FAIL, curve={2: 3.0})
     lost = optuna.trial.create_trial(state=TrialState.FAIL, params=lost.params, distributions=lost.distributions)
     (row,) = failures(study, [lost])
-    assert row["why"] == "its worker stopped sending heartbeats before training" and row["lr"] == "0.004"
+    assert row["why"] == "its worker stopped sending heartbeats before its first evaluation" and row["lr"] == "0.004"
 
 
 def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):

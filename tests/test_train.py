@@ -3,6 +3,7 @@
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -126,6 +127,8 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, div
     result = archlab("train", f"specs/tiny/{spec}.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0", *diverge, "--steps", "50")
     clean_failure(result, what, "training stopped before applying it")
     kept = sorted((run / "checkpoints").glob("step-*"))
+    right_after = int(kept[-1].name.removeprefix("step-")) + 1 == int(re.search(r"at step (\d+);", result.stderr)[1])
+    assert ("first step from" in result.stderr) == right_after  # its weights alone gave the NaN: no learning rate helps
     assert kept, "a good checkpoint was written before the run diverged"
     assert str(kept[-1]) in result.stderr
     weights = load_file(kept[-1] / "model.safetensors")

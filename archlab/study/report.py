@@ -123,7 +123,7 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
         if "failure" in t.user_attrs:
             why = t.user_attrs["failure"].splitlines()[0][:200]
         else:  # failed by the heartbeat check, which records no reason
-            last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before training"
+            last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before its first evaluation"
             worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
             why = f"its worker{worker} stopped sending heartbeats{last}"
         grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it

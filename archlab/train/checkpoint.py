@@ -34,10 +34,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
     (a copy a user put beside them is neither resumed from nor removed)."""
     root = run_dir / "checkpoints"
     found = [p for p in root.iterdir() if NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     """The step a checkpoint folder's name gives."""
     return int(NAME.fullmatch(path.name)[1])
 
@@ -104,7 +104,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     step = info.get("step") if isinstance(info, dict) else None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
-    if step != _step_of(path):
+    if step != step_of(path):
         raise _damaged(path, f"its state.json is at step {step}")
     broken = non_finite(model)
     if broken:  # resuming would train on from NaN

@@ -98,7 +98,7 @@ class TrainConfig(Strict):
         root = Problems()
         if self.batch_size % self.micro_batch_size:
             default = "" if "micro_batch_size" in self.model_fields_set else " (the default)"
-            fits = max(d for d in range(1, self.micro_batch_size) if self.batch_size % d == 0)
+            fits = next(d for d in range(min(self.micro_batch_size - 1, self.batch_size), 0, -1) if self.batch_size % d == 0)
             root.at("micro_batch_size").add(
                 f"{self.micro_batch_size}{default} does not divide batch_size={self.batch_size}; the gradient is"
                 f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as {fits}"
@@ -108,8 +108,9 @@ class TrainConfig(Strict):
 
 RESUMABLE = ("steps", "optimizer", "schedule", "grad_clip", "micro_batch_size", "compile", "eval_interval", "eval_batches",
              "log_interval", "checkpoint_interval", "keep_checkpoints")
-"""What a resume may change. The rest (batch_size, seq_len, seed, data, precision) decides which tokens a
-step reads or how it computes them, so changing it would make the resumed run another experiment."""
+"""What a resume may change (with MoE, not micro_batch_size: the balance loss is taken over each pass).
+The rest (batch_size, seq_len, seed, data, precision) decides which tokens a step reads or how it
+computes them, so changing it would make the resumed run another experiment."""
 
 
 def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
@@ -118,14 +119,14 @@ def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
-    origins: dict[str, str] = {}
-    data = apply_overrides(load_yaml(path, origins) if path else {}, list(overrides), origins)
-    keys = [item.partition("=")[0] for item in overrides]
+    keys = [item.partition("=")[0] for item in overrides if "=" in item]  # the rest: a KEY=VALUE error below
     strays = [key for key in keys if key.split(".")[0] not in TrainConfig.model_fields]
     if strays:  # most often a spec field, which pydantic alone would call an unknown key
         raise SpecError("--set", [Problem(key, f"not a training config field: did you mean {_home(key)}?" if _home(key) else
                                           "not a training config field: --set reaches only the training config; a spec field"
                                           " belongs in the spec file, or in a spec that `extends` it") for key in strays])
+    origins: dict[str, str] = {}
+    data = apply_overrides(load_yaml(path, origins) if path else {}, list(overrides), origins)
     try:
         return validate_as(TrainConfig, data, path or "--set", origins)
     except SpecError as exc:  # a nested field given at the top (lr: for optimizer.lr) is named where it goes

@@ -114,11 +114,11 @@ def _group_settings(optimizer: Optimizer) -> list[dict]:
     return [{**shared, "weight_decay": optimizer.weight_decay}, {**shared, "weight_decay": 0.0}]
 
 
-def _kept(last_saved: Path | None, its_first_step: bool) -> str:
-    """What a run that diverged leaves to go on from, for its message."""
+def _kept(last_saved: Path | None, steps_done: int | None = None) -> str:
+    """What a run that diverged after ``steps_done`` steps leaves to go on from, for its message."""
     if last_saved is None:
         return "no checkpoint had been written"
-    if its_first_step:  # the step's loss and gradient come from the checkpoint's weights alone
+    if steps_done == checkpoint.step_of(last_saved):  # the step's loss and gradient come from the checkpoint's weights alone
         return (f"and it is the first step from {last_saved}, whose weights lead there at any learning rate: resume from"
                 f" an earlier checkpoint, if one is kept (move {last_saved.name} out of checkpoints/)")
     return f"the last checkpoint saved is {last_saved} (to go on from it at a lower learning rate: --resume --set optimizer.lr=...)"
@@ -371,7 +371,7 @@ class Trainer:
                 if bad:
                     what = "loss" if bad == "loss" else "gradient norm"
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it,"
-                                     f" {_kept(last_saved, resume and step == start)}")
+                                     f" {_kept(last_saved, step)}")
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
                 record["tok_s"] = self.tokens_per_step * timed_steps / timed_seconds  # evaluations and saves not counted
                 if self.peak:
@@ -392,7 +392,7 @@ class Trainer:
                 if done % self.cfg.checkpoint_interval == 0 or done == steps:
                     if broken := checkpoint.non_finite(self.model):  # a step past float range: finite loss, unusable weights
                         raise TrainError(f"weights became non-finite by step {done} ({', '.join(broken[:3])}); training stopped"
-                                         f" before saving them, {_kept(last_saved, False)}")
+                                         f" before saving them, {_kept(last_saved)}")
                     last_saved = self._save(done) or last_saved
                 progress.update(task, completed=done, status=status_line(record))
         return records

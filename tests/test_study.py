@@ -133,6 +133,13 @@ def test_an_unreachable_storage_is_named(tmp_path):
         assert f"cannot open the study storage {url}" in result.stderr or "no database driver for postgresql" in result.stderr
 
 
+def test_an_in_memory_storage_is_refused(tmp_path):
+    """It would vanish with the worker (and it failed inside Optuna with a traceback)."""
+    result = archlab("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "sqlite:// is an in-memory database: the study would end with this process" in result.stderr
+
+
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
     path, out = mini(tmp_path, "killed", steps=150), tmp_path / "out"
     url = f"sqlite:///{out / 'optuna.db'}"
@@ -282,14 +289,15 @@ print(*claimed)
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
 def test_workers_on_one_sqlite_file_never_claim_the_same_trial(tmp_path):
-    """SQLite ignores the SELECT ... FOR UPDATE that makes an Optuna claim one worker's."""
+    """SQLite ignores the SELECT ... FOR UPDATE that makes an Optuna claim one worker's. The
+    workers share the storage, not a study folder (each its own --out)."""
     url, go = f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "go"
     queued = optuna.create_study(study_name="race", storage=url)
     for k in range(200):
         queued.enqueue_trial({"k": k})
     (tmp_path / "claimer.py").write_text(CLAIMER)
-    workers = [subprocess.Popen([sys.executable, str(tmp_path / "claimer.py"), url, str(tmp_path), str(go)], stdout=subprocess.PIPE,
-                                text=True) for _ in range(4)]
+    workers = [subprocess.Popen([sys.executable, str(tmp_path / "claimer.py"), url, str(tmp_path / f"out{i}"), str(go)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
     time.sleep(5)  # every worker imported and waiting
     go.touch()
     claims = [int(t) for w in workers for t in w.communicate(timeout=300)[0].split()]

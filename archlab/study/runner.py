@@ -26,6 +26,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import optuna
+import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize beats with; not exported
@@ -99,6 +100,9 @@ def _unopenable(url: str, exc: Exception) -> StorageError:
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
+    if _sqlite_database(url) in IN_MEMORY:
+        raise StorageError(f"{url} is an in-memory database: the study would end with this process, and no other worker"
+                           " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
     try:
         storage = RDBStorage(
             url,
@@ -169,8 +173,6 @@ class VariantHyperband(optuna.pruners.HyperbandPruner):
 def planning_lock(url: str, out: Path, key: str):
     """One worker at a time plans the study and prepares its data."""
     if url.startswith("postgresql"):
-        import sqlalchemy
-
         try:
             engine = sqlalchemy.create_engine(url)
             conn = engine.connect()
@@ -186,20 +188,45 @@ def planning_lock(url: str, out: Path, key: str):
                 conn.commit()
         engine.dispose()
         return
-    with folder_lock(out):
+    with storage_lock(url, out):
         yield
 
 
 @contextmanager
-def folder_lock(out: Path):
-    """One process at a time among the workers of a study folder (and its SQLite storage)."""
+def storage_lock(url: str, out: Path):
+    """One process at a time among the workers of a SQLite storage, however many study folders
+    they write to (a lock file beside the database), or of a study folder for other storages."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".plan.lock", "w") as handle:
+    lock = _beside_sqlite(url) or out / ".plan.lock"
+    with open(lock, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+IN_MEMORY = ("", ":memory:")  # what a SQLite URL without a file names
+
+
+def _sqlite_database(url: str) -> str | None:
+    """The database a SQLite URL names: a file's path, or one of IN_MEMORY; None for other storages
+    and for a URL that does not parse (opening the storage then says what is wrong)."""
+    if not url.startswith("sqlite"):
+        return None
+    try:
+        return sqlalchemy.engine.make_url(url).database or ""
+    except sqlalchemy.exc.ArgumentError:
+        return None
+
+
+def _beside_sqlite(url: str) -> Path | None:
+    """A lock file beside a SQLite database file, where its folder exists (else opening the
+    storage says what is wrong)."""
+    database = _sqlite_database(url)
+    if database is None or database in IN_MEMORY or not Path(database).parent.is_dir():
+        return None
+    return Path(f"{database}.lock")
 
 
 def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
@@ -228,9 +255,9 @@ def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
     waiting). A trial beats before it is taken: a running trial that never beat is never found
     stale, so a worker dying between taking a trial and its first beat would leave it running for
     ever. Optuna makes a take one worker's with SELECT ... FOR UPDATE, which SQLite ignores: there
-    both steps hold the folder's lock."""
+    both steps hold the storage's lock."""
     storage = optuna_study._storage
-    with nullcontext() if url.startswith("postgresql") else folder_lock(out):
+    with nullcontext() if url.startswith("postgresql") else storage_lock(url, out):
         fail_stale_trials(optuna_study)
         for waiting in storage.get_all_trials(optuna_study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
             storage.record_heartbeat(waiting._trial_id)  # a beat on a waiting trial is not looked at

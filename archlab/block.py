@@ -163,8 +163,8 @@ class BlockSpec(Strict):
         """
 
 
-def ceil_div(a: int, b: int) -> int:
-    """How many pieces of b cover a: a / b rounded up."""
+def ceil_div(a, b):
+    """How many pieces of b cover a: a / b rounded up (ints, or integer tensors elementwise)."""
     return -(-a // b)
 
 

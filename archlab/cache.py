@@ -92,7 +92,7 @@ class Cache:
         nothing: its old rows lie past the new positions, and each is written before it is read."""
         for key, state in self.layers.items():
             if not self._grows[key]:
-                for name, tensor in self._initial(key, len(next(iter(state.values())))).items():
+                for name, tensor in self._initial(key, self.sequences * self.streams).items():
                     state[name].copy_(tensor)
         self.fresh = True
 

@@ -93,7 +93,7 @@ class PageTable:
         """Hand out pages so that each row holds positions [0, ends[r]). A call adds at most
         ``span`` positions per row, which bounds the pages it may hand out (static shapes)."""
         self.overrun |= (ends > self.capacity).any()
-        need = ((ends + self.page_size - 1) // self.page_size).clamp(max=self.width)
+        need = ceil_div(ends, self.page_size).clamp(max=self.width)
         held = self.held[self.rows]
         col = held[:, None] + torch.arange(min(ceil_div(span, self.page_size) + 1, self.width), device=ends.device)
         new = col < need[:, None]
@@ -110,7 +110,7 @@ class PageTable:
 
     def needed(self, ends: torch.Tensor) -> int:
         """Pages the rows hold once each holds positions [0, ends[r]) (the pages they hold kept)."""
-        return int(torch.maximum(self.held[self.rows], (ends.to(self.held.device) + self.page_size - 1) // self.page_size).sum())
+        return int(torch.maximum(self.held[self.rows], ceil_div(ends.to(self.held.device), self.page_size)).sum())
 
     def check(self) -> None:
         """Raise ``CacheFull`` if a row asked for more than the pool or the capacity holds."""

@@ -250,7 +250,7 @@ def test_a_trial_taken_by_a_worker_that_died_before_training_goes_stale_even_mid
     storage, taken = optuna_study._storage, []
 
     class Killed(BaseException):
-        pass
+        """The worker's death, as SIGKILL would leave it: nothing below the take runs."""
 
     def killed_once_taken(trial_id, state, values=None):  # a kill inside the claim, right after the take
         taken.append(trial_id)

@@ -373,9 +373,10 @@ class Trainer:
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it,"
                                      f" {_kept(last_saved, step)}")
                 timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
-                record["tok_s"] = self.tokens_per_step * timed_steps / timed_seconds  # evaluations and saves not counted
+                steps_per_s = timed_steps / timed_seconds  # evaluations and saves not counted
+                record["tok_s"] = self.tokens_per_step * steps_per_s
                 if self.peak:
-                    record["mfu"] = self.flops_per_step * timed_steps / timed_seconds / self.peak
+                    record["mfu"] = self.flops_per_step * steps_per_s / self.peak
                 done = step + 1
                 if on_step is not None:
                     on_step(done, record)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import optuna
 import pytest
@@ -17,13 +18,14 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.storages import RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from rich.console import Console
+from sqlalchemy.engine import make_url
 
 from archlab.spec import SpecError
 from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, report, summarize
 from archlab.study.runner import (
-    SameVariant, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, storage_url, work,
+    SameVariant, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url, work,
 )
 from archlab.train.trainer import Trainer
 from conftest import ROOT
@@ -125,12 +127,21 @@ def test_a_study_whose_every_trial_failed_fails(tmp_path):
     assert re.search(DIVERGED, (out / "report.md").read_text())
 
 
-def test_an_unreachable_storage_is_named(tmp_path):
-    url = "postgresql://nobody@127.0.0.1:1/none"  # nothing listens on port 1
+def test_an_unreachable_storage_is_named_without_its_password(tmp_path):
+    url = "postgresql://nobody:hunter2@127.0.0.1:1/none"  # nothing listens on port 1
     for command in ("run", "report"):
         result = archlab("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-        assert f"cannot open the study storage {url}" in result.stderr or "no database driver for postgresql" in result.stderr
+        assert "cannot open the study storage postgresql://nobody:***@127.0.0.1:1/none" in result.stderr or (
+            "no database driver for postgresql" in result.stderr)
+        assert "hunter2" not in result.stderr
+
+
+def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relative_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert shown(storage_url(Path("runs/study"), None)) == "sqlite:///runs/study/optuna.db"  # not this machine's folders
+    assert shown("sqlite:////elsewhere/optuna.db") == "sqlite:////elsewhere/optuna.db"
+    assert shown("postgresql://me:hunter2@db.lab:5432/studies") == "postgresql://me:***@db.lab:5432/studies"
 
 
 def test_an_in_memory_storage_is_refused(tmp_path):
@@ -373,6 +384,7 @@ def test_two_workers_share_a_postgresql_study(tmp_path):
     url = os.environ.get("ARCHLAB_TEST_POSTGRES")
     if not url:
         pytest.skip("ARCHLAB_TEST_POSTGRES is not set (.ci/run starts a PostgreSQL server and sets it)")
+    url = make_url(url).set(password="hunter2").render_as_string(hide_password=False)  # the test server trusts any
     name = f"pg{uuid.uuid4().hex[:8]}"
     variants = {v: {"spec": f"{v}.yaml"} for v in ("yoco", "yoco-u", "upper-loop", "deeper")}
     path = mini(tmp_path, name, variants, steps=8)
@@ -380,8 +392,9 @@ def test_two_workers_share_a_postgresql_study(tmp_path):
     workers = [subprocess.Popen([*command, "--out", str(tmp_path / f"w{i}")], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in range(2)]
     for worker in workers:
-        _, stderr = worker.communicate(timeout=600)
+        stdout, stderr = worker.communicate(timeout=600)
         assert worker.returncode == 0, stderr
+        assert "hunter2" not in stdout + stderr and "postgres:***@" in stdout  # the report names the storage, not its password
     trials = trials_of(url, name)
     keys = [planned_as(t) for t in trials]
     assert len(trials) == 8 and len(set(keys)) == 8  # every planned trial once: none lost, none duplicated

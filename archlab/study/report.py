@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 
 from archlab.cost import Cost
 from archlab.study.definition import Study
-from archlab.study.runner import latest, planned_as, settled
+from archlab.study.runner import latest, planned_as, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 
 
@@ -186,7 +186,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
         progress(study, trials),
-        f"- storage `{storage}` (open it with `optuna-dashboard {storage}`)",
+        f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),

@@ -91,17 +91,30 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
         )
 
 
+def shown(url: str) -> str:
+    """A storage URL as messages and reports print it: without its password, and a SQLite file
+    under the working folder by its relative path (as one would type it there)."""
+    database = _sqlite_database(url)
+    if database is not None and database not in IN_MEMORY:
+        path = Path(database)
+        return f"sqlite:///{path.relative_to(Path.cwd())}" if path.is_absolute() and path.is_relative_to(Path.cwd()) else url
+    try:
+        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
+    except sqlalchemy.exc.ArgumentError:
+        return url
+
+
 def _unopenable(url: str, exc: Exception) -> StorageError:
     if isinstance(exc, ImportError):
         return StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'")
-    return StorageError(f"cannot open the study storage {url}: {exc}")
+    return StorageError(f"cannot open the study storage {shown(url)}: {exc}")
 
 
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
     if _sqlite_database(url) in IN_MEMORY:
-        raise StorageError(f"{url} is an in-memory database: the study would end with this process, and no other worker"
+        raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
     try:
         storage = RDBStorage(
@@ -115,7 +128,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         raise _unopenable(url, exc) from None
     name = study.key
     if not create and name not in (held := optuna.get_all_study_names(storage)):
-        raise StorageError(f"no study {name} in {url}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
+        raise StorageError(f"no study {name} in {shown(url)}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
     first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
     pruners = {
         "none": optuna.pruners.NopPruner(),

@@ -28,8 +28,10 @@ TRAINING_LENGTH = 2  # the shortest training sequence costed: a block's FLOPs re
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity), for MFU.
 PEAK_FLOPS = {
     "H100 PCIe": 756e12,
-    "H100": 989.4e12,  # SXM / NVL
-    "H200": 989.4e12,
+    "H100 NVL": 835.5e12,
+    "H100": 989.4e12,  # SXM
+    "H200 NVL": 835.5e12,
+    "H200": 989.4e12,  # SXM
     "GH200": 989.4e12,
     "B200": 2250e12,
     "A100": 312e12,
@@ -99,8 +101,8 @@ class Cost:
         if isinstance(spec.layout, YocoLayout):
             kv = spec.layout.global_kv
             total += d + 2 * d * kv.n_kv_heads * kv.head_dim
-        if self.streams > 1:
-            total += self.streams * d * self.streams
+        if self.streams > 1:  # ParScale's stream-mixing MLP: P*D -> D -> P, with biases
+            total += self.streams * d * d + d + d * self.streams + self.streams
         return total
 
     @cached_property
@@ -127,7 +129,7 @@ class Cost:
                 total["matmul"] += n * spec.ffn.flops_per_token(d)
         total = Flops({kind: value * self.streams for kind, value in total.items()})
         logits = n if logits is None else logits
-        total["matmul"] += 2 * logits * d * (spec.vocab_size + (self.streams * self.streams if self.streams > 1 else 0))
+        total["matmul"] += 2 * logits * d * (spec.vocab_size + (self.streams * (d + 1) if self.streams > 1 else 0))
         return total
 
     def forward_flops(self, n: int) -> Flops:
@@ -221,7 +223,9 @@ def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: st
         + "\n- **params**: a loop counts its weights once; *active* counts what one token uses (MoE: router,"
         " top-k and shared experts).\n"
         "- **FLOPs**: 2 x multiply-adds of matmuls; norms, activations and softmax are not counted. Attention"
-        " counts each query against the keys it may see (causal, or its window). *train*: 3 x the forward"
+        " counts each query against the keys it may see (causal, or its window); kernels that mask rather than"
+        " cut compute more (decoding over a cache's whole capacity, the PyTorch window's blocks; see the README's"
+        " Cost tables). *train*: 3 x the forward"
         " pass at that sequence length, per token. *prefill*: the prefill steps over the prompt (in the YOCO"
         " family the self-decoder and the global K,V; the cross-decoder only in a loop that projects a K,V per"
         " iteration) plus the last token through the"

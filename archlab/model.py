@@ -18,11 +18,12 @@ from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
 from archlab.ops.attention import append_kv
+from archlab.ops.common import float32_or_wider
 from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError
 from archlab.rope import Rotary
-from archlab.spec import ModelSpec, Norm, RMSNorm, RoPE, YocoLayout
+from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, YocoLayout
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:
@@ -85,6 +86,24 @@ class GlobalKVProjection(nn.Module):
         return PagedKV(state["k"], state["v"], pages)
 
 
+class StreamMix(nn.Module):
+    """ParScale's output aggregation, as its reference code: per-token softmax weights over the P
+    normalised streams from an MLP of all of them, smoothed towards uniform; their weighted sum."""
+
+    def __init__(self, d_model: int, spec: ParScale):
+        super().__init__()
+        self.smoothing = spec.smoothing
+        self.weigh = nn.Sequential(nn.Linear(spec.streams * d_model, d_model), nn.SiLU(), nn.Linear(d_model, spec.streams))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, P, N, D] -> [B, N, D]."""
+        batch, streams, n, d = x.shape
+        per_token = x.permute(0, 2, 1, 3)  # [B, N, P, D]
+        weights = self.weigh(per_token.reshape(batch, n, streams * d)).to(float32_or_wider(x.dtype)).softmax(dim=-1)
+        weights = weights * (1 - self.smoothing) + self.smoothing / streams
+        return (weights.unsqueeze(-1) * per_token).sum(dim=2).to(x.dtype)
+
+
 def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
     """A block's module, refused now (rather than mid-generation) if it lacks what the model calls."""
     module = block.build(ctx)
@@ -107,7 +126,7 @@ class Model(nn.Module):
         )
         self.global_kv = GlobalKVProjection(spec) if isinstance(spec.layout, YocoLayout) else None
         self.streams = spec.parscale.streams if spec.parscale else 1
-        self.stream_mix = nn.Linear(self.streams * spec.d_model, self.streams, bias=False) if self.streams > 1 else None
+        self.stream_mix = StreamMix(spec.d_model, spec.parscale) if spec.parscale else None
         self.norm = build_norm(spec.norm, spec.d_model)
         self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         self.apply(self._init)
@@ -143,6 +162,8 @@ class Model(nn.Module):
     def _init(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.spec.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, return_aux: bool = False, targets: torch.Tensor | None = None):
         """Logits [batch, length, vocab]; with ``targets`` [batch, length] (``IGNORE``: not
@@ -172,10 +193,9 @@ class Model(nn.Module):
         return rows.repeat_interleave(self.streams, dim=0) if self.streams > 1 else rows
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
-        """The hidden states the head reads: streams mixed, normalised."""
-        if self.streams > 1:
-            x = self._mix_streams(x.view(-1, self.streams, *x.shape[1:]))
-        return self.norm(x)
+        """The hidden states the head reads: normalised, then (ParScale) the streams mixed."""
+        x = self.norm(x)
+        return self.stream_mix(x.view(-1, self.streams, *x.shape[1:])) if self.stream_mix else x
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.final(x))
@@ -210,13 +230,6 @@ class Model(nn.Module):
                 state = cache.layers.get(self.plan.state_key(step, i)) if cache else None
                 x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i), causal), aux)
         return x
-
-    def _mix_streams(self, x: torch.Tensor) -> torch.Tensor:
-        """ParScale aggregation: per-token softmax weights over streams from all streams' outputs."""
-        batch, streams, n, d = x.shape
-        per_token = x.permute(0, 2, 1, 3)  # [B, N, P, D]
-        weights = self.stream_mix(per_token.reshape(batch, n, streams * d)).softmax(dim=-1)
-        return (weights.unsqueeze(-1) * per_token).sum(dim=2)
 
 
 def build_model(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Model:

@@ -253,10 +253,13 @@ Loop = Annotated[
 
 
 class ParScale(Strict):
-    """Parallel scaling: P weight-shared streams with learned prefix K,V, mixed by learned weights."""
+    """Parallel scaling: P weight-shared streams with learned prefix K,V, mixed by learned weights
+    (as ParScale's own code: each stream normalised, softmax weights from an MLP of all streams,
+    smoothed towards uniform)."""
 
     streams: int = Field(2, ge=2)
     prefix_len: PositiveInt = 48
+    smoothing: float = Field(0.01, ge=0, lt=1)  # weights = softmax * (1 - s) + s / P
 
 
 # --- the model ------------------------------------------------------------------------------

@@ -181,6 +181,7 @@ def test_peak_flops_by_device_name():
     assert peak_flops("NVIDIA H100 80GB HBM3") == 989.4e12
     assert peak_flops("NVIDIA H100 PCIe") == 756e12
     assert peak_flops("NVIDIA H200") == 989.4e12
+    assert peak_flops("NVIDIA H100 NVL") == peak_flops("NVIDIA H200 NVL") == 835.5e12  # the NVL cards run slower
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("AMD Instinct MI300X") == 1307.4e12
     with pytest.warns(UserWarning, match="no peak FLOP/s known"):

@@ -45,7 +45,7 @@ def test_shipped_studies_validate(name, scale):
 def test_the_shipped_studies_are_the_papers():
     assert set(SHIPPED) == {"loop-position", "loop-count", "esa-kind", "architectures", "window"}
     positions = {v: s.loop.position for v, s in load_study("loop-position").specs.items()}
-    assert positions == {"yoco": "none", "yoco-u": "lower", "upper-loop": "upper", "upper-loop-no-shared-kv": "upper", "deeper": "none"}
+    assert positions == {"yoco": "none", "yoco-u": "lower", "upper-loop": "upper", "upper-loop-no-shared-kv": "upper", "deeper": "lower"}
     assert [s.loop.times for s in load_study("loop-count").specs.values()] == [1, 2, 3, 5]
     assert [s.layout.self_decoder.blocks[0].window for s in load_study("window", "gpu").specs.values()] == [128, 256, 512, 1024]
 

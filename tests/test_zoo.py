@@ -92,3 +92,24 @@ def test_init_std_reaches_every_weight_matrix(name):
     assert any("gate_up" in n or "prefix_k" in n for n in drawn)
     for n, p in drawn.items():
         assert p.std().item() == pytest.approx(0.5, rel=0.15), n
+
+
+def test_parscale_mixes_streams_as_its_reference_code():
+    """As ParScale's published Qwen2 code: the final norm on each stream, then softmax weights from
+    an MLP (Linear, SiLU, Linear) of all streams, smoothed towards uniform, and the weighted sum
+    is what the head reads (no norm after)."""
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "parscale.yaml")
+    torch.manual_seed(0)
+    model = archlab.build_model(spec, dtype=torch.float64)
+    for weight in model.stream_mix.parameters():
+        torch.nn.init.normal_(weight, std=0.3)  # biases start at zero, which would hide them
+    tokens = torch.randint(0, spec.vocab_size, (2, 24))
+    hidden = model.run(model.embed_streams(tokens), torch.arange(24)[None], model.plan.steps, causal=True)
+    streams = model.norm(hidden).view(2, spec.parscale.streams, 24, spec.d_model).unbind(1)
+    first, _, second = model.stream_mix.weigh
+    scores = second(torch.nn.functional.silu(first(torch.cat(streams, dim=-1))))
+    smoothing = spec.parscale.smoothing
+    weights = scores.softmax(-1) * (1 - smoothing) + smoothing / len(streams)
+    expected = model.head(sum(weights[..., p, None] * stream for p, stream in enumerate(streams)))
+    assert smoothing == 0.01  # ParScale's default
+    torch.testing.assert_close(model(tokens), expected, rtol=0, atol=1e-12)

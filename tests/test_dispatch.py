@@ -149,10 +149,54 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert "parity (swa, flex)" in result.stderr and "parity (attention, flex)" in result.stderr  # a process each
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
+    assert all("decode_rel_err" not in r for r in report["parity"] if r["block"] in ("swa", "attention"))  # SDPA on both sides
     assert [r["status"] for r in report["window"]] == ["ok"] * 4 and report["window"][0]["rel_err"] == 0  # its own reference
     assert {r["spec"] for r in report["inference_paged"] if r["status"] == "ok"} == {"yoco-u"}
     assert sum(report["training_profile"]["share"].values()) == pytest.approx(1.0)
     assert report["training_profile"]["share"]["matmul"] > 0
+
+
+def test_the_gpu_check_refuses_unknown_names_before_it_starts():
+    import subprocess
+    import sys
+
+    for option, name in (("--sections", "traning"), ("--blocks", "mamba"), ("--specs", "yocou")):
+        result = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--smoke", option, name], capture_output=True, text=True,
+                                cwd=ROOT, timeout=120)
+        assert result.returncode == 2 and f"{option}: unknown {name}; known: " in result.stderr, result.stderr
+
+
+def test_the_gpu_checks_training_stops_before_the_runs_evaluation_and_checkpoint(monkeypatch):
+    """At paper scale the run's closing checkpoint is 15 GB (weights and AdamW state), written
+    once per training section; its closing evaluation recompiles a compiled model."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import training
+
+    from archlab.train.trainer import Trainer
+
+    def refused(*args, **kwargs):
+        raise AssertionError("not part of the check")
+
+    monkeypatch.setattr(Trainer, "evaluate", refused)
+    monkeypatch.setattr(Trainer, "_save", refused)
+    result = training(torch.device("cpu"), str(ROOT / "specs" / "tiny" / "yoco-u.yaml"), 2, 32, 4)
+    assert result["tok_s"] > 0 and len(result["loss_first_last"]) == 2
+
+
+def test_the_gpu_checks_report_shows_no_figures_for_rows_that_have_none():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_check import report
+
+    rows = [{"spec": "yoco-u", "seq_len": 8192, "batch": 32, "prefill_rows": 8, "prefill_chunk": 2048, "prefill_tok_s": 1e5,
+             "decode_tok_s": 3e3, "kv_total_mb": 46.3, "peak_mb": 2765.0, "status": "ok"},
+            {"spec": "yoco-u", "seq_len": 131072, "batch": 32, "status": "out of memory"}]
+    text = report({"device": "cpu", "torch": "x", "packages": {}, "inference": rows})
+    assert "| yoco-u | 8192 | 32 | 8 | 2048 | rows | 100,000 | 3,000 | 46.3 | 2.7 | ok |" in text
+    assert "| yoco-u | 131072 | 32 |  |  | rows | - | - | - | - | out of memory |" in text
 
 
 def test_the_gpu_checks_time_limits_nest():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args
@@ -449,6 +449,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             first[key] = key_node.start_mark
         return super().construct_mapping(node, deep)
 
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+MAX_YAML_NODES = 100_000  # values in one file with its aliases expanded: far past any spec, far short of an alias bomb's
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """The values under ``node`` with every alias expanded (each alias is the node it names, so
+    ``a: &a [*a]`` contains itself); refuses a structure without end, or too large to walk."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        raise yaml.constructor.ConstructorError(None, None, "an alias refers to a value that contains it, which has no end", node.start_mark)
+    open_.add(id(node))
+    children = node.value if isinstance(node, yaml.SequenceNode) else (
+        [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+    size = sizes[id(node)] = 1 + sum(_expanded_size(child, sizes, open_) for child in children)
+    open_.discard(id(node))
+    if size > MAX_YAML_NODES:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"its aliases expand to over {MAX_YAML_NODES:,} values; write a spec out, or use extends", node.start_mark)
+    return size
+
 
 def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: plain data only, no Python objects
@@ -479,6 +505,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem(at, f"YAML syntax error: {what}")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc}")]) from None
+    except RecursionError:
+        raise SpecError(str(path), [Problem("<yaml>", "nested too deeply to read")]) from None
     if not isinstance(data, dict):
         raise SpecError(str(path), [Problem("<root>", f"the file must be a YAML mapping (key: value lines), got {type(data).__name__}")])
     parent = data.pop("extends", None)
@@ -664,6 +692,19 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
     return data
 
 
+def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]]) -> dict:
+    """``set_dotted`` for each (key, value) in turn. A key that would replace, whole, what an
+    earlier one set inside it (``...blocks.0`` after ``...blocks.0.window``) is refused: the
+    earlier value would be lost without a word."""
+    done: list[str] = []
+    for key, value in items:
+        if lost := [k for k in done if k.startswith(f"{key}.")]:
+            raise SpecError(key, [Problem(key, f"replaces whole what {', '.join(lost)} set inside it just before; set {key} first")])
+        data = set_dotted(data, key, value)
+        done.append(key)
+    return data
+
+
 def _flow(value: Any) -> str:
     """``value`` as one line of YAML."""
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
@@ -672,17 +713,18 @@ def _flow(value: Any) -> str:
 def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | None = None) -> dict:
     """``optimizer.lr=1e-3`` style overrides, values parsed as YAML (``origins`` records them as
     set by ``--set``)."""
+    items = []
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
         try:
-            parsed = _parse_yaml(value)
+            items.append((key, _parse_yaml(value)))
         except yaml.YAMLError as exc:
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-        data = set_dotted(data, key, parsed)
-        if origins is not None:
-            _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
+    data = set_each_dotted(data, items)
+    for key, parsed in items if origins is not None else ():
+        _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
     return data
 
 

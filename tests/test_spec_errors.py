@@ -124,6 +124,11 @@ CASES = [
     ("a bad value of the file's own", {"s.yaml": "extends: base.yaml\nd_model: -4\n", "base.yaml": BASE}, "s.yaml",
      ["d_model: Input should be greater than 0 (got -4)"]),
     ("a folder", {"d/s.yaml": BASE}, "d", ["<file>: is a folder, not a YAML file"]),
+    ("an alias inside itself", {"s.yaml": BASE + "extra: &a [*a]\n"}, "s.yaml", ["an alias refers to a value that contains it"]),
+    ("an alias bomb", {"s.yaml": BASE + "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(9))}, "s.yaml",
+     ["its aliases expand to over 100,000 values"]),
+    ("nested past reading", {"s.yaml": BASE + "deep: " + "[" * 3000 + "]" * 3000 + "\n"}, "s.yaml", ["<yaml>: nested too deeply to read"]),
     ("extends a folder", {"s.yaml": "extends: d\nname: x\n", "d/t.yaml": BASE}, "s.yaml", ["is a folder, not a YAML file (extended from"]),
 ]
 
@@ -177,6 +182,17 @@ def test_override_inside_a_shorthand_names_the_whole_item_form():
     with pytest.raises(archlab.SpecError) as caught:  # outside a list too (it was replaced by {theta: ...}, then "missing 'type'")
         archlab.load_spec(spec, ["layout.cross_decoder.position.theta=5e5"])
     assert "layout.cross_decoder.position: is the shorthand 'none': to set 'theta' in it, give the item whole" in str(caught.value)
+
+
+def test_an_override_that_would_replace_an_earlier_one_inside_it_is_refused():
+    """The window set first was lost without a word when the whole block was set after it; the
+    other order is how to say it."""
+    spec, block = ROOT / "specs" / "tiny" / "yoco-u.yaml", "layout.self_decoder.blocks.0"
+    whole, window = f"{block}={{type: swa, window: 4, n_heads: 4, n_kv_heads: 2}}", f"{block}.window=8"
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(spec, [window, whole])
+    assert f"replaces whole what {block}.window set inside it just before; set {block} first" in str(caught.value)
+    assert archlab.load_spec(spec, [whole, window]).layout.self_decoder.blocks[0].window == 8
 
 
 def test_an_item_of_a_list_not_given_is_refused_with_the_whole_form(cli, tmp_path):

@@ -448,6 +448,8 @@ def test_bad_study_definitions_are_named(tmp_path):
         ({"spec": "nosuch.yaml"}, f"{ROOT / 'specs/tiny/nosuch.yaml'} (variants.yoco-u of {path})", "<file>"),
         ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.5.window": 3}}, f"{path} (variants.yoco-u: set / scale_set.tiny)",
          "layout.self_decoder.blocks.5"),
+        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8}, "scale_set": {"tiny": {"layout.self_decoder.blocks.0": "swa"}}},
+         f"{path} (variants.yoco-u: set / scale_set.tiny)", "layout.self_decoder.blocks.0"),  # the window would be lost
     ]:
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}))
         with pytest.raises(SpecError) as raised:

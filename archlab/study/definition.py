@@ -16,7 +16,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
-from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, validate_as, validate_spec
+from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
@@ -132,8 +132,7 @@ class Study:
         except SpecError as exc:  # the spec file's own problem, said with the variant that names it
             raise SpecError(f"{exc.source} (variants.{name} of {self.source})", exc.problems) from None
         try:
-            for key, value in {**variant.set, **variant.scale_set.get(self.scale, {})}.items():
-                data = set_dotted(data, key, value)
+            data = set_each_dotted(data, {**variant.set, **variant.scale_set.get(self.scale, {})}.items())
         except SpecError as exc:
             raise SpecError(f"{self.source} (variants.{name}: set / scale_set.{self.scale})", exc.problems) from None
         return validate_spec(data, f"{self.source} (variants.{name} from {path.name})")

@@ -147,11 +147,11 @@ def build(
     table = Table("spec", "structure", "params", "check")
     failed, problems = 0, []
     for label, (_, spec) in zip(_labels(good), good):
-        model = build_model(spec, device="meta")
+        model = _built(spec, device="meta")
         params = sum(p.numel() for p in model.parameters())
         check = "built on meta"
         if params <= CPU_CHECK_LIMIT:
-            model = build_model(spec)
+            model = _built(spec)
             start = time.perf_counter()
             with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len", None):
                 result = cpu_check(model, n)
@@ -215,6 +215,12 @@ def _fits_in_memory(what: str, options: str, page_size: int | None):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Dtype = Enum("Dtype", {k: k for k in ("auto", *DTYPES)}, type=str)
 DtypeOption = Annotated[Dtype, typer.Option(help="the model's dtype; auto: the spec's inference_dtype")]
+
+
+def _built(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """``build_model``, with a model larger than memory named by its size."""
+    with _fits_in_memory(f"{spec.name} with its {Cost(spec).params_total:,} parameters", "d_model, n_layers or the FFN's size", None):
+        return build_model(spec, device=device, dtype=dtype)
 
 
 def _dtype(spec: ModelSpec, dtype: Dtype) -> torch.dtype:
@@ -293,7 +299,7 @@ def generate(
     else:
         spec, tokenizer = _load_one(source), None
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
-        model = build_model(spec)
+        model = _built(spec)
         err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
         codec = TextCodec(None, spec.vocab_size)
     if tokenizer is None and spec.vocab_size < 256:
@@ -394,7 +400,7 @@ def bench(
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("bench", total=len(good) * len(lengths))
         for label, (_, spec) in zip(_labels(good), good):
-            model = build_model(spec, device=device, dtype=_dtype(spec, dtype)).eval()
+            model = _built(spec, device, _dtype(spec, dtype)).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
                 with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
@@ -522,7 +528,10 @@ def train(
         else:
             cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
-        Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
+        with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
+                             f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
+                             "micro_batch_size, seq_len or the spec's sizes", None):
+            Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None
@@ -645,16 +654,23 @@ def study_report(
     _study_errors(action)
 
 
-LIST_OPTIONS = ("--seq-len",)
+LENGTH_OPTIONS = ("--seq-len",)
+LIST_COMMANDS = ("bench", "cost")  # where they take several values
 
 
 def _expand_list_options(argv: list[str]) -> list[str]:
-    """Let ``--seq-len 2048 8K 32K`` stand for ``--seq-len 2048 --seq-len 8K --seq-len 32K``."""
+    """Let ``bench --seq-len 2048 8K 32K`` stand for ``--seq-len 2048 --seq-len 8K --seq-len 32K``
+    (``--seq-len=2048 8K`` too). Where the option takes one value, a second is refused
+    (ValueError), rather than taken for a file or put in the first's place."""
+    several = next((arg for arg in argv if not arg.startswith("-")), "") in LIST_COMMANDS
     out, option, seen = [], None, 0
     for arg in argv:
-        if arg in LIST_OPTIONS:
-            option, seen = arg, 0
-        elif option and re.fullmatch(r"\d+[kKmM]?", arg):
+        name, given, _ = arg.partition("=")
+        if name in LENGTH_OPTIONS:
+            option, seen = name, int(bool(given))
+        elif option and re.fullmatch(r"\d[\d.]*[a-zA-Z]?", arg):  # a length, or something meant as one (parse_length names it)
+            if seen and not several:
+                raise ValueError(f"{option} takes one length here; {arg} is a second")
             if seen:
                 out.append(option)
             seen += 1
@@ -673,7 +689,12 @@ def main() -> None:
 
     warnings.showwarning = _show_notice
     try:
-        app(args=_expand_list_options(sys.argv[1:]))
+        args = _expand_list_options(sys.argv[1:])
+    except ValueError as exc:
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        sys.exit(2)
+    try:
+        app(args=args)
     except (RegistryError, BackendError) as exc:
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         sys.exit(2)

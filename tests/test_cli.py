@@ -381,6 +381,30 @@ def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
     assert code == 1 and message in stderr and "bytes)" in stderr, stderr
 
 
+@pytest.mark.parametrize("command", ["generate", "build", "train"])
+def test_a_model_larger_than_memory_is_said_in_words(cli, tmp_path, command):
+    spec = tmp_path / "big.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: big\nd_model: {2**40}\n")  # a 2^50-byte embedding
+    options = {"generate": ["--max-new-tokens", "2"], "build": [], "train": ["--out", tmp_path / "run", "--steps", "1"]}[command]
+    code, _, stderr = cli(command, spec, *options)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "12,089,258,199,323,880,351,334,400 parameters" in stderr and "does not fit in memory" in stderr, stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [["equal-flops", SPEC, "specs/tiny/yoco.yaml", "--seq-len", "8K", "16K"],
+                                  ["build", SPEC, "--seq-len", "64", "1K"]])
+def test_a_second_length_where_one_is_taken_is_refused(cli, args):
+    """It was silently put in the first's place (the table was of 16K)."""
+    code, stdout, stderr = cli(*args)
+    assert code == 2 and f"--seq-len takes one length here; {args[-1]} is a second" in stderr and not stdout, stderr
+
+
+def test_lengths_given_after_an_equals_sign_are_all_taken(cli):
+    code, stdout, _ = cli("cost", SPEC, "--seq-len=2K", "4K", "--format", "csv")
+    assert code == 0 and [line.split(",")[1] for line in stdout.splitlines()[1:]] == ["2048", "4096"]
+
+
 @pytest.mark.parametrize("count", [10**17, 10**19])  # sizes past int64: torch overflows before it allocates
 def test_a_cache_past_any_size_is_said_in_words_too(cli, count):
     code, _, stderr = cli("generate", SPEC, "--max-new-tokens", count)

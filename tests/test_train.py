@@ -192,10 +192,13 @@ def test_empty_corpus_and_bad_token_file(tmp_path):
     np.save(tokens, np.arange(5000) % 200 - 5)
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r3", "--data", tokens, *SMALL),
                   "has token id -5; ids start at 0")
-    tokens.write_bytes(pickle.dumps(list(range(5000))))  # a pickle, named .npy
+    np.save(tokens, np.array([[i] for i in range(5000)], dtype=object), allow_pickle=True)  # pickled objects
     objects = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
     clean_failure(objects, "could not be read: it holds Python objects, not token ids")
     assert "allow_pickle" not in objects.stderr
+    tokens.write_bytes(pickle.dumps(list(range(5000))))  # a pickle, named .npy
+    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL),
+                  "is not a NumPy .npy file")
     raw = tmp_path / "tokens.bin"  # ids written as uint32, read with the default width of uint16
     (np.arange(5000) % 200).astype(np.uint32).tofile(raw)
     clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL),
@@ -685,3 +688,66 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
     records = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True)).fit(6)
     assert [r["step"] for r in records] == [3, 6]
     assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]
+
+
+@pytest.fixture(scope="module")
+def trained_on_text(tmp_path_factory):
+    """A finished 4-step run on text: its tokenizer.json and tokenized corpus in the run folder."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    made = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
+    assert made.returncode == 0, made.stderr
+    return run
+
+
+def refused_untouched(cli, run, *fragments):
+    """A resume of ``run`` refused with a clear message, every file of the run as it was."""
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    assert code not in (0, None) and all(fragment in stderr for fragment in fragments), stderr
+    assert "total goes from" not in stderr  # said only as config.yaml records it
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    return stderr
+
+
+def test_a_resume_points_to_a_metrics_line_that_is_not_utf8(cli, trained_on_text, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe garbage\n")
+    refused_untouched(cli, run, f"{run / 'metrics.jsonl'}, line 5, is not a metrics record: \\xff\\xfe garbage;")
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_resume_refuses_a_cached_corpus_of_ids_past_the_vocabulary(cli, trained_on_text, tmp_path, split):
+    """The cached corpus gets the checks a token file gets: an id past the vocabulary would stop the
+    first step with an IndexError, after config.yaml had recorded the resume's new total."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    np.save(run / "data" / f"{split}.npy", np.full(100000, 60000, np.uint16))
+    refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged (its {split}.npy has token id 60000"
+                      " >= vocab_size 256)", f"remove {run / 'data'} to tokenize it again")
+    np.save(run / "data" / f"{split}.npy", np.arange(6).reshape(2, 3).astype(np.uint32))
+    refused_untouched(cli, run, f"its {split}.npy must hold a 1-D array of integers, has uint32 (2, 3)")
+    shutil.rmtree(run / "data")  # as the message says: tokenized again, and the run goes on
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    assert code == 0, stderr
+    assert [step for step, _ in losses(run)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_resume_refuses_a_run_whose_tokenizer_is_gone_or_garbage(cli, trained_on_text, tmp_path):
+    """Training on without it would finish, and then ``generate`` could not read the run's text."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    tokenizer = run / "tokenizer.json"
+    tokenizer.write_text("garbage")
+    refused_untouched(cli, run, f"the run's tokenizer {str(tokenizer)!r} could not be read",
+                      f"the tokenized corpus in {run / 'data'} was made with it; put it back, or remove {run / 'data'}")
+    tokenizer.unlink()
+    refused_untouched(cli, run, f"the run's tokenizer {str(tokenizer)!r}: no such file", "put it back")
+
+
+def test_a_npy_token_file_that_is_not_one_says_so(cli, tmp_path):
+    tokens = tmp_path / "tokens.npy"
+    tokens.write_text("hello world\n")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", tokens, *SMALL, "--steps", "1"),
+            f"token file {str(tokens)!r} is not a NumPy .npy file")

@@ -213,25 +213,44 @@ def load_tokenizer(path: str, vocab_size: int):
     return tokenizer
 
 
+NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
+
+
 def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
     try:
-        tokens = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype=cfg.token_dtype, mode="r")
-    except (ValueError, OSError) as exc:
-        # numpy's word on an array of objects advises allow_pickle, which would run the file's code
-        why = "it holds Python objects, not token ids" if "allow_pickle" in str(exc) else exc
+        if path.suffix == ".npy":
+            with open(path, "rb") as f:
+                if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+                    raise DataError(f"token file {str(path)!r} is not a NumPy .npy file (it does not begin as one does);"
+                                    " save token ids with numpy.save, or give raw ids a .bin name")
+            tokens = np.load(path, mmap_mode="r")
+        else:
+            tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
+    except (ValueError, OSError, EOFError) as exc:
+        # numpy's word on an array of objects may advise allow_pickle, which would run the file's code
+        objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
+        why = "it holds Python objects, not token ids" if objects else exc
         raise DataError(f"token file {str(path)!r} could not be read: {why}") from None
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-        raise DataError(f"token file {str(path)!r} must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}")
     raw = path.suffix != ".npy"  # its ids' width is data.token_dtype's word, not the file's
-    if raw and cfg.token_dtype == "uint16" and len(tokens) % 2 == 0 and _every_other_zero(tokens):
+    if raw and tokens.ndim == 1 and cfg.token_dtype == "uint16" and len(tokens) % 2 == 0 and _every_other_zero(tokens):
         raise DataError(f"token file {str(path)!r} read as uint16 has every other id 0, as uint32 ids read as uint16 do;"
                         " if it holds uint32 ids, set data.token_dtype: uint32")
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        hint = f" (read as {cfg.token_dtype}: is that the width it was written in? data.token_dtype)" if raw else ""
-        raise DataError(f"token file {str(path)!r} has token id {int(tokens.max())} >= vocab_size {vocab_size}{hint}")
-    if len(tokens) and int(tokens.min()) < 0:
-        raise DataError(f"token file {str(path)!r} has token id {int(tokens.min())}; ids start at 0")
+    problem = _not_token_ids(tokens, vocab_size)
+    if problem:
+        hint = f" (read as {cfg.token_dtype}: is that the width it was written in? data.token_dtype)" if raw and ">=" in problem else ""
+        raise DataError(f"token file {str(path)!r} {problem}{hint}")
     return tokens
+
+
+def _not_token_ids(tokens: np.ndarray, vocab_size: int) -> str | None:
+    """What keeps an array from being token ids of this vocabulary (said after its name), or None."""
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        return f"must hold a 1-D array of integers, has {tokens.dtype} {tokens.shape}"
+    if len(tokens) and int(tokens.max()) >= vocab_size:
+        return f"has token id {int(tokens.max())} >= vocab_size {vocab_size}"
+    if len(tokens) and int(tokens.min()) < 0:
+        return f"has token id {int(tokens.min())}; ids start at 0"
+    return None
 
 
 def _every_other_zero(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
@@ -305,9 +324,25 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
         write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size), indent=2))
         write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
+    damaged = f"the tokenized corpus in {cache} is damaged"
+    again = f"remove {cache} to tokenize it again"
+    splits = {}
+    for split in ("train", "val"):
+        try:
+            splits[split] = np.load(cache / f"{split}.npy", mmap_mode="r")
+        except (OSError, ValueError, EOFError) as exc:
+            raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
+        problem = _not_token_ids(splits[split], vocab_size)  # ids past the vocabulary would stop the first step
+        if problem:
+            raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
+    _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or {again}")
+    return TokenSource(splits["train"], splits["val"], seq_len, seed, repr(cfg.source))
+
+
+def _check_tokenizer(data_dir: Path, vocab_size: int, recover: str) -> None:
+    """The tokenizer.json a tokenized corpus was made with, which ``generate`` reads the run's text
+    with: a run that trained on without it would finish, and then not generate."""
     try:
-        train, val = (np.load(cache / f"{split}.npy", mmap_mode="r") for split in ("train", "val"))
-    except (OSError, ValueError, EOFError) as exc:
-        raise DataError(f"the tokenized corpus in {cache} is damaged ({type(exc).__name__}: {exc}); remove {cache}"
-                        " to tokenize it again") from None
-    return TokenSource(train, val, seq_len, seed, repr(cfg.source))
+        load_tokenizer(str(data_dir / "tokenizer.json"), vocab_size)
+    except DataError as exc:
+        raise DataError(f"the run's {exc}; {recover}") from None

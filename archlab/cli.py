@@ -506,6 +506,8 @@ def train(
 
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
+    if data is not None and not data.strip():  # it read as no --data at all, and trained on the default
+        raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
     say = err if os.environ.get("RANK", "0") == "0" else Console(stderr=True, quiet=True)  # under torchrun, once
     try:
         if out.exists() and not out.is_dir():

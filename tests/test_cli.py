@@ -357,6 +357,7 @@ BAD_OPTIONS = [
     (["train", SPEC, "--out", "{tmp}/run", "--steps", "2000000000000"], "Invalid value for '--steps'"),
     (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
+    (["train", SPEC, "--out", "{tmp}/run", "--data", ""], "--data is empty; give stdlib, a path"),
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
     (["bench", SPEC, "--device", "meta"], "--device meta: the benchmark runs on cpu or cuda"),
     (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices

@@ -575,7 +575,7 @@ app.add_typer(study_app, name="study")
 StudyName = Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")]
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
-StudyOut = Annotated[Path | None, typer.Option("--out", help="study directory; default runs/studies/NAME-SCALE")]
+StudyOut = Annotated[Path | None, typer.Option("--out", file_okay=False, help="study directory; default runs/studies/NAME-SCALE")]
 GracePeriod = Annotated[int, typer.Option(min=1, help="seconds without a heartbeat before a trial counts as dead")]
 StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)")]
 

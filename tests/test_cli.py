@@ -317,6 +317,7 @@ def expand(args, **paths):
 # folder, {text}: a text corpus
 BAD_PATHS = [
     ("train --out a file", ["train", SPEC, "--out", "{file}", "--steps", "1"], 1, "--out {file} is a file; a run is a folder"),
+    ("study --out a file", ["study", "run", "loop-position", "--out", "{file}"], 2, "Invalid value for '--out': dir '{file}' is a file"),
     ("train --out under a file", ["train", SPEC, "--out", "{file}/run", "--steps", "1"], 1, "error: {file}/run: Not a directory"),
     ("train data.cache unwritable", ["train", SPEC, "--out", "{run}", "--steps", "1", "--data", "{text}", "--set", "data.cache=/proc/archlab"], 1,
      "error: /proc/archlab: No such file or directory"),

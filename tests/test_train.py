@@ -751,3 +751,11 @@ def test_a_npy_token_file_that_is_not_one_says_so(cli, tmp_path):
     tokens.write_text("hello world\n")
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", tokens, *SMALL, "--steps", "1"),
             f"token file {str(tokens)!r} is not a NumPy .npy file")
+
+
+def test_a_checkpoints_files_share_one_mode(tmp_path):
+    """safetensors wrote the weights 0600, readable by their owner alone, beside 0644 files."""
+    from archlab.train import checkpoint
+
+    saved = checkpoint.save(tmp_path, 1, torch.nn.Linear(2, 2), {"optimizer": {}}, {}, keep=1)
+    assert len({(saved / name).stat().st_mode for name in ("model.safetensors", "trainer.pt", "state.json")}) == 1

@@ -51,6 +51,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
     save_model(model, str(tmp / "model.safetensors"))
     torch.save(trainer_state, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **info}, indent=2))
+    shutil.copymode(tmp / "state.json", tmp / "model.safetensors")  # safetensors writes 0600; the rest follow the umask
     for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
         with open(file, "rb") as f:
             os.fsync(f.fileno())

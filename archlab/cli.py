@@ -297,10 +297,7 @@ def generate(
             raise typer.Exit(1) from None
         err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
     else:
-        spec, tokenizer = _load_one(source), None
-        torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
-        model = _built(spec)
-        err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
+        spec, tokenizer, model = _load_one(source), None, None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
     if tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
@@ -314,6 +311,10 @@ def generate(
         if len(stop_ids) != 1:
             raise typer.BadParameter(f"--stop {text!r} is {len(stop_ids)} tokens; give text that is one token")
         stop_tokens += stop_ids
+    if model is None:
+        torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
+        model = _built(spec)
+        err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):

@@ -383,6 +383,14 @@ def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
     assert code == 1 and message in stderr and "bytes)" in stderr, stderr
 
 
+@pytest.mark.parametrize("option,message", [(["--prompt", ""], "--prompt '' encodes to no tokens"),
+                                            (["--stop", "ab"], "--stop 'ab' is 2 tokens; give text that is one token")])
+def test_generate_refuses_a_prompt_or_stop_it_cannot_use_before_drawing_weights(cli, option, message):
+    code, stdout, stderr = cli("generate", "specs/tiny/yoco.yaml", *option)
+    assert code == 2 and message in stderr, stderr
+    assert "random weights" not in stderr and not stdout
+
+
 @pytest.mark.parametrize("command", ["generate", "build", "train"])
 def test_a_model_larger_than_memory_is_said_in_words(cli, tmp_path, command):
     spec = tmp_path / "big.yaml"

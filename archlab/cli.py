@@ -666,12 +666,16 @@ def _expand_list_options(argv: list[str]) -> list[str]:
     (``--seq-len=2048 8K`` too). Where the option takes one value, a second is refused
     (ValueError), rather than taken for a file or put in the first's place."""
     several = next((arg for arg in argv if not arg.startswith("-")), "") in LIST_COMMANDS
-    out, option, seen = [], None, 0
+    out, option, seen, named = [], None, 0, set()
     for arg in argv:
         name, given, _ = arg.partition("=")
         if name in LENGTH_OPTIONS:
+            if name in named and not several:
+                raise ValueError(f"{name} takes one length here; it is given twice")
             option, seen = name, int(bool(given))
-        elif option and re.fullmatch(r"\d[\d.]*[a-zA-Z]?", arg):  # a length, or something meant as one (parse_length names it)
+            named.add(name)
+        elif option and re.fullmatch(r"\d[\d.]*[a-zA-Z]?", arg) and not Path(arg).exists():
+            # a length, or something meant as one (parse_length names it), that is no spec's path (7b)
             if seen and not several:
                 raise ValueError(f"{option} takes one length here; {arg} is a second")
             if seen:

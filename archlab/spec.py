@@ -692,14 +692,14 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
     return data
 
 
-def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]]) -> dict:
+def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -> dict:
     """``set_dotted`` for each (key, value) in turn. A key that would replace, whole, what an
     earlier one set inside it (``...blocks.0`` after ``...blocks.0.window``) is refused: the
     earlier value would be lost without a word."""
     done: list[str] = []
     for key, value in items:
         if lost := [k for k in done if k.startswith(f"{key}.")]:
-            raise SpecError(key, [Problem(key, f"replaces whole what {', '.join(lost)} set inside it just before; set {key} first")])
+            raise SpecError(source, [Problem(key, f"replaces whole what {', '.join(lost)} set inside it before; set {key} first")])
         data = set_dotted(data, key, value)
         done.append(key)
     return data
@@ -722,7 +722,7 @@ def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | 
             items.append((key, _parse_yaml(value)))
         except yaml.YAMLError as exc:
             raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-    data = set_each_dotted(data, items)
+    data = set_each_dotted(data, items, "--set")
     for key, parsed in items if origins is not None else ():
         _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
     return data

@@ -304,16 +304,16 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4093, st
 def inference(device: torch.device, specs: list[str], lengths: list[int], batch: int, gen: int, budget_s: float,
               deadline: float, prefill_tokens: int, cuda_graph: bool, prefill_chunk: int,
               page_size: int | None = None, page_kernel: str = "torch") -> list[dict]:
-    rows = []
+    rows, paging = [], {"page_size": page_size, "page_kernel": page_kernel}  # every row says its layout, skipped ones too
     for name in specs:
         if time.monotonic() > deadline:  # before loading and warming up a model that would measure nothing
-            rows.append({"spec": Path(name).stem, "seq_len": lengths[0], "status": "skipped: out of time"})
+            rows.append({"spec": Path(name).stem, "seq_len": lengths[0], **paging, "status": "skipped: out of time"})
             continue
         model = load(name, device)
         bench(model, model.spec.name, 256, 2, 2, cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel)  # warm-up: kernels, tuning, allocator
         for n in lengths:
             if time.monotonic() > deadline:
-                rows.append({"spec": model.spec.name, "seq_len": n, "status": "skipped: out of time"})
+                rows.append({"spec": model.spec.name, "seq_len": n, **paging, "status": "skipped: out of time"})
                 break
             prefill_rows = batch
             while prefill_rows > 1 and prefill_rows * n > prefill_tokens:
@@ -323,13 +323,13 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
                 row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows,
                             cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel).as_dict()
             except torch.OutOfMemoryError:
-                rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, "status": "out of memory"})
+                rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, **paging, "status": "out of memory"})
                 torch.cuda.empty_cache()
                 break
             rows.append({**row, "prefill_chunk": prefill_chunk, "status": "ok", "seconds": time.perf_counter() - began})
             console.print(rows[-1])
             if time.perf_counter() - began > budget_s:
-                rows.append({"spec": model.spec.name, "seq_len": "longer", "status": f"skipped: {n} took over {budget_s:.0f} s"})
+                rows.append({"spec": model.spec.name, "seq_len": "longer", **paging, "status": f"skipped: {n} took over {budget_s:.0f} s"})
                 break
         del model
         if device.type == "cuda":

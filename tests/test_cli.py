@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -413,6 +414,20 @@ def test_a_second_length_where_one_is_taken_is_refused(cli, args):
 def test_lengths_given_after_an_equals_sign_are_all_taken(cli):
     code, stdout, _ = cli("cost", SPEC, "--seq-len=2K", "4K", "--format", "csv")
     assert code == 0 and [line.split(",")[1] for line in stdout.splitlines()[1:]] == ["2048", "4096"]
+
+
+def test_a_length_option_given_twice_where_one_is_taken_is_refused(cli):
+    code, stdout, stderr = cli("equal-flops", SPEC, "specs/tiny/yoco.yaml", "--seq-len", "8K", "--seq-len", "16")
+    assert code == 2 and "--seq-len takes one length here; it is given twice" in stderr and not stdout, stderr
+
+
+def test_a_spec_folder_named_like_a_length_is_a_path(cli, tmp_path, monkeypatch):
+    (tmp_path / "7b").mkdir()
+    shutil.copy(ROOT / "specs" / "tiny" / "yoco.yaml", tmp_path / "7b" / "yoco.yaml")
+    command = ("cost", "--seq-len", "16K", "7b", "--format", "csv")
+    monkeypatch.chdir(tmp_path)  # after cli's own chdir, which it does when made
+    code, stdout, stderr = cli(*command)
+    assert code == 0 and stdout.splitlines()[1].startswith("yoco,16384,"), stderr
 
 
 @pytest.mark.parametrize("count", [10**17, 10**19])  # sizes past int64: torch overflows before it allocates

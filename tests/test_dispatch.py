@@ -194,7 +194,9 @@ def test_the_gpu_checks_report_shows_no_figures_for_rows_that_have_none():
     rows = [{"spec": "yoco-u", "seq_len": 8192, "batch": 32, "prefill_rows": 8, "prefill_chunk": 2048, "prefill_tok_s": 1e5,
              "decode_tok_s": 3e3, "kv_total_mb": 46.3, "peak_mb": 2765.0, "status": "ok"},
             {"spec": "yoco-u", "seq_len": 131072, "batch": 32, "status": "out of memory"}]
-    text = report({"device": "cpu", "torch": "x", "packages": {}, "inference": rows})
+    text = report({"device": "cpu", "torch": "x", "packages": {}, "inference": rows,
+                   "inference_paged": [{"spec": "yoco-u", "seq_len": 8192, "page_size": 256, "page_kernel": "flex", "status": "skipped: out of time"}]})
+    assert "| yoco-u | 8192 |  |  |  | pages of 256, flex | - | - | - | - | skipped: out of time |" in text
     assert "| yoco-u | 8192 | 32 | 8 | 2048 | rows | 100,000 | 3,000 | 46.3 | 2.7 | ok |" in text
     assert "| yoco-u | 131072 | 32 |  |  | rows | - | - | - | - | out of memory |" in text
 

@@ -191,7 +191,7 @@ def test_an_override_that_would_replace_an_earlier_one_inside_it_is_refused():
     whole, window = f"{block}={{type: swa, window: 4, n_heads: 4, n_kv_heads: 2}}", f"{block}.window=8"
     with pytest.raises(archlab.SpecError) as caught:
         archlab.load_spec(spec, [window, whole])
-    assert f"replaces whole what {block}.window set inside it just before; set {block} first" in str(caught.value)
+    assert f"replaces whole what {block}.window set inside it before; set {block} first" in str(caught.value)
     assert archlab.load_spec(spec, [whole, window]).layout.self_decoder.blocks[0].window == 8
 
 

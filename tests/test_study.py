@@ -142,6 +142,9 @@ def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relativ
     assert shown(storage_url(Path("runs/study"), None)) == "sqlite:///runs/study/optuna.db"  # not this machine's folders
     assert shown("sqlite:////elsewhere/optuna.db") == "sqlite:////elsewhere/optuna.db"
     assert shown("postgresql://me:hunter2@db.lab:5432/studies") == "postgresql://me:***@db.lab:5432/studies"
+    assert shown(f"sqlite:///{tmp_path}/runs/optuna.db?timeout=30") == "sqlite:///runs/optuna.db?timeout=30"
+    for url in ("postgresql://me:hunt@r2@db.lab/studies", "postgresql://me:hunter2@db.lab:port/studies", "postgresql:/me:hunter2@db/x"):
+        assert "hunt" not in shown(url) and "***@" in shown(url)  # URLs the parser misreads or refuses
 
 
 def test_an_in_memory_storage_is_refused(tmp_path):
@@ -394,7 +397,7 @@ def test_two_workers_share_a_postgresql_study(tmp_path):
     for worker in workers:
         stdout, stderr = worker.communicate(timeout=600)
         assert worker.returncode == 0, stderr
-        assert "hunter2" not in stdout + stderr and "postgres:***@" in stdout  # the report names the storage, not its password
+        assert "hunter2" not in stdout + stderr and f"{make_url(url).username}:***@" in stdout  # the storage, not its password
     trials = trials_of(url, name)
     keys = [planned_as(t) for t in trials]
     assert len(trials) == 8 and len(set(keys)) == 8  # every planned trial once: none lost, none duplicated
@@ -448,15 +451,20 @@ def test_bad_study_definitions_are_named(tmp_path):
         ({"spec": "nosuch.yaml"}, f"{ROOT / 'specs/tiny/nosuch.yaml'} (variants.yoco-u of {path})", "<file>"),
         ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.5.window": 3}}, f"{path} (variants.yoco-u: set / scale_set.tiny)",
          "layout.self_decoder.blocks.5"),
-        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8}, "scale_set": {"tiny": {"layout.self_decoder.blocks.0": "swa"}}},
+        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8, "layout.self_decoder.blocks.0": "swa"}},
          f"{path} (variants.yoco-u: set / scale_set.tiny)", "layout.self_decoder.blocks.0"),  # the window would be lost
     ]:
-        path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}))
+        path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}, sort_keys=False))
         with pytest.raises(SpecError) as raised:
             load_study(str(path))
         assert raised.value.source == source and [p.loc for p in raised.value.problems] == [problem]
     with pytest.raises(SpecError, match="no scale 'huge'"):
         load_study("loop-position", "huge")
+    block = {"type": "swa", "window": 4, "n_heads": 4, "n_kv_heads": 2}
+    scaled = {"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8},  # a scale's own block replaces set's whole
+              "scale_set": {"tiny": {"layout.self_decoder.blocks.0": block, "layout.self_decoder.blocks.0.window": 16}}}
+    path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": scaled}}, sort_keys=False))
+    assert load_study(str(path)).specs["yoco-u"].layout.self_decoder.blocks[0].window == 16
     with pytest.raises(SpecError, match="no shipped study of that name"):
         load_study("loop-placement")
     result = archlab("study", "run", "loop-placement")

@@ -740,10 +740,10 @@ def test_a_resume_refuses_a_run_whose_tokenizer_is_gone_or_garbage(cli, trained_
     shutil.copytree(trained_on_text, run)
     tokenizer = run / "tokenizer.json"
     tokenizer.write_text("garbage")
-    refused_untouched(cli, run, f"the run's tokenizer {str(tokenizer)!r} could not be read",
+    refused_untouched(cli, run, f"the tokenizer {str(tokenizer)!r} could not be read",
                       f"the tokenized corpus in {run / 'data'} was made with it; put it back, or remove {run / 'data'}")
     tokenizer.unlink()
-    refused_untouched(cli, run, f"the run's tokenizer {str(tokenizer)!r}: no such file", "put it back")
+    refused_untouched(cli, run, f"the tokenizer {str(tokenizer)!r}: no such file", "put it back")
 
 
 def test_a_npy_token_file_that_is_not_one_says_so(cli, tmp_path):

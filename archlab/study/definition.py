@@ -132,7 +132,8 @@ class Study:
         except SpecError as exc:  # the spec file's own problem, said with the variant that names it
             raise SpecError(f"{exc.source} (variants.{name} of {self.source})", exc.problems) from None
         try:
-            data = set_each_dotted(data, {**variant.set, **variant.scale_set.get(self.scale, {})}.items())
+            data = set_each_dotted(data, variant.set.items(), "set")
+            data = set_each_dotted(data, variant.scale_set.get(self.scale, {}).items(), f"scale_set.{self.scale}")  # may replace set's whole
         except SpecError as exc:
             raise SpecError(f"{self.source} (variants.{name}: set / scale_set.{self.scale})", exc.problems) from None
         return validate_spec(data, f"{self.source} (variants.{name} from {path.name})")

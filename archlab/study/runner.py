@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import math
 import os
+import re
 import socket
 import time
 import warnings
@@ -92,16 +93,14 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
 
 
 def shown(url: str) -> str:
-    """A storage URL as messages and reports print it: without its password, and a SQLite file
-    under the working folder by its relative path (as one would type it there)."""
+    """A storage URL as messages and reports print it: without its password (even one the URL
+    parser would misread), and a SQLite file under the working folder by its relative path (as
+    one would type it there)."""
     database = _sqlite_database(url)
     if database is not None and database not in IN_MEMORY:
         path = Path(database)
-        return f"sqlite:///{path.relative_to(Path.cwd())}" if path.is_absolute() and path.is_relative_to(Path.cwd()) else url
-    try:
-        return sqlalchemy.engine.make_url(url).render_as_string(hide_password=True)
-    except sqlalchemy.exc.ArgumentError:
-        return url
+        return url.replace(database, str(path.relative_to(Path.cwd())), 1) if path.is_relative_to(Path.cwd()) else url
+    return re.sub(r"(:/+[^:/@]*:).*@", r"\1***@", url)  # user:password@ -> user:***@, to the last @
 
 
 def _unopenable(url: str, exc: Exception) -> StorageError:

@@ -345,4 +345,4 @@ def _check_tokenizer(data_dir: Path, vocab_size: int, recover: str) -> None:
     try:
         load_tokenizer(str(data_dir / "tokenizer.json"), vocab_size)
     except DataError as exc:
-        raise DataError(f"the run's {exc}; {recover}") from None
+        raise DataError(f"the {exc}; {recover}") from None

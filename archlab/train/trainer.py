@@ -233,20 +233,20 @@ class Trainer:
         Read before anything is written: a damaged line stops the resume with the file as it was."""
         metrics = self.run_dir / "metrics.jsonl"
         if self.world.main and metrics.exists():
-            data = metrics.read_bytes()  # as bytes: a line that is not UTF-8 is one more bad line to point to
-            lines, kept = data.splitlines(), []
+            text = metrics.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
+            lines, kept = text.splitlines(), []
             for number, line in enumerate(lines, 1):
                 try:
                     logged = json.loads(line)["step"]
-                except (ValueError, TypeError, KeyError):  # UnicodeDecodeError is a ValueError
+                except (ValueError, TypeError, KeyError):
                     logged = None
                 if not isinstance(logged, int):
-                    if number == len(lines) and not data.endswith(b"\n"):
+                    if number == len(lines) and not text.endswith("\n"):
                         continue  # a kill cut the last line short
-                    raise TrainError(f"{metrics}, line {number}, is not a metrics record: {line[:60].decode(errors='backslashreplace')};"
-                                     " mend or remove it to resume") from None
+                    raise TrainError(f"{metrics}, line {number}, is not a metrics record: {line[:60]}; mend or remove"
+                                     " it to resume") from None
                 if logged <= step:
-                    kept.append(line.decode())
+                    kept.append(line)
             write_text_whole(metrics, "".join(line + "\n" for line in kept))
         self._adopt_config(step, steps)
 

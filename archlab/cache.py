@@ -20,6 +20,7 @@ import torch
 
 from archlab.kv import PageTable, pages_for
 from archlab.plan import Step
+from archlab.registry import RegistryError
 
 State = dict[str, torch.Tensor]
 
@@ -58,9 +59,15 @@ class Cache:
                 return model.global_kv.new_pool(pages, page_size, dtype)
 
         def initial(key: tuple[int, int, int], rows: int) -> State:
-            """A layer's state as ``new_state`` makes it (again in ``start_over``)."""
+            """A layer's state as ``new_state`` makes it (again in ``start_over``): tensors with a
+            row per sequence and stream first, which the cache takes and puts back by row."""
             with torch.device(device):
-                return model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
+                state = model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
+            if not all(isinstance(t, torch.Tensor) and t.shape[:1] == (rows,) for t in state.values()):
+                shapes = {name: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in state.items()}
+                raise RegistryError(f"block {model.spec.block_at(key[2]).type!r}: new_state({rows}, ...) must give tensors with a"
+                                    f" first dimension of {rows}, a row per sequence and stream; got {shapes}")
+            return state
 
         self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
         states = {key: initial(key, rows) for key in model.plan.state_keys()}

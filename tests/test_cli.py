@@ -154,20 +154,30 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
 '''
 
 
-@pytest.mark.parametrize("mistake,said", [
-    (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536"),
-    (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give"),
-    (("if inp.state is not None:", "if False:"), "decoding token by token differs from a full forward pass"),
-], ids=["params", "state bytes", "state ignored"])
-def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said):
+@pytest.mark.parametrize("mistake,said,dtype", [
+    (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536", "float32"),
+    (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
+    (("zeros(batch, self.proj.in_features)", "zeros(batch, self.proj.in_features, dtype=dtype)"),  # 4 bytes counted, 2 held
+     "at 1 tokens in bfloat16, the cache holds", "bfloat16"),
+    (("if inp.state is not None:", "if False:"), "decoding two prompts of different lengths token by token differs", "float32"),
+    (("(inp.positions + 1)", "(inp.positions[:1] + 1)"), "(blocks: causal_mean, cross_attention; does each module's", "float32"),
+    (("zeros(batch, self.proj.in_features)", "zeros(self.proj.in_features, batch)"),
+     "block 'causal_mean': new_state(1, ...) must give tensors with a first dimension of 1", "float32"),
+    (("sums[:, -1])", "sums[-1])"), "decoding two prompts of different lengths raised RuntimeError", "float32"),  # fine at batch 1
+    (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
+     "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
+], ids=["params", "state bytes", "state bytes in the inference dtype", "state ignored", "one row's positions", "state not batch-first",
+        "state of one row", "flops not Flops"])
+def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said, dtype):
     env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
     spec = tmp_path / "mine.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: mine\nlayout: {{self_decoder: {{blocks: [causal_mean]}}}}\n")
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: mine\nlayout: {{self_decoder: {{blocks: [causal_mean]}}}}\n"
+                    f"inference_dtype: {dtype}\n")
     assert archlab("build", spec, env=env).returncode == 0
     (tmp_path / "my_blocks.py").write_text(PLUGIN.replace(*mistake))
     result = archlab("build", spec, env=env)
-    assert result.returncode == 1 and f"error: mine: {said}" in result.stderr and "Traceback" not in result.stderr, result.stderr
-    assert "1 problem(s)" in result.stdout
+    assert result.returncode == 1 and "error: mine: " in result.stderr and said in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "1 problem(s)" in result.stdout
 
 
 def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):

@@ -107,8 +107,10 @@ class StreamMix(nn.Module):
 def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
     """A block's module, refused now (rather than mid-generation) if it lacks what the model calls."""
     module = block.build(ctx)
-    if not isinstance(module, nn.Module) or not callable(getattr(module, "new_state", None)):
-        lacks = "is not an nn.Module" if not isinstance(module, nn.Module) else "has no new_state method"
+    lacks = ("is not an nn.Module" if not isinstance(module, nn.Module)
+             else "has no forward method" if type(module).forward is nn.Module.forward
+             else "has no new_state method" if not callable(getattr(module, "new_state", None)) else None)
+    if lacks:
         raise RegistryError(f"block {block.type!r}: its build() returned {type(module).__name__}, which {lacks}; a block's module"
                             " is an nn.Module with forward(x, inp) and new_state(batch, capacity, dtype), its inference state")
     return module

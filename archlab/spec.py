@@ -595,7 +595,8 @@ def _describe(err: dict) -> str:
         return "unknown key (not part of the schema; check its spelling and level)"
     if err["type"] == "union_tag_invalid":
         ctx = err["ctx"]
-        return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}"
+        plugins = " (blocks come from installed archlab.blocks plugins; `archlab blocks` lists them)" if "blocks" in err["loc"] else ""
+        return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}{plugins}"
     if err["type"] == "union_tag_not_found":
         tag = err["ctx"]["discriminator"].strip(chr(39))
         kinds = _union_tags(err["loc"], tag)

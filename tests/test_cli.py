@@ -220,6 +220,18 @@ class StatelessSpec(HalfSpec):  # its formulas, but a module without an inferenc
 
     def state_bytes(self, ctx, context, kv_bytes):
         return 0
+
+
+class Forwardless(nn.Module):
+    def new_state(self, batch, capacity, dtype):
+        return {}
+
+
+class ForwardlessSpec(StatelessSpec):  # a module with an inference state but no forward
+    type: Literal["forwardless"]
+
+    def build(self, ctx):
+        return Forwardless()
 '''
 
 
@@ -247,16 +259,18 @@ def test_a_broken_plugin_is_named_and_left_out(tmp_path, entry, fragments, name)
         assert used.returncode == 1 and f"unknown type '{name}'" in used.stderr and "it is left out" in used.stderr, used.stderr
 
 
-def test_a_plugin_module_without_an_inference_state_is_refused_when_built(tmp_path):
-    env = install_plugin(tmp_path, "stateless = broken:StatelessSpec")
+@pytest.mark.parametrize("name,lacks", [("stateless", "Identity, which has no new_state method"),
+                                        ("forwardless", "Forwardless, which has no forward method")])
+def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_path, name, lacks):
+    env = install_plugin(tmp_path, f"{name} = broken:{name.capitalize()}Spec")
     (tmp_path / "broken.py").write_text(BROKEN)
     spec = tmp_path / "s.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: s\nlayout: {{self_decoder: {{blocks: [stateless]}}}}\n")
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: s\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
     assert archlab("validate", spec, env=env).returncode == 0  # a spec as good as any
     for command in (["build", spec], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"]):
         result = archlab(*command, env=env)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert "block 'stateless': its build() returned Identity, which has no new_state method" in result.stderr
+        assert f"block '{name}': its build() returned {lacks}" in result.stderr
 
 
 def test_generate_streams_text_with_a_notice():

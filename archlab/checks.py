@@ -1,6 +1,6 @@
 """What ``archlab build`` checks of a model small enough for the CPU: a finite forward and
-backward pass, the analytic costs against the built model and its cache, and decoding token by
-token against a full forward pass. The test suite checks the built-in blocks this way; these give
+backward pass, the analytic costs against the built model and its cache, and decoding a batch
+of two prompts token by token against full forward passes. The test suite checks the built-in blocks this way; these give
 the author of a plugin block the same checks for theirs."""
 
 from __future__ import annotations
@@ -123,7 +123,6 @@ def decode_error(model: Model, length: int) -> float:
             stepped.append(engine.decode(tokens[rows, positions][:, None], positions, cache))
             wanted.append(full[rows, positions])
     return ((torch.stack(stepped) - torch.stack(wanted)).abs().max() / full.abs().max().clamp(min=1e-30)).item()
-
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -97,6 +97,22 @@ def test_blocks_resolve_once_per_device(packages):
     assert first["chunk_gated_delta_rule"].__module__ == "archlab.ops.gated_delta_rule"
 
 
+def test_a_plugin_block_dispatches_its_own_ops(packages):
+    """Ops that are not archlab's come from the block's own table, by the same choice of backend."""
+    def chunk_gla(q, k, v, g):  # a plugin's PyTorch op
+        return q
+
+    table = {("torch", "chunk_gla"): chunk_gla, ("fla", "chunk_gla"): "fla.ops.gla:chunk_gla"}
+    assert Kernels("gla", "auto", ("fla",), ("chunk_gla",), table=table)(torch.device("cpu"))["chunk_gla"] is chunk_gla
+    packages.add("fla")
+    named = Kernels("gla", "fla", ("fla",), ("chunk_gla",), table=table)
+    with pytest.raises(BackendError, match="runs on CUDA devices only; this model is on cpu"):
+        named(torch.device("cpu"))
+    from fla.ops.gla import chunk_gla as fla_chunk_gla
+
+    assert named._resolve(named.backend("cuda"), "chunk_gla") is fla_chunk_gla  # what a CUDA device would run
+
+
 def test_mamba_state_update_adapter_matches_the_functional_op():
     """mamba-ssm's kernel writes the state in place and wants per-dim tensors; the adapter
     gives it that and returns (out, state) like archlab's op. Checked with an in-place stand-in."""

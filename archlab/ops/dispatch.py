@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import warnings
+from collections.abc import Callable, Mapping
 from functools import cache
 
 from archlab.ops.ssd import chunk_scan_from_gla, state_update_from_gla
@@ -103,8 +104,12 @@ def choose(block: str, requested: str, backends: tuple[str, ...], device_type: s
     return requested
 
 
-def kernel(backend: str, op: str):
-    """The function of ``op`` in ``backend``, adapted to archlab's signature where it differs."""
+def kernel(backend: str, op: str, table: Mapping[tuple[str, str], str | Callable] | None = None):
+    """The function of ``op`` in ``backend``, adapted to archlab's signature where it differs; a
+    block's own ``table`` (a plugin's: (backend, op) -> "module:function" or the function) first."""
+    if table and (backend, op) in table:
+        target = table[(backend, op)]
+        return _load(target) if isinstance(target, str) else target
     if (backend, op) in ADAPTERS:
         base, adapt = ADAPTERS[(backend, op)]
         return adapt(_load(KERNELS[(backend, base)]))
@@ -193,10 +198,12 @@ def _bug_notice(block: str, op: str, reason: str) -> None:
 
 class Kernels:
     """A block's core ops, chosen once per device type. A block keeps its own as ``self.kernels``,
-    where ``Model.compile_layers`` finds them to choose before tracing."""
+    where ``Model.compile_layers`` finds them to choose before tracing. A plugin block whose ops
+    are not in ``KERNELS`` gives its own ``table``, its PyTorch ops under ``"torch"``."""
 
-    def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None):
-        self.block, self.requested, self.backends, self.ops, self.auto = block, requested, backends, ops, auto
+    def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None,
+                 table: Mapping[tuple[str, str], str | Callable] | None = None):
+        self.block, self.requested, self.backends, self.ops, self.auto, self.table = block, requested, backends, ops, auto, table
         self._chosen: dict[str, dict] = {}
 
     def backend(self, device_type: str) -> str:
@@ -211,8 +218,8 @@ class Kernels:
     def _resolve(self, backend: str, op: str):
         reason = None if backend == "torch" else known_bug(backend, op)
         if reason is None:
-            return kernel(backend, op)
+            return kernel(backend, op, self.table)
         if self.requested == backend:
             raise BackendError(f"{self.block}: backend {backend!r} cannot run {op} here: {reason}")
         _bug_notice(self.block, op, reason)
-        return kernel("torch", op)
+        return kernel("torch", op, self.table)

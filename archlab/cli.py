@@ -8,6 +8,7 @@ import re
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from enum import Enum
@@ -196,9 +197,10 @@ def _lengths(values: list[str], least: int = 1) -> list[int]:
 
 
 @contextmanager
-def _fits_in_memory(what: str, options: str, page_size: int | None):
+def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callable[[], str] | None = None):
     """An allocation larger than the machine, named by what asked for it (``what``, in pages of
-    ``page_size`` if paged) and the options that size it, rather than by the allocator's internals."""
+    ``page_size`` if paged) and the options that size it, rather than by the allocator's internals;
+    ``kept`` says what of the work survives."""
     try:
         yield
     except (RuntimeError, TypeError) as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
@@ -208,7 +210,8 @@ def _fits_in_memory(what: str, options: str, page_size: int | None):
         asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
         size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
         paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
-        err.print(f"[bold red]error[/]: {what}{paged} does not fit in memory{size}; lower {options}", highlight=False)
+        after = f"; {kept()}" if kept else ""
+        err.print(f"[bold red]error[/]: {what}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
         raise typer.Exit(1) from None
 
 
@@ -533,7 +536,7 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", None):
+                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out)):
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -542,11 +545,15 @@ def train(
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        kept = ("the checkpoints already written are intact (continue with --resume)" if checkpoints(out)
-                else "no checkpoint had been written, so there is nothing to resume")
-        say.print(f"interrupted; {kept}", highlight=False)
+        say.print(f"interrupted; {_kept_of(out)}", highlight=False)
         raise typer.Exit(130) from None
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False)
+
+
+def _kept_of(out: Path) -> str:
+    """What a training stopped midway leaves to resume from."""
+    return ("the checkpoints already written are intact (continue with --resume)" if checkpoints(out)
+            else "no checkpoint had been written, so there is nothing to resume")
 
 
 def _shipped_studies() -> list[str]:

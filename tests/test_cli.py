@@ -424,6 +424,7 @@ def test_a_model_larger_than_memory_is_said_in_words(cli, tmp_path, command):
     code, _, stderr = cli(command, spec, *options)
     assert code == 1 and "Traceback" not in stderr, stderr
     assert "12,089,258,199,323,880,351,334,400 parameters" in stderr and "does not fit in memory" in stderr, stderr
+    assert ("no checkpoint had been written, so there is nothing to resume" in stderr) == (command == "train")
     assert not (tmp_path / "run").exists()
 
 

@@ -63,10 +63,11 @@ class Cache:
             row per sequence and stream first, which the cache takes and puts back by row."""
             with torch.device(device):
                 state = model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
-            if not all(isinstance(t, torch.Tensor) and t.shape[:1] == (rows,) for t in state.values()):
-                shapes = {name: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in state.items()}
-                raise RegistryError(f"block {model.spec.block_at(key[2]).type!r}: new_state({rows}, ...) must give tensors with a"
-                                    f" first dimension of {rows}, a row per sequence and stream; got {shapes}")
+            if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) and t.shape[:1] == (rows,) for t in state.values())):
+                got = ({name: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in state.items()}
+                       if isinstance(state, dict) else type(state).__name__)
+                raise RegistryError(f"block {model.spec.block_at(key[2]).type!r}: new_state({rows}, ...) must give a dict of tensors"
+                                    f" ({{}} for none) with a first dimension of {rows}, a row per sequence and stream; got {got}")
             return state
 
         self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}

@@ -1,11 +1,14 @@
 """What ``archlab build`` checks of a model small enough for the CPU: a finite forward and
 backward pass, the analytic costs against the built model and its cache, and decoding a batch
-of two prompts token by token against full forward passes. The test suite checks the built-in blocks this way; these give
+of prompts of different lengths token by token against full forward passes. The test suite checks the built-in blocks this way; these give
 the author of a plugin block the same checks for theirs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
+from numbers import Real
 
 import torch
 
@@ -17,7 +20,7 @@ from archlab.model import Model
 from archlab.registry import RegistryError
 
 CACHE_CONTEXTS = (1, 17)  # tokens: one, and a few past a typical tiny window
-DECODE_LENGTH = 24  # tokens, at least: prompts of 12 and 9 in chunks of 4, then 12 decoding steps
+DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
 DECODE_TOLERANCE = 1e-4  # of the largest logit, in float32: the built-in blocks agree to about 1e-6
 
 
@@ -30,7 +33,7 @@ class CpuCheck:
 
 def cpu_check(model: Model, n: int) -> CpuCheck:
     """A forward and backward pass over 2 x ``n`` random tokens; when finite, the cost formulas
-    and decoding (two sequences of ``min(n, 48)`` tokens, 24 at least) checked too."""
+    and decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) checked too."""
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
     tokens = torch.randint(0, model.spec.vocab_size, (2, n))
     with torch.set_grad_enabled(not forward_only):
@@ -46,42 +49,53 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
         problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH))
     except RegistryError as exc:  # a module's state the cache cannot hold
         problems.append(str(exc))
+    except Exception as exc:  # a block's state_bytes or new_state that raises
+        problems.append(f"making the cache or costing it raised {_said(exc)} (blocks: {_blocks(model)})")
     return CpuCheck(passes, True, problems)
 
 
+def _said(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+
+
+def _blocks(model: Model) -> str:
+    return ", ".join(dict.fromkeys(model.spec.block_at(i).type for i in range(model.spec.n_layers)))
+
+
 def decode_problems(model: Model, length: int) -> list[str]:
-    """What decoding two prompts of different lengths shows: an error, or logits other than a
-    full forward pass's (see ``decode_error``)."""
-    blocks = ", ".join(dict.fromkeys(model.spec.block_at(i).type for i in range(model.spec.n_layers)))
+    """What decoding prompts of different lengths shows: an error, or logits other than full
+    forward passes' (see ``decode_error``)."""
+    blocks = _blocks(model)
     try:
         error = decode_error(model, length)
     except RegistryError:
         raise
     except Exception as exc:  # a plugin's forward that breaks on a batch of rows: said with the blocks it may be
-        return [f"decoding two prompts of different lengths raised {type(exc).__name__}: {exc} (blocks: {blocks})"]
+        return [f"decoding prompts of different lengths raised {_said(exc)} (blocks: {blocks})"]
     if error <= DECODE_TOLERANCE:
         return []
-    return [f"decoding two prompts of different lengths token by token differs from a full forward pass by {error:.1e} of"
+    return [f"decoding prompts of different lengths token by token differs from full forward passes by {error:.1e} of"
             f" the largest logit (blocks: {blocks}; does each module's forward read and update inp.state, each row at its"
             " own inp.positions?)"]
 
 
 def flops_problems(model: Model) -> list[str]:
-    """Each block's ``flops()`` over a sequence and a decoding step: a ``Flops`` of the named
-    kinds, in whole non-negative counts (else the cost table fails, or miscounts, later)."""
+    """Each block's ``flops()`` over a sequence and a decoding step (and an iteration reusing an
+    earlier one's K,V, where it may): a ``Flops`` of the named kinds, in finite counts of 0 or
+    more (else the cost table fails, or miscounts, later)."""
     spec, problems = model.spec, {}
     for layer in range(spec.n_layers):
         block, ctx = spec.block_at(layer), spec.build_context(model.plan.half_of(layer))
-        for n, start in ((17, 0), (1, 16)):
+        for n, start, reuse_kv in ((17, 0, False), (1, 16, False), *([(17, 0, True)] if block.shares_kv else [])):
             try:
-                counted = block.flops(ctx, n, start, False)
+                counted = block.flops(ctx, n, start, reuse_kv)
             except Exception as exc:
-                problems.setdefault(block.type, f"{block.type}: flops(ctx, n={n}, start={start}) raised {type(exc).__name__}: {exc}")
+                problems.setdefault(block.type, f"{block.type}: flops(ctx, n={n}, start={start}, reuse_kv={reuse_kv}) raised {_said(exc)}")
                 continue
             if not (isinstance(counted, Flops) and counted.keys() <= FLOP_KINDS.keys()
-                    and all(isinstance(v, int) and v >= 0 for v in counted.values())):
+                    and all(isinstance(v, Real) and 0 <= v < math.inf for v in counted.values())):
                 problems.setdefault(block.type, f"{block.type}: flops() must return a Flops (a Counter) of kinds"
-                                                f" {sorted(FLOP_KINDS)} to whole counts of 0 or more, got {counted!r}")
+                                                f" {sorted(FLOP_KINDS)} to counts of 0 or more, got {counted!r}")
     return list(problems.values())
 
 
@@ -98,24 +112,25 @@ def cost_problems(model: Model) -> list[str]:
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
         if analytic != held:
             problems.append(f"state_bytes() give {analytic.total:,} B per sequence at {context} tokens in {dtype}, the cache"
-                            f" holds {held.total:,} B")
+                            f" holds {held.total:,} B (does new_state keep its tensors in the dtype it is given?)")
             break
     return problems
 
 
 def decode_error(model: Model, length: int) -> float:
-    """The largest difference between the logits of full forward passes over two sequences of
+    """The largest difference between the logits of full forward passes over three sequences of
     ``length`` random tokens and those of prefilling prompts of two lengths (in chunks, so that
-    a chunk boundary is crossed) then decoding both rows together token by token, each at its
-    own position, as a fraction of the largest logit. Two rows of different lengths find a
-    state that is not batch-first, or a forward that reads one row's positions for all."""
-    tokens = torch.randint(0, model.spec.vocab_size, (2, length))
-    prompts = torch.tensor([length // 2, length // 2 - 3])
+    a chunk boundary is crossed; the two of one length together) then decoding all rows together
+    token by token, each at its own position, as a fraction of the largest logit. Rows of
+    different lengths find a state that is not row-first, or a forward that reads one row's
+    positions for all; two prefilled together, a chunk that reads one row's state for both."""
+    prompts = torch.tensor([length // 2, length // 2, length // 2 - 3])
+    rows = torch.arange(len(prompts))
+    tokens = torch.randint(0, model.spec.vocab_size, (len(prompts), length))
     engine = Engine(model.eval(), prefill_chunk=max(2, length // 6))
-    rows = torch.arange(2)
     with torch.no_grad():
         full = model(tokens)
-        cache = engine.new_cache(2, length)
+        cache = engine.new_cache(len(prompts), length)
         stepped = [engine.prefill([tokens[row, :p] for row, p in zip(rows, prompts)], cache)]
         wanted = [full[rows, prompts - 1]]
         for step in range(length - int(prompts.max())):

@@ -536,7 +536,7 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out)):
+                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)):
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -550,10 +550,13 @@ def train(
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
-def _kept_of(out: Path) -> str:
-    """What a training stopped midway leaves to resume from."""
-    return ("the checkpoints already written are intact (continue with --resume)" if checkpoints(out)
-            else "no checkpoint had been written, so there is nothing to resume")
+def _kept_of(out: Path, memory: bool = False) -> str:
+    """What a training stopped midway leaves to resume from (stopped for memory: with what a
+    resume may lower)."""
+    if not checkpoints(out):
+        return "no checkpoint had been written, so there is nothing to resume"
+    how = " --set micro_batch_size=N (not for an MoE spec; seq_len and the spec are a new run's)" if memory else ""
+    return f"the checkpoints already written are intact (continue with --resume{how})"
 
 
 def _shipped_studies() -> list[str]:

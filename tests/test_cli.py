@@ -159,15 +159,21 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
     (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
     (("zeros(batch, self.proj.in_features)", "zeros(batch, self.proj.in_features, dtype=dtype)"),  # 4 bytes counted, 2 held
      "at 1 tokens in bfloat16, the cache holds", "bfloat16"),
-    (("if inp.state is not None:", "if False:"), "decoding two prompts of different lengths token by token differs", "float32"),
+    (("if inp.state is not None:", "if False:"), "decoding prompts of different lengths token by token differs", "float32"),
     (("(inp.positions + 1)", "(inp.positions[:1] + 1)"), "(blocks: causal_mean, cross_attention; does each module's", "float32"),
     (("zeros(batch, self.proj.in_features)", "zeros(self.proj.in_features, batch)"),
-     "block 'causal_mean': new_state(1, ...) must give tensors with a first dimension of 1", "float32"),
-    (("sums[:, -1])", "sums[-1])"), "decoding two prompts of different lengths raised RuntimeError", "float32"),  # fine at batch 1
+     "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1", "float32"),
+    (("return {\"sum\": torch.zeros(batch, self.proj.in_features)}", "return None"),
+     "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1, a row per"
+     " sequence and stream; got NoneType", "float32"),
+    (("return 4 * ctx.d_model  #", "assert False  #"), "making the cache or costing it raised AssertionError()", "float32"),
+    (("sums[:, -1])", "sums[-1])"), "decoding prompts of different lengths raised RuntimeError", "float32"),  # fine at batch 1
+    (('sums + inp.state["sum"][:, None]', 'sums + inp.state["sum"][: 1 if x.shape[1] > 1 else None, None]'),  # in chunks only
+     "decoding prompts of different lengths token by token differs", "float32"),
     (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
      "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
 ], ids=["params", "state bytes", "state bytes in the inference dtype", "state ignored", "one row's positions", "state not batch-first",
-        "state of one row", "flops not Flops"])
+        "no state dict", "state bytes raise", "state of one row", "one row's state in a chunk", "flops not Flops"])
 def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said, dtype):
     env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
     spec = tmp_path / "mine.yaml"
@@ -178,6 +184,32 @@ def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said, d
     result = archlab("build", spec, env=env)
     assert result.returncode == 1 and "error: mine: " in result.stderr and said in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "1 problem(s)" in result.stdout
+
+
+REUSING = '''
+from typing import Literal
+
+from blocks.attention import AttentionSpec
+
+
+class ReusingSpec(AttentionSpec):  # its count of an iteration that reuses the K,V is no Flops
+    type: Literal["reusing"]
+
+    def flops(self, ctx, n, start=0, reuse_kv=False):
+        return 0 if reuse_kv else super().flops(ctx, n, start, reuse_kv)
+'''
+
+
+def test_build_checks_the_flops_of_an_iteration_that_reuses_the_kv(tmp_path):
+    """Cost asks for it in a loop with a shared K,V, and failed there with a traceback."""
+    env = install_plugin(tmp_path, "reusing = reusing:ReusingSpec")
+    (tmp_path / "reusing.py").write_text(REUSING)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/universal-transformer.yaml'}\nname: u\n"
+                    "layout: {layers: {blocks: [{type: reusing, n_heads: 4}]}}\nloop: {kv_cache: shared}\n")
+    result = archlab("build", spec, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: u: reusing: flops() must return a Flops (a Counter) of kinds" in result.stderr and "got 0" in result.stderr
 
 
 def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):

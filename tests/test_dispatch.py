@@ -111,6 +111,8 @@ def test_a_plugin_block_dispatches_its_own_ops(packages):
     from fla.ops.gla import chunk_gla as fla_chunk_gla
 
     assert named._resolve(named.backend("cuda"), "chunk_gla") is fla_chunk_gla  # what a CUDA device would run
+    with pytest.raises(BackendError, match="gla: no function for chunk_gla on torch; a block's kernel table names each of its ops"):
+        Kernels("gla", "auto", ("fla",), ("chunk_gla",), table={("fla", "chunk_gla"): "fla.ops.gla:chunk_gla"})
 
 
 def test_mamba_state_update_adapter_matches_the_functional_op():

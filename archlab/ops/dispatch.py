@@ -205,6 +205,9 @@ class Kernels:
                  table: Mapping[tuple[str, str], str | Callable] | None = None):
         self.block, self.requested, self.backends, self.ops, self.auto, self.table = block, requested, backends, ops, auto, table
         self._chosen: dict[str, dict] = {}
+        if missing := [(b, op) for b in ("torch", *backends) for op in ops if (b, op) not in {**KERNELS, **ADAPTERS, **(table or {})}]:
+            raise BackendError(f"{block}: no function for {', '.join(f'{op} on {b}' for b, op in missing)}; a block's kernel table"
+                               " names each of its ops for torch and for each backend it offers")
 
     def backend(self, device_type: str) -> str:
         return choose(self.block, self.requested, self.backends, device_type, self.auto)

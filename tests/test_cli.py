@@ -200,24 +200,26 @@ class ReusingSpec(AttentionSpec):  # its count of an iteration that reuses the K
 '''
 
 
-def test_build_checks_the_flops_of_an_iteration_that_reuses_the_kv(tmp_path):
-    """Cost asks for it in a loop with a shared K,V, and failed there with a traceback."""
-    env = install_plugin(tmp_path, "reusing = reusing:ReusingSpec")
-    (tmp_path / "reusing.py").write_text(REUSING)
+def in_a_shared_loop(tmp_path, name, source, spec_class):
+    """The plugin block ``name`` installed, and a Universal Transformer of it whose loop shares one K,V."""
+    env = install_plugin(tmp_path, f"{name} = {name}:{spec_class}")
+    (tmp_path / f"{name}.py").write_text(source)
     spec = tmp_path / "s.yaml"
     spec.write_text(f"extends: {ROOT / 'specs/tiny/universal-transformer.yaml'}\nname: u\n"
-                    "layout: {layers: {blocks: [{type: reusing, n_heads: 4}]}}\nloop: {kv_cache: shared}\n")
+                    f"layout: {{layers: {{blocks: [{{type: {name}, n_heads: 4}}]}}}}\nloop: {{kv_cache: shared}}\n")
+    return env, spec
+
+
+def test_build_checks_the_flops_of_an_iteration_that_reuses_the_kv(tmp_path):
+    """Cost asks for it in a loop with a shared K,V, and failed there with a traceback."""
+    env, spec = in_a_shared_loop(tmp_path, "reusing", REUSING, "ReusingSpec")
     result = archlab("build", spec, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "error: u: reusing: flops() must return a Flops (a Counter) of kinds" in result.stderr and "got 0" in result.stderr
 
 
 def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):
-    env = install_plugin(tmp_path, "unshared = unshared:UnsharedSpec")
-    (tmp_path / "unshared.py").write_text(UNSHARED)
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/universal-transformer.yaml'}\nname: u\n"
-                    "layout: {layers: {blocks: [{type: unshared, n_heads: 4}]}}\nloop: {kv_cache: shared}\n")
+    env, spec = in_a_shared_loop(tmp_path, "unshared", UNSHARED, "UnsharedSpec")
     result = archlab("validate", spec, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert "loop.kv_cache: 'shared' is not possible: unshared cannot share a K,V cache across iterations" in result.stderr

@@ -25,6 +25,17 @@ from archlab.registry import RegistryError
 State = dict[str, torch.Tensor]
 
 
+def _row_first(state: State, rows: int, block: str) -> State:
+    """A block's state as the cache keeps it, checked once when the cache is made: a dict of
+    tensors with a row per sequence and stream first, which the cache takes and puts back by row."""
+    if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) and t.shape[:1] == (rows,) for t in state.values())):
+        got = ({name: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in state.items()}
+               if isinstance(state, dict) else type(state).__name__)
+        raise RegistryError(f"block {block!r}: new_state({rows}, ...) must give a dict of tensors ({{}} for none) with a first"
+                            f" dimension of {rows}, a row per sequence and stream; got {got}")
+    return state
+
+
 @dataclass
 class CacheBytes:
     """Bytes held per sequence: ``global`` grows with the context, ``local`` does not."""
@@ -59,19 +70,12 @@ class Cache:
                 return model.global_kv.new_pool(pages, page_size, dtype)
 
         def initial(key: tuple[int, int, int], rows: int) -> State:
-            """A layer's state as ``new_state`` makes it (again in ``start_over``): tensors with a
-            row per sequence and stream first, which the cache takes and puts back by row."""
+            """A layer's state as ``new_state`` makes it (again in ``start_over``)."""
             with torch.device(device):
-                state = model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
-            if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) and t.shape[:1] == (rows,) for t in state.values())):
-                got = ({name: tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in state.items()}
-                       if isinstance(state, dict) else type(state).__name__)
-                raise RegistryError(f"block {model.spec.block_at(key[2]).type!r}: new_state({rows}, ...) must give a dict of tensors"
-                                    f" ({{}} for none) with a first dimension of {rows}, a row per sequence and stream; got {got}")
-            return state
+                return model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
 
         self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
-        states = {key: initial(key, rows) for key in model.plan.state_keys()}
+        states = {key: _row_first(initial(key, rows), rows, model.spec.block_at(key[2]).type) for key in model.plan.state_keys()}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
         self._initial = initial

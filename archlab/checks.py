@@ -1,13 +1,13 @@
 """What ``archlab build`` checks of a model small enough for the CPU: a finite forward and
 backward pass, the analytic costs against the built model and its cache, and decoding a batch
-of prompts of different lengths token by token against full forward passes. The test suite checks the built-in blocks this way; these give
-the author of a plugin block the same checks for theirs."""
+of prompts of different lengths token by token against full forward passes. The test suite
+checks the built-in blocks this way; these give the author of a plugin block the same checks
+for theirs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 from numbers import Real
 
 import torch

@@ -18,7 +18,7 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
 from archlab.ops.common import decay_parameters, float32_or_wider, linear_recurrence
 from archlab.ops.conv import short_conv
-from archlab.ops.dispatch import Kernels
+from archlab.ops.dispatch import Kernels, check_chunk_size
 
 
 class GatedDeltaNetSpec(BlockSpec):
@@ -39,6 +39,7 @@ class GatedDeltaNetSpec(BlockSpec):
         head_dim = self.dims(ctx.d_model)[0]
         if (head_dim * self.expand_v) % 1:
             problems.at("expand_v").add(f"expand_v * head_dim = {head_dim * self.expand_v} must be a whole number")
+        check_chunk_size(problems, "chunk_gated_delta_rule", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return GatedDeltaNet(ctx, self)

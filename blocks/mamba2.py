@@ -17,7 +17,7 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, round_up
 from archlab.ops.common import decay_parameters, float32_or_wider
 from archlab.ops.conv import short_conv
-from archlab.ops.dispatch import Kernels
+from archlab.ops.dispatch import Kernels, check_chunk_size
 
 
 class Mamba2Spec(BlockSpec):
@@ -41,6 +41,7 @@ class Mamba2Spec(BlockSpec):
             problems.at("head_dim").add(f"head_dim={self.head_dim} must divide expand * d_model = {inner}")
         elif heads % self.n_groups:
             problems.at("n_groups").add(f"n_groups={self.n_groups} must divide the {heads} heads")
+        check_chunk_size(problems, "mamba_chunk_scan_combined", self.chunk_size, self.backend, fla_backends=("fla",))  # auto: mamba-ssm only
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return Mamba2(ctx, self)

@@ -16,7 +16,7 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
 from archlab.ops.common import float32_or_wider, linear_recurrence
-from archlab.ops.dispatch import Kernels
+from archlab.ops.dispatch import Kernels, check_chunk_size
 from archlab.rope import Rotary
 
 
@@ -37,6 +37,7 @@ class RetentionSpec(BlockSpec):
         check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
         if ctx.rope_theta is not None and self.dims(ctx.d_model)[0] % 2:
             problems.at("head_dim").add("RoPE needs an even head_dim")
+        check_chunk_size(problems, "chunk_simple_gla" if self.gated else "chunk_retention", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return Retention(ctx, self)

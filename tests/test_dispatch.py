@@ -1,6 +1,7 @@
 """Kernel dispatch, tested where the kernels cannot run: choices, fallbacks and messages."""
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,68 @@ def test_a_backend_a_block_does_not_have_is_a_spec_error(tmp_path):
     (tmp_path / "s.yaml").write_text(f"extends: {ROOT / 'specs/tiny/yoco-u-gdn.yaml'}\n" + text.split("\n", 1)[1])
     with pytest.raises(archlab.SpecError, match="backend.*'auto', 'torch' or 'fla'"):
         archlab.load_spec(tmp_path / "s.yaml")
+
+
+def _chunk_spec(tmp_path, block: str) -> Path:
+    """A tiny YOCO-U spec whose self-decoder is ``block`` (YAML flow mapping)."""
+    (tmp_path / "s.yaml").write_text(f"extends: {ROOT / 'specs/tiny/yoco-u.yaml'}\nlayout: {{self_decoder: {{blocks: [{block}]}}}}\n")
+    return tmp_path / "s.yaml"
+
+
+@pytest.mark.parametrize(("block", "op"), [("gdn, n_heads: 4", "chunk_gated_delta_rule"), ("retnet, n_heads: 4", "chunk_retention"),
+                                           ("retnet, n_heads: 4, gated: true", "chunk_simple_gla")])
+def test_a_chunk_size_fla_refuses_is_a_spec_error_where_fla_may_run(tmp_path, block, op):
+    """fla's own entry check says which sizes its kernel runs (on the CPU it gets as far as
+    launching, which fails for want of a GPU): the spec refuses exactly the others, for auto and fla."""
+    fla_op = kernel("fla", op)
+    q, g = torch.randn(1, 8, 2, 4), -torch.rand(1, 8, 2)
+    gates = {"chunk_gated_delta_rule": dict(g=g, beta=torch.rand(1, 8, 2)), "chunk_simple_gla": dict(g=g)}.get(op, {})
+    for size in (1, 3, 8, 16, 24, 32, 48, 64, 96, 128, 256, 384):
+        try:
+            fla_op(q, q, q, **gates, chunk_size=size)
+        except ValueError as exc:
+            assert "chunk_size" in str(exc)
+            refused = True
+        except RuntimeError:  # accepted, then no GPU to launch on
+            refused = False
+        for backend in ("auto", "fla", "torch"):
+            path = _chunk_spec(tmp_path, f"{{type: {block}, chunk_size: {size}, backend: {backend}}}")
+            if refused and backend != "torch":
+                with pytest.raises(archlab.SpecError, match=rf"chunk_size: fla's {op} runs chunk sizes of .*, not {size}.*backend: torch"):
+                    archlab.load_spec(path)
+            else:
+                archlab.load_spec(path)
+
+
+def test_mamba2_refuses_a_chunk_size_fla_refuses_only_when_fla_is_named(tmp_path):
+    block = "{type: mamba2, d_state: 16, head_dim: 16, chunk_size: 48, backend: %s}"
+    for backend in ("auto", "torch", "mamba_ssm"):  # auto takes mamba-ssm only, which runs any size
+        archlab.load_spec(_chunk_spec(tmp_path, block % backend))
+    with pytest.raises(archlab.SpecError, match="fla's mamba_chunk_scan_combined runs chunk sizes of a power of 2, not 48"):
+        archlab.load_spec(_chunk_spec(tmp_path, block % "fla"))
+
+
+def test_flash_attn_leaves_dtypes_it_cannot_run_to_the_pytorch_op():
+    """flash-attn refuses all but fp16 and bf16 ("FlashAttention only support fp16 and bf16 data
+    type"): a float32 model (or fp32 training) on auto or flash_attn attends through SDPA instead."""
+    called = []
+
+    def flash_attn_func(q, k, v, causal, window_size):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+        called.append(q.dtype)
+        return q
+
+    attend = dispatch._causal_from_flash_attn(flash_attn_func)
+    q, k, v = torch.randn(2, 9, 4, 8), torch.randn(2, 9, 2, 8), torch.randn(2, 9, 2, 8)
+    positions = torch.arange(9).expand(2, 9)
+    dispatch._dtype_notice.cache_clear()
+    with pytest.warns(UserWarning, match=r"flash_attn runs fp16 and bf16 only; attention in torch.float32 runs on the PyTorch"):
+        out = attend(q, k, v, positions, 4)
+    assert called == []
+    torch.testing.assert_close(out, kernel("torch", "causal_attention")(q, k, v, positions, 4), rtol=0, atol=0)
+    attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), positions, 4)
+    assert called == [torch.bfloat16]
 
 
 def test_the_cli_names_a_missing_kernel_package(tmp_path, packages):

@@ -15,8 +15,14 @@ import importlib.util
 import warnings
 from collections.abc import Callable, Mapping
 from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
 
 from archlab.ops.ssd import chunk_scan_from_gla, state_update_from_gla
+
+if TYPE_CHECKING:
+    from archlab.block import Problems
 
 # backend -> (module to import, pip package)
 PACKAGES = {"fla": ("fla", "flash-linear-attention"), "mamba_ssm": ("mamba_ssm", "mamba-ssm"), "flash_attn": ("flash_attn", "flash-attn")}
@@ -141,9 +147,13 @@ def _functional_state_update(in_place):
 
 
 def _causal_from_flash_attn(flash_attn_func):
-    """flash-attn's window is the keys left and right of the query: W - 1 and 0."""
+    """flash-attn's window is the keys left and right of the query: W - 1 and 0. It runs fp16 and
+    bf16 only, so other dtypes (a float32 model, training with precision fp32) take the PyTorch op."""
 
     def causal_attention(q, k, v, positions, window):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            _dtype_notice("flash_attn", q.dtype)
+            return kernel("torch", "causal_attention")(q, k, v, positions, window)
         return flash_attn_func(q, k, v, causal=True, window_size=(window - 1, 0) if window else (-1, -1))
 
     return causal_attention
@@ -169,6 +179,25 @@ ADAPTERS = {
 }
 
 
+# fla's chunk kernels run some chunk sizes only, and refuse others at their first call (0.6.0):
+# op -> (the sizes, in words; whether a size is one of them)
+FLA_CHUNK_SIZES = {
+    "chunk_gated_delta_rule": ("16, 32 or 64", lambda size: size in (16, 32, 64)),
+    **dict.fromkeys(("chunk_simple_gla", "chunk_retention", "mamba_chunk_scan_combined"),
+                    ("a power of 2", lambda size: size & (size - 1) == 0)),
+}
+
+
+def check_chunk_size(problems: Problems, op: str, chunk_size: int, backend: str, fla_backends: tuple[str, ...] = ("auto", "fla")) -> None:
+    """A chunk size fla's kernel refuses is a spec problem wherever a block's backend may pick fla
+    (on a CUDA machine), so that a spec fails when it is read, not at its first step on a GPU."""
+    sizes, runs = FLA_CHUNK_SIZES[op]
+    if backend in fla_backends and not runs(chunk_size):
+        taken = " (backend auto takes fla on a CUDA machine where it is installed)" if backend == "auto" else ""
+        problems.at("chunk_size").add(f"fla's {op} runs chunk sizes of {sizes}, not {chunk_size}{taken};"
+                                      " choose such a size, or set backend: torch")
+
+
 # fla ops whose backward runs fla's gated chunk_bwd_dqkwg (a per-token decay g)
 FLA_GATED_BACKWARD = {"chunk_gated_delta_rule", "chunk_simple_gla", "mamba_chunk_scan_combined"}
 
@@ -189,6 +218,11 @@ def known_bug(backend: str, op: str) -> str | None:
         return ("fla's gated chunk backward is wrong with Triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla #640);"
                 " upgrade Triton to >= 3.7.1 or install tilelang")
     return None
+
+
+@cache
+def _dtype_notice(backend: str, dtype) -> None:
+    warnings.warn(f"{backend} runs fp16 and bf16 only; attention in {dtype} runs on the PyTorch implementation", stacklevel=3)
 
 
 @cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import sys
 import time
 import warnings
@@ -213,6 +214,30 @@ def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callab
         after = f"; {kept()}" if kept else ""
         err.print(f"[bold red]error[/]: {what}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
         raise typer.Exit(1) from None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as Ctrl-C."""
+
+
+@contextmanager
+def _stopped_by_sigterm():
+    """SIGTERM (from timeout, docker stop, a scheduler, or torchrun stopping its other workers) stops
+    long work as Ctrl-C does, saying what was kept, where it would end the process without a word."""
+
+    def interrupt(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupted_code(exc: KeyboardInterrupt) -> int:
+    """The shell's status for a process ended by the signal: 128 + SIGTERM, or + SIGINT."""
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -506,7 +531,7 @@ def train(
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
     from archlab.train.data import DataError
-    from archlab.train.trainer import Trainer, TrainError
+    from archlab.train.trainer import Relayed, Trainer, TrainError
 
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
@@ -536,17 +561,19 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)):
+                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _stopped_by_sigterm():
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None
+    except Relayed:  # the first process said it
+        raise typer.Exit(1) from None
     except (DataError, CheckpointError, TrainError) as exc:
         err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
-        raise typer.Exit(130) from None
+        raise typer.Exit(_interrupted_code(exc)) from None
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False)
 
 
@@ -624,11 +651,12 @@ def study_run(
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         try:
-            optuna_study = work(loaded, where, storage, err, grace_period)
-        except KeyboardInterrupt:
+            with _stopped_by_sigterm():
+                optuna_study = work(loaded, where, storage, err, grace_period)
+        except KeyboardInterrupt as exc:
             err.print("interrupted; finished trials are kept, and the trial this worker was training is run again by the next"
                       f" `study run` once it has sent no heartbeat for --grace-period ({grace_period} s)", highlight=False)
-            raise typer.Exit(130) from None
+            raise typer.Exit(_interrupted_code(exc)) from None
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(where, storage)))
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())

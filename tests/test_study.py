@@ -328,7 +328,8 @@ def test_a_metric_that_is_not_a_number_fails_the_trial_with_that_reason(tmp_path
     assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
     trial = optuna_study.get_trials()[0]
     assert trial.state.name == "FAIL" and not trial.intermediate_values  # stopped at its first evaluation
-    assert [row["why"] for row in failures(study, optuna_study.get_trials())] == ["TrainError: eval_loss became nan at step 2"]
+    why = "TrainError: evaluation loss became nan after step 2; training stopped before logging or saving it, no checkpoint had been written"
+    assert [row["why"] for row in failures(study, optuna_study.get_trials())] == [why]
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options

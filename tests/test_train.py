@@ -759,3 +759,106 @@ def test_a_checkpoints_files_share_one_mode(tmp_path):
 
     saved = checkpoint.save(tmp_path, 1, torch.nn.Linear(2, 2), {"optimizer": {}}, {}, keep=1)
     assert len({(saved / name).stat().st_mode for name in ("model.safetensors", "trainer.pt", "state.json")}) == 1
+
+
+MQAR = ["--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "log_interval=1"]
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_and_keeps_the_last(tmp_path):
+    """A file-size limit stands in for a full disk (CPython ignores SIGXFSZ, so a write past it
+    fails): torch.save reports the short write as a RuntimeError, which was a traceback."""
+    import resource
+
+    run = tmp_path / "run"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3").returncode == 0
+    limit = (run / "checkpoints/step-00000003/model.safetensors").stat().st_size + 100_000  # the weights fit, the optimizer's state not
+    full = subprocess.run([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", str(run), "--resume", "--steps", "6"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "500"},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    clean_failure(full, "the checkpoint of step 6 could not be written in", "is the disk full?",
+                  f"Training stopped after step 6; the last one saved, {run / 'checkpoints/step-00000003'}, is intact")
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000003"]  # and no half-written folder
+    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    assert resumed.returncode == 0, resumed.stderr
+
+
+def test_an_evaluation_that_is_not_finite_stops_before_it_is_logged_or_saved(tmp_path):
+    """The update of step 1 overflows the weights: its own loss was finite, its evaluation is not.
+    Logged, it wrote a bare NaN into metrics.jsonl; saved, a later error called it "good"."""
+    run = tmp_path / "run"
+    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "schedule.warmup_steps=0",
+                     "--set", "optimizer.lr=1e39", "--set", "eval_interval=1", "--set", "eval_batches=1", "--set", "checkpoint_interval=1",
+                     "--steps", "5")
+    clean_failure(result, "evaluation loss became nan after step 1; training stopped before logging or saving it, no checkpoint had been written")
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", run, *MQAR,
+                             "--set", "checkpoint_interval=2", "--steps", "100000"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not list(run.glob("checkpoints/step-*")) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted; the checkpoints already written are intact (continue with --resume)" in stderr and "Traceback" not in stderr
+
+
+def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(tmp_path):
+    """The first process prepares the data while the others wait; its error left them a traceback
+    from the broken connection, and they named no checkpoint in a divergence message."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "archlab", "train",
+                "specs/tiny/transformer.yaml"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "500"}
+    missing = subprocess.run([*torchrun, "--out", str(tmp_path / "a"), *SMALL, "--data", str(tmp_path / "nowhere"), "--steps", "2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert missing.returncode != 0
+    assert missing.stderr.count(f"error: data source '{tmp_path / 'nowhere'}': no such file or folder") == 1, missing.stderr
+    assert "[rank1]" not in missing.stderr, missing.stderr
+    diverged = subprocess.run([*torchrun, "--out", str(tmp_path / "b"), *MQAR, "--set", "checkpoint_interval=1", "--set", "grad_clip=0",
+                               "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e6", "--steps", "10"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    said = [line for line in diverged.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 2 and said[0] == said[1] and "checkpoints/step-" in said[0], diverged.stderr  # each process, the same
+
+
+def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tmp_path):
+    """A token file cut short, or a text corpus tokenized again from a changed source, was trained
+    on without a word. Tokenized again from the same source, with the run's tokenizer, it is the same."""
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 200_000).astype(np.uint16).tofile(tokens)
+    run = tmp_path / "on-tokens"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", tokens, "--steps", "2",
+                   "--set", "checkpoint_interval=2").returncode == 0
+    tokens.write_bytes(tokens.read_bytes()[:30_000])
+    refused_untouched(cli, run, f"{str(tokens)!r} is not the data the run trained on: its checkpoint records 190000+10000 tokens,",
+                      "the data now gives 14250+750 tokens", "put the run's data back to resume")
+
+    text = tmp_path / "text"
+    text.mkdir()
+    shutil.copy(ROOT / "archlab/cli.py", text)
+    run = tmp_path / "on-text"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", text, "--steps", "2",
+                   "--set", "checkpoint_interval=2").returncode == 0
+    tokenizer = (run / "tokenizer.json").read_bytes()
+    shutil.rmtree(run / "data")
+    with open(text / "cli.py", "a") as f:
+        f.write("# one more line\n")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3"),
+            f"{str(text)!r} is not the data the run trained on", f"put the run's data back (and remove {run / 'data'}, tokenized")
+    assert (run / "tokenizer.json").read_bytes() == tokenizer  # tokenized again with the run's own
+    shutil.copy(ROOT / "archlab/cli.py", text)
+    shutil.rmtree(run / "data")
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
+    assert code == 0, stderr
+
+
+def test_a_run_without_its_config_still_generates_with_its_tokenizer(trained_on_text, tmp_path):
+    from archlab.train.checkpoint import load_trained
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    (run / "config.yaml").unlink()
+    assert load_trained(run)[3] == run / "tokenizer.json"

@@ -15,7 +15,6 @@ nothing is waiting or running.
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import re
 import socket
@@ -38,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from archlab.spec import describe_differences
 from archlab.study.definition import Study
 from archlab.train.data import prepare
-from archlab.train.trainer import TrainError, Trainer
+from archlab.train.trainer import Trainer
 
 
 def heartbeat_interval(grace_period: int) -> int:
@@ -306,9 +305,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
     trial.set_user_attr("setup", setup)  # what it trained as (check_unchanged)
     metric = definition.record_key
 
-    def on_eval(step: int, record: dict) -> None:
-        if not math.isfinite(record[metric]):  # Optuna would fail the trial without saying why
-            raise TrainError(f"{metric} became {record[metric]} at step {step}")
+    def on_eval(step: int, record: dict) -> None:  # a metric that is not a number stops the trainer, with why
         trial.report(record[metric], step)
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at step {step}")

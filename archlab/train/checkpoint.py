@@ -42,19 +42,30 @@ def step_of(path: Path) -> int:
     return int(NAME.fullmatch(path.name)[1])
 
 
+def folder(run_dir: Path, step: int) -> Path:
+    """Where ``save`` puts the checkpoint of ``step``."""
+    return run_dir / "checkpoints" / f"step-{step:08d}"
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, info: dict, keep: int) -> Path:
-    root = run_dir / "checkpoints"
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(trainer_state, tmp / "trainer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **info}, indent=2))
-    shutil.copymode(tmp / "state.json", tmp / "model.safetensors")  # safetensors writes 0600; the rest follow the umask
-    for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
+    """Write the checkpoint of ``step``; one that cannot be written (a full disk) is a
+    CheckpointError, and the checkpoints before it stay as they were."""
+    final = folder(run_dir, step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(trainer_state, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **info}, indent=2))
+        shutil.copymode(tmp / "state.json", tmp / "model.safetensors")  # safetensors writes 0600; the rest follow the umask
+        for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save reports a short write as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
+                              f" {str(exc).strip()[:200]}); is the disk full?") from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -148,8 +159,8 @@ def _tokenizer(run_dir: Path) -> Path | None:
     from archlab.train.config import load_config, tokenized
 
     file = run_dir / "config.yaml"
-    if not file.is_file():
-        return None
+    if not file.is_file():  # a run without its config: its own tokenizer, if it has one
+        return run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").is_file() else None
     data = load_config(str(file)).data
     tokenizer = Path(data.cache or run_dir) / "tokenizer.json"
     if tokenizer.is_file():

@@ -7,6 +7,8 @@ distributed run each take their slice of the same global batch.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import sysconfig
 from dataclasses import dataclass
@@ -59,6 +61,18 @@ class TokenSource:
                 )
         self.splits, self.seq_len, self.seed, self.describe = {"train": train, "val": val}, seq_len, seed, describe
 
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The splits' lengths and a hash of 64 evenly spaced pieces of each: what a checkpoint
+        records and a resume compares, so that a corpus cut short or replaced is not trained on in
+        silence (hashing every token would take minutes at every start of a large run)."""
+        digest = hashlib.blake2b(digest_size=16)
+        for tokens in self.splits.values():
+            piece = max(1, min(1024, len(tokens) // 64))
+            for start in np.linspace(0, len(tokens) - piece, 64, dtype=np.int64):
+                digest.update(np.ascontiguousarray(tokens[start : start + piece], dtype=np.uint32).tobytes())
+        return f"{len(self.splits['train'])}+{len(self.splits['val'])} tokens, {digest.hexdigest()}"
+
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         tokens = self.splits[split]
         rng = _global_batch_rng(self.seed, split, step, batch, world)
@@ -86,6 +100,7 @@ class RecallTask:
             raise DataError(f"synthetic task {kind!r} needs seq_len >= 16, got {seq_len}")
         self.kind, self.vocab, self.seq_len, self.seed = kind, vocab_size, seq_len, seed
         self.describe = f"the synthetic {kind} task"
+        self.fingerprint = None  # drawn from the config alone, which a resume keeps
 
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         rng = _global_batch_rng(self.seed, split, step, batch, world)
@@ -298,10 +313,12 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
 DataSource = TokenSource | RecallTask  # what a trainer draws batches from
 
 
-def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False) -> DataSource:
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False, resume: bool = False) -> DataSource:
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
-    the same tokens. A corpus there made from other data is replaced if ``replace``, else refused."""
+    the same tokens (where they are gone, it tokenizes again with the run's tokenizer, and the
+    trainer compares the tokens with its checkpoint's). A corpus there made from other data is
+    replaced if ``replace``, else refused."""
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
@@ -313,7 +330,11 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     _drop_other_corpus(cfg, vocab_size, data_dir, replace)
     if not (cache / "train.npy").is_file():
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
-        tokenizer = load_tokenizer(cfg.tokenizer, vocab_size) if cfg.tokenizer else train_tokenizer(texts, vocab_size)
+        own = data_dir / "tokenizer.json"
+        if cfg.tokenizer or (resume and own.is_file()):  # a resume keeps the tokenizer its run generates with
+            tokenizer = load_tokenizer(cfg.tokenizer or str(own), vocab_size)
+        else:
+            tokenizer = train_tokenizer(texts, vocab_size)
         ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts)])
         if len(ids) == 0:
             raise DataError(f"data source {cfg.source!r} tokenized to nothing")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -35,12 +36,19 @@ from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, changes, loa
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 
 
+T = TypeVar("T")
+
 # what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
 START_FILES = {checkpoint.RUN_SPEC, "config.yaml", "tokenizer.json", "data", "checkpoints"}
 
 
 class TrainError(Exception):
     """Training cannot go on; the message says why and what was kept."""
+
+
+class Relayed(TrainError):
+    """What stopped the first process, raised on the others (under torchrun), which the first one
+    has already said."""
 
 
 @dataclass
@@ -71,6 +79,31 @@ class World:
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group, as torch.distributed asks before a process exits: left to the
+        exit, a rank once aborted in gloo's teardown ("terminate called without an active exception")."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def from_main(self, work: Callable[[], T]) -> T | None:
+        """``work``'s result on the first process, which alone writes the run directory, while the
+        others wait (None on them). Its failure stops every process (the others with ``Relayed``),
+        where they would otherwise wait at the next collective for one that has gone."""
+        result, failure = None, None
+        if self.main:
+            try:
+                result = work()
+            except Exception as exc:  # raised again below, once the others know
+                failure = exc
+        if self.size > 1:
+            said = [None if failure is None else str(failure)]
+            dist.broadcast_object_list(said, src=0)
+            if said[0] is not None and not self.main:
+                raise Relayed(said[0])
+        if failure is not None:
+            raise failure
+        return result
 
 
 def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
@@ -156,6 +189,7 @@ class Trainer:
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
         self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_resume)
+        self.resumed_corpus: str | None = None  # the fingerprint of the tokens it trained on (_resume)
 
     def _refuse_untrainable_kernels(self) -> None:
         """Choose every block's kernels now, so that one which cannot train here fails before the run
@@ -179,11 +213,13 @@ class Trainer:
                              " over, or choose a new --out")
         self._refuse_foreign_files()
         self.world.barrier()  # every process has looked before the first one writes
-        if self.world.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
-            self._write_config(steps)
+        self.world.from_main(lambda: self._write_start(steps))
         return 0
+
+    def _write_start(self, steps: int) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
+        self._write_config(steps)
 
     def _resume(self, steps: int) -> int:
         """Load the latest checkpoint's weights, optimizer and RNG state; the step to go on from.
@@ -201,6 +237,7 @@ class Trainer:
             raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
                              f" it computes them{moe}; a resume may --set {', '.join(resumable)}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
+        self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
             torch.set_rng_state(trainer_state["rng"])
@@ -229,10 +266,10 @@ class Trainer:
                              f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
 
     def _continue_record(self, step: int, steps: int) -> None:
-        """Resuming at ``step``: drop what metrics.jsonl logged after it, and record what the resume changed.
-        Read before anything is written: a damaged line stops the resume with the file as it was."""
+        """Resuming at ``step`` (on the first process): drop what metrics.jsonl logged after it, and record
+        what the resume changed. Read before anything is written: a damaged line stops the resume with the file as it was."""
         metrics = self.run_dir / "metrics.jsonl"
-        if self.world.main and metrics.exists():
+        if metrics.exists():
             text = metrics.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
             lines, kept = text.splitlines(), []
             for number, line in enumerate(lines, 1):
@@ -253,8 +290,6 @@ class Trainer:
     def _adopt_config(self, step: int, steps: int) -> None:
         """Resuming with a new total or ``--set`` values: say what changes, with the learning rate of
         the next step (the schedule is a function of the step and the total), and record them."""
-        if not self.world.main:  # the first process alone writes the run directory's files
-            return
         planned, now = self.recorded, self.cfg.model_copy(update={"steps": steps})
         changed = changes(planned, now)
         if not changed:
@@ -281,13 +316,30 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def _save(self, step: int) -> Path | None:
-        path = None
-        if self.world.main:
-            state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
-            path = checkpoint.save(self.run_dir, step, self.model, state, {"tokens": step * self.tokens_per_step}, self.cfg.keep_checkpoints)
-        self.world.barrier()
-        return path
+    def _save(self, step: int, data: DataSource) -> Path:
+        """The checkpoint of ``step``, with the fingerprint of the tokens it trained on; its folder, on every process."""
+        state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+        info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint}
+        self.world.from_main(lambda: checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints))
+        return checkpoint.folder(self.run_dir, step)
+
+    def _prepare(self, resume: bool) -> DataSource:
+        """The run's data, tokenized by the first process, then read by the others; a resume's must
+        be what its checkpoint trained on."""
+        data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
+        args = (self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
+
+        def first():
+            data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume)  # a fresh start may replace a failed attempt's corpus
+            if self.resumed_corpus not in (None, data.fingerprint):
+                tokenized = data_dir / "data"
+                again = f" (and remove {tokenized}, tokenized from it, to tokenize it again)" if tokenized.is_dir() else ""
+                raise TrainError(f"{data.describe} is not the data the run trained on: its checkpoint records"
+                                 f" {self.resumed_corpus}, the data now gives {data.fingerprint}; put the run's data back{again} to resume")
+            return data
+
+        data = self.world.from_main(first)
+        return data if self.world.main else prepare(*args)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -315,8 +367,11 @@ class Trainer:
         evaluation (a study reports it to its pruner, which may stop the run by raising);
         ``on_step(step, record)`` every training step as it ends, before any evaluation or
         checkpoint (a profiler's step marker, say)."""
-        with self._sole_writer():
-            return self._fit(steps, resume, on_eval, on_step)
+        try:
+            with self._sole_writer():
+                return self._fit(steps, resume, on_eval, on_step)
+        finally:
+            self.world.close()
 
     @contextmanager
     def _sole_writer(self):
@@ -345,15 +400,9 @@ class Trainer:
         if self.cfg.schedule.warmup_steps >= steps:
             self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
                       " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")
-        data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
-        own_fresh_start = not (resume or self.cfg.data.cache)  # may replace the corpus of a failed attempt
-        if self.world.main:
-            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir, own_fresh_start)
-        self.world.barrier()
-        if not self.world.main:
-            data = prepare(self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
+        data = self._prepare(resume)
         if resume:
-            self._continue_record(start, steps)
+            self.world.from_main(lambda: self._continue_record(start, steps))
         model = self.model
         if self.world.size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -382,6 +431,9 @@ class Trainer:
                     on_step(done, record)
                 if done % self.cfg.eval_interval == 0 or done == steps:
                     record.update(self.evaluate(data))
+                    if not math.isfinite(record["eval_loss"]):  # the step's update made the weights unusable
+                        raise TrainError(f"evaluation loss became {record['eval_loss']} after step {done}; training stopped"
+                                         f" before logging or saving it, {_kept(last_saved)}")
                 if done % self.cfg.log_interval == 0 or "eval_loss" in record:
                     self._log(record)
                     records.append(record)
@@ -394,7 +446,11 @@ class Trainer:
                     if broken := checkpoint.non_finite(self.model):  # a step past float range: finite loss, unusable weights
                         raise TrainError(f"weights became non-finite by step {done} ({', '.join(broken[:3])}); training stopped"
                                          f" before saving them, {_kept(last_saved)}")
-                    last_saved = self._save(done) or last_saved
+                    try:
+                        last_saved = self._save(done, data)
+                    except checkpoint.CheckpointError as exc:
+                        kept = f"the last one saved, {last_saved}, is intact" if last_saved else "no checkpoint had been written"
+                        raise TrainError(f"{exc} Training stopped after step {done}; {kept}") from None
                 progress.update(task, completed=done, status=status_line(record))
         return records
 

@@ -350,13 +350,18 @@ def generate(
     sys.stdout.write(prompt)
     start, new = time.perf_counter(), []
     shown = ""
-    for tokens, _, _ in engine.stream([ids], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop token
-        new.append(int(tokens[0]))
-        text = codec.decode(new)
-        if not text.endswith("\ufffd"):  # hold back a partly decoded character
-            sys.stdout.write(text[len(shown) :])
-            sys.stdout.flush()
-            shown = text
+    try:
+        for tokens, _, _ in engine.stream([ids], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop token
+            new.append(int(tokens[0]))
+            text = codec.decode(new)
+            if not text.endswith("\ufffd"):  # hold back a partly decoded character
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+    except FloatingPointError as exc:  # weights that give NaN
+        sys.stdout.write("\n")
+        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(1) from None
     sys.stdout.write(codec.decode(new)[len(shown) :] + "\n")
     size = cache.bytes_per_sequence()
     err.print(
@@ -432,10 +437,14 @@ def bench(
             model = _built(spec, device, _dtype(spec, dtype)).eval()
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
-                with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
-                                     "--seq-len, --batch or --gen", page_size):
-                    rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
-                                        page_size=page_size, page_kernel=page_kernel.value))
+                try:
+                    with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
+                                         "--seq-len, --batch or --gen", page_size):
+                        rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                                            page_size=page_size, page_kernel=page_kernel.value))
+                except (ValueError, FloatingPointError) as exc:  # the engine's refusals (a model a CUDA graph cannot capture)
+                    err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+                    raise typer.Exit(1) from None
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:

@@ -10,6 +10,8 @@ each row at its own position.
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +23,16 @@ from archlab.kv import PAGE_KERNELS, CacheFull, pages_for
 from archlab.model import Model
 
 
+def _whole(value) -> bool:
+    """An int (Python's or numpy's), not a bool nor a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How the next token is chosen. ``temperature == 0`` is greedy."""
+    """How the next token is chosen. ``temperature == 0`` (or ``top_k == 1``) is greedy. A seed
+    seeds one generator for the whole batch, so a prompt's sampled tokens depend on the other
+    prompts beside it and on its row."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -32,27 +41,40 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # nan too
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if not 0 <= self.temperature < math.inf:  # nan too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k is not None and not (_whole(self.top_k) and self.top_k >= 1):
+            raise ValueError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not _whole(self.seed):
+            raise ValueError(f"seed must be a whole number, got {self.seed!r}")
+        if not isinstance(self.stop_tokens, Sequence) or not all(map(_whole, self.stop_tokens)):
+            raise ValueError(f"stop_tokens must be a sequence of token ids, got {self.stop_tokens!r}")
+        object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        """Next tokens [B] from logits [B, V]."""
-        if self.temperature == 0:
+        """Next tokens [B] from logits [B, V]. Non-finite logits raise nothing here: the engine
+        names them, at the host read it makes anyway."""
+        if self.temperature == 0 or self.top_k == 1:
             return logits.argmax(dim=-1)
-        logits = logits.float() / self.temperature
-        if self.top_k is not None:
-            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        # Less each row's max first, and at most 1 / float32's smallest normal (its division may be
+        # a multiplication by the reciprocal): the rest then go to -inf at worst, never the max to
+        # inf or nan, however small the temperature.
+        logits = logits.float()
+        logits = (logits - logits.amax(dim=-1, keepdim=True)) / max(self.temperature, torch.finfo(torch.float32).tiny)
+        if self.top_k is not None:  # by rank: the tokens tied with the k-th are not all kept
+            kept = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, kept.indices, kept.values)
         if self.top_p is not None:
             ordered, order = logits.sort(dim=-1, descending=True)
             probs = ordered.softmax(dim=-1)
             drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p  # the mass before it already reaches p
             logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+        # torch.multinomial's draw for one sample (argmax of p / q, q ~ Exp(1)), the same tokens
+        # from the same generator, without its host read to check p or its error on a nan
+        probs = logits.softmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)
 
 
 @dataclass
@@ -121,6 +143,11 @@ class Engine:
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         model.choose_kernels()  # a kernel that cannot run here fails now, not mid-generation
+        if cuda_graph:  # a module a graph cannot capture says why as ``not_capturable`` (MoE: experts picked on the host)
+            why = sorted({f"{type(m).__name__} {m.not_capturable}" for m in model.modules() if getattr(m, "not_capturable", None)})
+            if why:
+                raise ValueError(f"cuda_graph: {model.spec.name} cannot decode from a CUDA graph: its {'; its '.join(why)}; "
+                                 "decode without cuda_graph")
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device; this one is on {self.device}")
         self.cuda_graph = cuda_graph
@@ -176,13 +203,23 @@ class Engine:
                                  + (" (one prompt goes in a list: [ids])" if ids.ndim == 0 else ""))
             if not len(ids):
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            if ids.is_floating_point() or ids.is_complex():
+            if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
                 raise ValueError(f"prompt {i} must hold integer token ids, got {ids.dtype}")
-            if ids.min() < 0 or ids.max() >= vocab:
-                raise ValueError(f"prompt {i} holds token id {int(ids.max() if ids.max() >= vocab else ids.min())}, "
+            ids = ids.long()
+            low, high = int(ids.min()), int(ids.max())  # as Python ints: compared in uint8, 256 is 0
+            if low < 0 or high >= vocab:
+                raise ValueError(f"prompt {i} holds token id {high if high >= vocab else low}, "
                                  f"outside the vocabulary of {vocab} (0..{vocab - 1})")
-            checked.append(ids.long())
+            checked.append(ids)
         return checked
+
+    def _check_call(self, prompts: Sequence, max_new_tokens: int) -> list[torch.Tensor]:
+        """The arguments ``generate`` and ``stream`` share, checked at the call (``stream`` is a
+        generator's maker), before a cache is sized by them."""
+        prompts = self.check_prompts(prompts)
+        if not (_whole(max_new_tokens) and max_new_tokens >= 1):
+            raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        return prompts
 
     def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0) -> None:
         """A cache the caller made must hold a sequence per prompt (a ValueError) and room for the
@@ -244,8 +281,7 @@ class Engine:
         every row has stopped; the stop token itself is the row's last). At the
         end the last tokens are written into the cache too, so it holds every token. A ``cache``
         given is checked here, at the call."""
-        prompts = self.check_prompts(prompts)
-        _check_new_tokens(max_new_tokens)
+        prompts = self._check_call(prompts, max_new_tokens)
         if cache is not None:
             self.check_cache(cache, prompts, max_new_tokens)
         return self._stream(prompts, max_new_tokens, sampling, cache)
@@ -262,8 +298,14 @@ class Engine:
             tokens = sampling.choose(logits, generator)
             done_before = finished.clone()
             finished |= torch.isin(tokens, stops)
+            # one host read a step, as ever, which also says whether the logits were all finite
+            all_done, finite = torch.stack([finished.all(), logits.isfinite().all()]).tolist()
+            if not finite:
+                rows = (~logits.isfinite().all(dim=-1)).nonzero()[:, 0].tolist()
+                raise FloatingPointError(f"the model produced non-finite logits (nan or inf) for new token {i} "
+                                         f"of prompt(s) {', '.join(map(str, rows))}")
             yield tokens, logits, done_before
-            if finished.all() or i == max_new_tokens - 1:  # the last token only needs writing into the cache
+            if all_done or i == max_new_tokens - 1:  # the last token only needs writing into the cache
                 self.feed(tokens[:, None], lengths + i, cache, full=False)
                 cache.check()
                 return
@@ -277,8 +319,7 @@ class Engine:
         sampling: Sampling = Sampling(),
         keep_logits: bool = False,
     ) -> Generation:
-        prompts = self.check_prompts(prompts)
-        _check_new_tokens(max_new_tokens)
+        prompts = self._check_call(prompts, max_new_tokens)
         cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []
@@ -289,11 +330,6 @@ class Engine:
             if keep_logits:
                 kept.append(logits)
         return Generation(out, cache, kept)
-
-
-def _check_new_tokens(max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
 def generate(
@@ -311,5 +347,5 @@ def generate(
 ) -> Generation:
     """Generate up to ``max_new_tokens`` for each prompt (rows of a 2-D tensor, or 1-D tensors or
     lists of token ids, of different lengths). Greedy unless a temperature is given."""
-    sampling = Sampling(temperature, top_k, top_p, seed, tuple(stop_tokens))
+    sampling = Sampling(temperature, top_k, top_p, seed, stop_tokens)
     return Engine(model, prefill_chunk, page_size=page_size).generate(input_ids, max_new_tokens, sampling)

@@ -26,6 +26,8 @@ class MoEFFN(nn.Module):
     ``n_shared`` experts every token uses. Appends the Switch-style balance loss
     ``weight * E * sum_e(fraction routed to e * mean router probability of e)`` to ``aux_losses``."""
 
+    not_capturable = "picks its experts on the host, each step"  # forward's chosen.unique().tolist(): Engine(cuda_graph=True) refuses
+
     def __init__(self, d_model: int, spec: MoE, init_std: float):
         super().__init__()
         self.top_k, self.aux_weight = spec.top_k, spec.aux_loss_weight

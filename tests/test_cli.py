@@ -578,3 +578,20 @@ def test_a_sound_fake_run_generates(cli, tmp_path):
     """The damaged runs above differ from this one only in what each damages."""
     code, out, stderr = cli("generate", fake_run(tmp_path), "--prompt", "ab", "--max-new-tokens", "2")
     assert code == 0 and out.startswith("ab"), stderr
+
+
+def test_generate_names_logits_that_are_not_finite(cli, monkeypatch):
+    """Weights that give NaN: the engine's FloatingPointError, in one line."""
+    import archlab.cli as command
+
+    built = command._built
+
+    def spoiled(spec, *args, **kwargs):
+        model = built(spec, *args, **kwargs)
+        with torch.no_grad():
+            model.head.weight[7, 0] = float("nan")
+        return model
+
+    monkeypatch.setattr(command, "_built", spoiled)
+    code, _, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hi", "--max-new-tokens", "4")
+    assert code == 1 and "error: the model produced non-finite logits (nan or inf) for new token 0 of prompt(s) 0" in stderr, stderr

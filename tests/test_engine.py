@@ -1,6 +1,8 @@
 """The engine decodes exactly what a full recompute decodes, and its cache is laid out as the
 architecture says: one global K,V written once, local state per (iteration, layer)."""
 
+import re
+
 import pytest
 import torch
 
@@ -137,8 +139,45 @@ def test_top_p_keeps_the_smallest_nucleus():
 def test_bad_sampling_arguments_are_named():
     with pytest.raises(ValueError, match="top_p"):
         Sampling(temperature=1.0, top_p=1.5)
-    with pytest.raises(ValueError, match="temperature"):
-        Sampling(temperature=-1)
+    for value in (-1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"temperature must be a finite number >= 0, got {value}"):
+            Sampling(temperature=value)
+    for value in (2.5, True, 0):
+        with pytest.raises(ValueError, match=f"top_k must be a whole number >= 1, got {value}"):
+            Sampling(temperature=1.0, top_k=value)
+    for stops in (10, [10, 2.5], "\n"):
+        with pytest.raises(ValueError, match=re.escape(f"stop_tokens must be a sequence of token ids, got {stops!r}")):
+            Sampling(stop_tokens=stops)
+    assert Sampling(stop_tokens=[10, 11]).stop_tokens == (10, 11)
+    with pytest.raises(ValueError, match="seed must be a whole number, got 2.5"):
+        Sampling(temperature=1.0, seed=2.5)
+
+
+def test_a_tiny_temperature_samples_the_top_token_and_never_nan():
+    """logits / 1e-39 overflowed to inf, and softmax's inf - inf made the row nan."""
+    logits = torch.tensor([[5.0, 20.0, -1.0, 15.0], [30.0, -2.0, 1.0, 0.0]])
+    for temperature in (1e-39, 1e-300, 5e-324):
+        for seed in range(5):
+            chosen = Sampling(temperature=temperature).choose(logits, torch.Generator().manual_seed(seed))
+            assert chosen.tolist() == [1, 0], temperature
+
+
+def test_sampling_draws_what_torch_multinomial_draws():
+    """The draw is multinomial's own for one sample (argmax of p / Exp(1)), without its host read."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    for seed in range(10):
+        got = Sampling(temperature=0.7).choose(logits, torch.Generator().manual_seed(seed))
+        expected = torch.multinomial((logits / 0.7).softmax(-1), 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+        assert got.tolist() == expected.tolist()
+
+
+def test_top_k_keeps_k_tokens_by_rank_not_every_tie():
+    """Ties with the k-th are common in bfloat16: top_k=1 is greedy, and top_k=2 draws from two."""
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0, 3.0]])
+    seen = {int(Sampling(temperature=1.0, top_k=2).choose(logits, torch.Generator().manual_seed(s))) for s in range(100)}
+    assert len(seen) == 2 and seen <= {1, 2, 4}
+    ones = {int(Sampling(temperature=5.0, top_k=1).choose(logits, torch.Generator().manual_seed(s))) for s in range(50)}
+    assert ones == {int(logits.argmax())}
 
 
 def test_prompts_may_be_lists_and_bad_ones_are_named():
@@ -146,18 +185,47 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
     lists = archlab.generate(model, [[5, 6, 7], [8]], 3).tokens
     assert lists == archlab.generate(model, [torch.tensor([5, 6, 7]), torch.tensor([8])], 3).tokens
     for prompts, message in (([5, 6], "one prompt goes in a list"), ([[5], [256]], "prompt 1 holds token id 256, outside the vocabulary of 256"),
-                             ([[5], []], "prompt 1 is empty"), ([[0.5]], "integer token ids")):
+                             ([[5], []], "prompt 1 is empty"), ([[0.5]], "integer token ids"),
+                             ([[True, False]], "integer token ids, got torch.bool"),
+                             ([torch.tensor([-3], dtype=torch.int8)], "prompt 0 holds token id -3, outside")):
         with pytest.raises(ValueError, match=message):
             archlab.generate(model, prompts, 2)
-    for count in (0, -5):  # named at the call, before a cache is sized by it
-        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {count}"):
+    # compared in int64, not in uint8 where 256 wraps to 0 and 100 passed for out of range
+    assert archlab.generate(model, [torch.tensor([3, 100], dtype=torch.uint8)], 2).tokens == archlab.generate(model, [[3, 100]], 2).tokens
+    for count in (0, -5, 2.5, True):  # named at the call, before a cache is sized by it
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a whole number >= 1, got {count}"):
             archlab.generate(model, [[5]], count)
-        with pytest.raises(ValueError, match=f"max_new_tokens must be >= 1, got {count}"):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be a whole number >= 1, got {count}"):
             archlab.Engine(model).stream([[5]], count)
     with pytest.raises(ValueError, match="no prompts given"):
         archlab.generate(model, [], 2)
-    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
         archlab.generate(model, [[5]], 2, temperature=float("nan"))
+    with pytest.raises(ValueError, match="stop_tokens must be a sequence of token ids, got 10"):
+        archlab.generate(model, [[5]], 2, stop_tokens=10)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=0), Sampling(temperature=1.0, top_k=3, seed=0)],
+                         ids=["greedy", "sampled", "top-k"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_named_before_their_token(sampling, bad):
+    """Not the nan's token, taken for the max by argmax, nor multinomial's error: the row and the
+    step, before the step's tokens are given out."""
+    _, model = tiny_model("yoco-u")
+    calls = []
+
+    def spoil(module, args, out):  # the second step's logits (new token 1), of row 1
+        calls.append(1)
+        if len(calls) == 2:
+            out[1, -1, 7] = bad
+        return out
+
+    model.head.register_forward_hook(spoil)
+    given = []
+    with pytest.raises(FloatingPointError, match=r"the model produced non-finite logits \(nan or inf\) for new token 1 of prompt\(s\) 1$"):
+        for tokens, _, _ in Engine(model.eval()).stream([[5, 6, 7], [8, 9]], 4, sampling):
+            given.append(tokens)
+    assert len(given) == 1
 
 
 @pytest.mark.parametrize("name, page_size", [("yoco-u", None), ("yoco-u", 8), ("transformer", None),
@@ -272,6 +340,24 @@ def test_cuda_graphs_need_a_cuda_model():
     _, model = tiny_model("yoco-u")
     with pytest.raises(ValueError, match="cuda_graph needs a model on a CUDA device; this one is on cpu"):
         Engine(model, cuda_graph=True)
+
+
+def test_cuda_graphs_refuse_a_module_that_says_it_cannot_be_captured():
+    """A module whose forward pass reads the device from the host (MoE picks its experts there)
+    says so as ``not_capturable``, and a graph is refused at the engine, on any device."""
+
+    class HostRouted(torch.nn.Module):
+        not_capturable = "picks its experts on the host"
+
+    _, model = tiny_model("yoco-u")
+    model.layers[0].add_module("router", HostRouted())
+    with pytest.raises(ValueError, match="cuda_graph: yoco-u cannot decode from a CUDA graph: its HostRouted picks its experts "
+                                         "on the host; decode without cuda_graph"):
+        Engine(model, cuda_graph=True)
+    Engine(model)  # eager decoding is fine
+    _, moe = tiny_model("yoco-u-moe")
+    with pytest.raises(ValueError, match="its MoEFFN picks its experts on the host, each step; decode without cuda_graph"):
+        Engine(moe, cuda_graph=True)
 
 
 @pytest.mark.parametrize("name, kinds", [("transformer", set()), ("yoco", {"k", "v"}), ("yoco-u-mamba2", {"conv", "ssm"}),

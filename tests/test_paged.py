@@ -160,6 +160,20 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
         torch.testing.assert_close(pool["v"][:, page], reference["v"][:, same], rtol=0, atol=0)
 
 
+def test_a_pool_that_runs_out_at_the_last_token_is_named(monkeypatch):
+    """The last token is only written into the cache, not decoded; past the pool, it went to the
+    spare page with nothing said. The check at the call stops this first; without it, the check
+    after that last write still does."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=4)
+    prompt = torch.randint(0, spec.vocab_size, (4,))  # one page; the new token opens a second
+    with pytest.raises(CacheFull, match=r"need 2 K,V pages of 4 positions; the cache has 1: make it with pages=2"):
+        engine.stream([prompt], 1, cache=engine.new_cache(1, 20, pages=1))
+    monkeypatch.setattr(engine, "check_cache", lambda *args: None)
+    with pytest.raises(CacheFull, match=r"1 K,V pages of 4 positions ran out: its sequences needed 2 by then"):
+        list(engine.stream([prompt], 1, cache=engine.new_cache(1, 20, pages=1)))
+
+
 @pytest.mark.parametrize("kernel", ["torch", "flex"])
 @pytest.mark.parametrize("position", [20, 40, 48, 100])
 @torch.no_grad()

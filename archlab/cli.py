@@ -25,7 +25,7 @@ from rich.table import Table
 
 from archlab.block import Problem, ceil_div
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
-from archlab.engine import Engine, Sampling
+from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
@@ -226,6 +226,7 @@ def _stopped_by_sigterm():
     long work as Ctrl-C does, saying what was kept, where it would end the process without a word."""
 
     def interrupt(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process, as if none were caught
         raise Terminated
 
     previous = signal.signal(signal.SIGTERM, interrupt)
@@ -435,16 +436,18 @@ def bench(
         task = progress.add_task("bench", total=len(good) * len(lengths))
         for label, (_, spec) in zip(_labels(good), good):
             model = _built(spec, device, _dtype(spec, dtype)).eval()
-            for n in lengths:
-                progress.update(task, description=f"{spec.name} @ {n:,} tokens")
+            if cuda_graph:
                 try:
-                    with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
-                                         "--seq-len, --batch or --gen", page_size):
-                        rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
-                                            page_size=page_size, page_kernel=page_kernel.value))
-                except (ValueError, FloatingPointError) as exc:  # the engine's refusals (a model a CUDA graph cannot capture)
+                    check_capturable(model)
+                except ValueError as exc:
                     err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
                     raise typer.Exit(1) from None
+            for n in lengths:
+                progress.update(task, description=f"{spec.name} @ {n:,} tokens")
+                with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
+                                     "--seq-len, --batch or --gen", page_size):
+                    rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
+                                        page_size=page_size, page_kernel=page_kernel.value))
                 progress.advance(task)
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:

@@ -77,6 +77,15 @@ class Sampling:
         return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)
 
 
+def check_capturable(model: Model) -> None:
+    """A module a CUDA graph cannot capture says why as ``not_capturable`` (MoE: it picks its
+    experts on the host); a model holding one is refused a graph, on any device."""
+    why = sorted({f"{type(m).__name__} {m.not_capturable}" for m in model.modules() if getattr(m, "not_capturable", None)})
+    if why:
+        raise ValueError(f"cuda_graph: {model.spec.name} cannot decode from a CUDA graph: its {'; its '.join(why)}; "
+                         "decode without cuda_graph")
+
+
 @dataclass
 class Generation:
     """What ``generate`` returns: new tokens per sequence (cut after a stop token), the logits of
@@ -143,11 +152,8 @@ class Engine:
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
         model.choose_kernels()  # a kernel that cannot run here fails now, not mid-generation
-        if cuda_graph:  # a module a graph cannot capture says why as ``not_capturable`` (MoE: experts picked on the host)
-            why = sorted({f"{type(m).__name__} {m.not_capturable}" for m in model.modules() if getattr(m, "not_capturable", None)})
-            if why:
-                raise ValueError(f"cuda_graph: {model.spec.name} cannot decode from a CUDA graph: its {'; its '.join(why)}; "
-                                 "decode without cuda_graph")
+        if cuda_graph:
+            check_capturable(model)
         if cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a model on a CUDA device; this one is on {self.device}")
         self.cuda_graph = cuda_graph

@@ -77,7 +77,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.heads, self.chunk_size = spec.n_heads, spec.chunk_size
         self.head_dim, self.value_dim = spec.dims(ctx.d_model)
-        self.kernels = Kernels("gdn", spec.backend, ("fla",), ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"))
+        self.kernels = Kernels("gdn", spec.backend, ("fla",), ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+                               chunk_size=spec.chunk_size)
         d, h = ctx.d_model, self.heads
         key_width, value_width = h * self.head_dim, h * self.value_dim
         self.q_proj = nn.Linear(d, key_width, bias=False)

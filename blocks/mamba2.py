@@ -41,7 +41,7 @@ class Mamba2Spec(BlockSpec):
             problems.at("head_dim").add(f"head_dim={self.head_dim} must divide expand * d_model = {inner}")
         elif heads % self.n_groups:
             problems.at("n_groups").add(f"n_groups={self.n_groups} must divide the {heads} heads")
-        check_chunk_size(problems, "mamba_chunk_scan_combined", self.chunk_size, self.backend, fla_backends=("fla",))  # auto: mamba-ssm only
+        check_chunk_size(problems, "mamba_chunk_scan_combined", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return Mamba2(ctx, self)
@@ -77,7 +77,7 @@ class Mamba2(nn.Module):
         self.conv_dim = self.inner + 2 * self.groups * self.d_state
         # fla (its simple_gla kernels running the SSD) only when named: unproven on a GPU so far
         self.kernels = Kernels("mamba2", spec.backend, ("mamba_ssm", "fla"), ("mamba_chunk_scan_combined", "selective_state_update"),
-                               auto=("mamba_ssm",))
+                               auto=("mamba_ssm",), chunk_size=spec.chunk_size)
         self.in_proj = nn.Linear(ctx.d_model, self.inner + self.conv_dim + self.heads, bias=False)
         self.conv = nn.Conv1d(self.conv_dim, self.conv_dim, spec.d_conv, groups=self.conv_dim, bias=True)
         self.A_log, self.dt_bias = decay_parameters(self.heads)

@@ -67,7 +67,7 @@ class Retention(nn.Module):
         self.heads, self.chunk_size, self.gated = spec.n_heads, spec.chunk_size, spec.gated
         gla, retention = ("chunk_simple_gla", "fused_recurrent_simple_gla"), ("chunk_retention", "fused_recurrent_retention")
         self.chunk_op, self.step_op = gla if spec.gated else retention  # names of the ops in self.kernels
-        self.kernels = Kernels("retnet", spec.backend, ("fla",), (self.chunk_op, self.step_op))
+        self.kernels = Kernels("retnet", spec.backend, ("fla",), (self.chunk_op, self.step_op), chunk_size=spec.chunk_size)
         self.head_dim, self.value_dim = spec.dims(ctx.d_model)
         d, h = ctx.d_model, self.heads
         self.q_proj = nn.Linear(d, h * self.head_dim, bias=False)

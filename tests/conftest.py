@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -48,3 +49,9 @@ def cli(monkeypatch, capsys):
         return exited.value.code, captured.out, captured.err
 
     return run
+
+
+def interruptible() -> None:
+    """``preexec_fn`` of a child a test sends SIGINT: one started from a shell's background job
+    inherits SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

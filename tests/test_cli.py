@@ -595,3 +595,14 @@ def test_generate_names_logits_that_are_not_finite(cli, monkeypatch):
     monkeypatch.setattr(command, "_built", spoiled)
     code, _, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hi", "--max-new-tokens", "4")
     assert code == 1 and "error: the model produced non-finite logits (nan or inf) for new token 0 of prompt(s) 0" in stderr, stderr
+
+
+def test_bench_refuses_a_cuda_graph_for_a_model_that_cannot_be_captured(cli, monkeypatch):
+    """Said before any measuring, in one line (the model is built on the CPU here, for want of a GPU)."""
+    import archlab.cli as command
+
+    built = command._built
+    monkeypatch.setattr(command, "_built", lambda spec, device, dtype: built(spec, "cpu", dtype))
+    monkeypatch.setattr(command, "_check_device", lambda name: None)
+    code, _, stderr = cli("bench", "specs/tiny/yoco-u-moe.yaml", "--seq-len", "64", "--device", "cuda", "--cuda-graph")
+    assert code == 1 and "error: cuda_graph: yoco-u-moe cannot decode from a CUDA graph: its MoEFFN picks its experts" in stderr, stderr

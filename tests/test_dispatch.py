@@ -80,9 +80,16 @@ def _chunk_spec(tmp_path, block: str) -> Path:
 
 @pytest.mark.parametrize(("block", "op"), [("gdn, n_heads: 4", "chunk_gated_delta_rule"), ("retnet, n_heads: 4", "chunk_retention"),
                                            ("retnet, n_heads: 4, gated: true", "chunk_simple_gla")])
-def test_a_chunk_size_fla_refuses_is_a_spec_error_where_fla_may_run(tmp_path, block, op):
-    """fla's own entry check says which sizes its kernel runs (on the CPU it gets as far as
-    launching, which fails for want of a GPU): the spec refuses exactly the others, for auto and fla."""
+def test_a_chunk_size_fla_cannot_take_is_refused_where_fla_is_named(tmp_path, block, op):
+    """fla's own entry check says which sizes its kernel takes (on the CPU an accepted one gets as
+    far as launching, which fails for want of a GPU), and Triton says the smallest matrix product
+    its kernels may do over a chunk in bf16: a spec naming fla is refused the others; auto and torch
+    take any size (auto runs such an op on PyTorch, below)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import min_dot_size
+    import triton.language as tl
+
+    smallest = min_dot_size(GPUTarget("cuda", 90, 32))(tl.bfloat16, tl.bfloat16)[2]  # an H100's
     fla_op = kernel("fla", op)
     q, g = torch.randn(1, 8, 2, 4), -torch.rand(1, 8, 2)
     gates = {"chunk_gated_delta_rule": dict(g=g, beta=torch.rand(1, 8, 2)), "chunk_simple_gla": dict(g=g)}.get(op, {})
@@ -93,22 +100,41 @@ def test_a_chunk_size_fla_refuses_is_a_spec_error_where_fla_may_run(tmp_path, bl
             assert "chunk_size" in str(exc)
             refused = True
         except RuntimeError:  # accepted, then no GPU to launch on
-            refused = False
+            refused = size < smallest
         for backend in ("auto", "fla", "torch"):
             path = _chunk_spec(tmp_path, f"{{type: {block}, chunk_size: {size}, backend: {backend}}}")
-            if refused and backend != "torch":
-                with pytest.raises(archlab.SpecError, match=rf"chunk_size: fla's {op} runs chunk sizes of .*, not {size}.*backend: torch"):
+            if refused and backend == "fla":
+                with pytest.raises(archlab.SpecError, match=rf"chunk_size: fla's {op} runs chunk sizes of .*, not {size};"
+                                                            " choose such a size, or set backend: auto or torch"):
                     archlab.load_spec(path)
             else:
                 archlab.load_spec(path)
+        assert (dispatch.chunk_size_refused("fla", op, size) is not None) == refused, size
 
 
-def test_mamba2_refuses_a_chunk_size_fla_refuses_only_when_fla_is_named(tmp_path):
-    block = "{type: mamba2, d_state: 16, head_dim: 16, chunk_size: 48, backend: %s}"
-    for backend in ("auto", "torch", "mamba_ssm"):  # auto takes mamba-ssm only, which runs any size
-        archlab.load_spec(_chunk_spec(tmp_path, block % backend))
-    with pytest.raises(archlab.SpecError, match="fla's mamba_chunk_scan_combined runs chunk sizes of a power of 2, not 48"):
-        archlab.load_spec(_chunk_spec(tmp_path, block % "fla"))
+def test_mamba2_through_fla_takes_the_chunk_sizes_of_simple_gla(tmp_path):
+    block = "{type: mamba2, d_state: 16, head_dim: 16, chunk_size: %d, backend: %s}"
+    for backend in ("auto", "torch", "mamba_ssm"):  # auto takes mamba-ssm only, which takes any size
+        archlab.load_spec(_chunk_spec(tmp_path, block % (48, backend)))
+    for size in (48, 8):
+        with pytest.raises(archlab.SpecError, match=f"fla's mamba_chunk_scan_combined runs chunk sizes of a power of 2 from 16, not {size}"):
+            archlab.load_spec(_chunk_spec(tmp_path, block % (size, "fla")))
+
+
+def test_auto_runs_an_op_at_a_chunk_size_fla_cannot_take_on_pytorch(packages, monkeypatch):
+    """A run trained on the CPU at such a size still loads and runs where auto would take fla."""
+    packages.add("fla")
+    dispatch._fallback_notice.cache_clear()
+    ops = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule")
+    cuda = type("Device", (), {"type": "cuda"})()
+    with pytest.warns(UserWarning, match=r"gdn: chunk_gated_delta_rule runs on the PyTorch implementation: fla's chunk_gated_delta_rule"
+                                         r" runs chunk sizes of 16, 32 or 64, not 8"):
+        chosen = Kernels("gdn", "auto", ("fla",), ops, chunk_size=8)(cuda)
+    assert chosen["chunk_gated_delta_rule"].__module__ == "archlab.ops.gated_delta_rule"
+    assert chosen["fused_recurrent_gated_delta_rule"].__module__.startswith("fla.")  # no chunks: fla's kernel stays
+    assert Kernels("gdn", "auto", ("fla",), ops, chunk_size=64)(cuda)["chunk_gated_delta_rule"].__module__.startswith("fla.")
+    with pytest.raises(BackendError, match="backend 'fla' cannot run chunk_gated_delta_rule here: fla's chunk_gated_delta_rule runs"):
+        Kernels("gdn", "fla", ("fla",), ops, chunk_size=8)(cuda)
 
 
 def test_flash_attn_leaves_dtypes_it_cannot_run_to_the_pytorch_op():
@@ -345,7 +371,7 @@ def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):
     PyTorch op for the gated ops only (with a notice); a spec that insists on fla is told why."""
     monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: True)
     monkeypatch.setattr(dispatch, "choose", lambda *args: "fla")
-    dispatch._bug_notice.cache_clear()
+    dispatch._fallback_notice.cache_clear()
     ops = ("chunk_simple_gla", "chunk_retention")
     with pytest.warns(UserWarning, match=r"retnet: chunk_simple_gla runs on the PyTorch implementation: .*fla #640"):
         chosen = Kernels("retnet", "auto", ("fla",), ops)(torch.device("cpu"))

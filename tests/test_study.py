@@ -28,7 +28,7 @@ from archlab.study.runner import (
     SameVariant, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url, work,
 )
 from archlab.train.trainer import Trainer
-from conftest import ROOT
+from conftest import ROOT, interruptible
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
 DIVERGED = r"TrainError: (loss|gradient norm) became"  # the trainer's reason for stopping a run that blew up
@@ -373,7 +373,7 @@ def test_a_report_reads_only_a_study_that_is_there(tmp_path):
 def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
     path, out = mini(tmp_path, "interrupted", steps=150), tmp_path / "out"
     worker = subprocess.Popen([sys.executable, "-m", "archlab", "study", "run", str(path), "--out", str(out)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "trials").is_dir():
         time.sleep(0.1)

@@ -22,7 +22,7 @@ from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
 from archlab.train.data import RecallTask, TokenSource
 from archlab.train.trainer import Trainer, lr_factor
-from conftest import ROOT
+from conftest import ROOT, interruptible
 
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
          "--set", "eval_batches=2", "--set", "log_interval=1"]
@@ -241,7 +241,8 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
 def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", run, *SMALL,
-                             "--steps", "1000", "--set", "checkpoint_interval=1000"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                             "--steps", "1000", "--set", "checkpoint_interval=1000"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -822,6 +823,28 @@ def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(t
                               cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     said = [line for line in diverged.stderr.splitlines() if line.startswith("error:")]
     assert len(said) == 2 and said[0] == said[1] and "checkpoints/step-" in said[0], diverged.stderr  # each process, the same
+    import fcntl
+
+    held = os.open(tmp_path / "b", os.O_RDONLY)  # as another training holds the run
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        busy = subprocess.run([*torchrun, "--out", str(tmp_path / "b"), "--resume", "--steps", "4"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        os.close(held)
+    assert busy.stderr.count("is in use by another training process") == 1 and "[rank1]" not in busy.stderr, busy.stderr
+
+
+def test_metrics_the_disk_cannot_hold_stop_the_run_in_words(tmp_path):
+    import resource
+
+    run = tmp_path / "run"
+    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3").returncode == 0
+    limit = (run / "metrics.jsonl").stat().st_size + 10  # not room for another line
+    full = subprocess.run([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", str(run), "--resume", "--steps", "6"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "500"},
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    clean_failure(full, f"step 4's metrics could not be written to {run / 'metrics.jsonl'}", "training stopped there, its checkpoints as they were")
 
 
 def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tmp_path):

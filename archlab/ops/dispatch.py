@@ -179,23 +179,29 @@ ADAPTERS = {
 }
 
 
-# fla's chunk kernels run some chunk sizes only, and refuse others at their first call (0.6.0):
-# op -> (the sizes, in words; whether a size is one of them)
+# fla's chunk kernels run some chunk sizes only (op -> the sizes in words; whether a size is one):
+# 0.6.0 refuses the others at the call, but for powers of 2 under 16, which Triton's matrix
+# products over the chunk (chunk_h's, chunk_o's) refuse to compile for 16-bit inputs.
 FLA_CHUNK_SIZES = {
     "chunk_gated_delta_rule": ("16, 32 or 64", lambda size: size in (16, 32, 64)),
     **dict.fromkeys(("chunk_simple_gla", "chunk_retention", "mamba_chunk_scan_combined"),
-                    ("a power of 2", lambda size: size & (size - 1) == 0)),
+                    ("a power of 2 from 16", lambda size: size >= 16 and size & (size - 1) == 0)),
 }
 
 
-def check_chunk_size(problems: Problems, op: str, chunk_size: int, backend: str, fla_backends: tuple[str, ...] = ("auto", "fla")) -> None:
-    """A chunk size fla's kernel refuses is a spec problem wherever a block's backend may pick fla
-    (on a CUDA machine), so that a spec fails when it is read, not at its first step on a GPU."""
+def chunk_size_refused(backend: str, op: str, chunk_size: int | None) -> str | None:
+    """Why ``backend``'s kernel for ``op`` cannot take ``chunk_size``, or None."""
+    if backend != "fla" or chunk_size is None or op not in FLA_CHUNK_SIZES:
+        return None
     sizes, runs = FLA_CHUNK_SIZES[op]
-    if backend in fla_backends and not runs(chunk_size):
-        taken = " (backend auto takes fla on a CUDA machine where it is installed)" if backend == "auto" else ""
-        problems.at("chunk_size").add(f"fla's {op} runs chunk sizes of {sizes}, not {chunk_size}{taken};"
-                                      " choose such a size, or set backend: torch")
+    return None if runs(chunk_size) else f"fla's {op} runs chunk sizes of {sizes}, not {chunk_size}"
+
+
+def check_chunk_size(problems: Problems, op: str, chunk_size: int, backend: str) -> None:
+    """A block that names fla is refused a chunk size fla cannot take when its spec is read, not at
+    its first step on a GPU (``auto`` runs the op on PyTorch there instead, with a notice)."""
+    if why := chunk_size_refused(backend, op, chunk_size):
+        problems.at("chunk_size").add(f"{why}; choose such a size, or set backend: auto or torch")
 
 
 # fla ops whose backward runs fla's gated chunk_bwd_dqkwg (a per-token decay g)
@@ -212,12 +218,12 @@ def fla_refuses_gated_backward() -> bool:
     return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None
 
 
-def known_bug(backend: str, op: str) -> str | None:
-    """Why an installed kernel must not run here, or None."""
+def cannot_run(backend: str, op: str, chunk_size: int | None = None) -> str | None:
+    """Why an installed kernel must not run ``op`` here, at a block's chunk size, or None."""
     if backend == "fla" and op in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
         return ("fla's gated chunk backward is wrong with Triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla #640);"
                 " upgrade Triton to >= 3.7.1 or install tilelang")
-    return None
+    return chunk_size_refused(backend, op, chunk_size)
 
 
 @cache
@@ -226,18 +232,20 @@ def _dtype_notice(backend: str, dtype) -> None:
 
 
 @cache
-def _bug_notice(block: str, op: str, reason: str) -> None:
+def _fallback_notice(block: str, op: str, reason: str) -> None:
     warnings.warn(f"{block}: {op} runs on the PyTorch implementation: {reason}", stacklevel=3)
 
 
 class Kernels:
     """A block's core ops, chosen once per device type. A block keeps its own as ``self.kernels``,
     where ``Model.compile_layers`` finds them to choose before tracing. A plugin block whose ops
-    are not in ``KERNELS`` gives its own ``table``, its PyTorch ops under ``"torch"``."""
+    are not in ``KERNELS`` gives its own ``table``, its PyTorch ops under ``"torch"``. A chunked
+    block gives its ``chunk_size``, which some kernels cannot take."""
 
     def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None,
-                 table: Mapping[tuple[str, str], str | Callable] | None = None):
+                 table: Mapping[tuple[str, str], str | Callable] | None = None, chunk_size: int | None = None):
         self.block, self.requested, self.backends, self.ops, self.auto, self.table = block, requested, backends, ops, auto, table
+        self.chunk_size = chunk_size
         self._chosen: dict[str, dict] = {}
         if missing := [(b, op) for b in ("torch", *backends) for op in ops if (b, op) not in {**KERNELS, **ADAPTERS, **(table or {})}]:
             raise BackendError(f"{block}: no function for {', '.join(f'{op} on {b}' for b, op in missing)}; a block's kernel table"
@@ -253,10 +261,10 @@ class Kernels:
         return self._chosen[device.type]
 
     def _resolve(self, backend: str, op: str):
-        reason = None if backend == "torch" else known_bug(backend, op)
+        reason = None if backend == "torch" else cannot_run(backend, op, self.chunk_size)
         if reason is None:
             return kernel(backend, op, self.table)
         if self.requested == backend:
             raise BackendError(f"{self.block}: backend {backend!r} cannot run {op} here: {reason}")
-        _bug_notice(self.block, op, reason)
+        _fallback_notice(self.block, op, reason)
         return kernel("torch", op, self.table)

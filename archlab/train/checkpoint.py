@@ -9,6 +9,7 @@ removed only after a newer one is in place.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -62,10 +63,12 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-    except (OSError, RuntimeError, SafetensorError) as exc:  # torch.save reports a short write as a RuntimeError
+    except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        # torch.save and safetensors report a short write in their own words ("unexpected pos ...")
+        full = not isinstance(exc, OSError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise CheckpointError(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
-                              f" {str(exc).strip()[:200]}); is the disk full?") from None
+                              f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

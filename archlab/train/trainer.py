@@ -62,6 +62,8 @@ class World:
         size = int(os.environ.get("WORLD_SIZE", "1"))
         world = cls(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
         if size > 1 and not dist.is_initialized():
+            if torch.cuda.is_available():  # NCCL's object collectives use the current device: each process its own
+                torch.cuda.set_device(world.local_rank)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         return world
 
@@ -312,9 +314,15 @@ class Trainer:
             self.console.print(text, highlight=False)
 
     def _log(self, record: dict) -> None:
-        if self.world.main:
+        self.world.from_main(lambda: self._append_metrics(record))
+
+    def _append_metrics(self, record: dict) -> None:
+        try:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
+        except OSError as exc:  # a full disk, say
+            raise TrainError(f"step {record['step']}'s metrics could not be written to {self.run_dir / 'metrics.jsonl'}"
+                             f" ({exc.strerror or exc}); training stopped there, its checkpoints as they were") from None
 
     def _save(self, step: int, data: DataSource) -> Path:
         """The checkpoint of ``step``, with the fingerprint of the tokens it trained on; its folder, on every process."""
@@ -375,25 +383,30 @@ class Trainer:
 
     @contextmanager
     def _sole_writer(self):
-        """One training at a time in a run folder (by its main process): a second one, resuming a
-        run thought dead, would interleave metrics and write the same checkpoints."""
-        if not self.world.main:
+        """One training at a time in a run folder (held by its first process): a second one, resuming
+        a run thought dead, would interleave metrics and write the same checkpoints."""
+        held = self.world.from_main(self._hold_folder)
+        try:
             yield
-            return
+        finally:
+            if held is not None:
+                folder, made = held
+                os.close(folder)
+                if made and not any(self.run_dir.iterdir()):  # a start refused before writing leaves no folder
+                    self.run_dir.rmdir()
+
+    def _hold_folder(self) -> tuple[int, bool]:
+        """The run folder, locked (made if new); whether it was made."""
         made = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         folder = os.open(self.run_dir, os.O_RDONLY)
         try:
-            try:
-                fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go by the system when the process ends
-            except BlockingIOError:
-                raise TrainError(f"{self.run_dir} is in use by another training process; wait for it to end"
-                                 " (or stop it), or choose another --out") from None
-            yield
-        finally:
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go by the system when the process ends
+        except BlockingIOError:
             os.close(folder)
-            if made and not any(self.run_dir.iterdir()):  # a start refused before writing leaves no folder
-                self.run_dir.rmdir()
+            raise TrainError(f"{self.run_dir} is in use by another training process; wait for it to end"
+                             " (or stop it), or choose another --out") from None
+        return folder, made
 
     def _fit(self, steps: int, resume: bool, on_eval, on_step) -> list[dict]:
         start = self._resume(steps) if resume else self._start_fresh(steps)

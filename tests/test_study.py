@@ -11,6 +11,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import optuna
 import pytest
 import yaml
@@ -25,7 +26,7 @@ from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, report, summarize
 from archlab.study.runner import (
-    SameVariant, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url, work,
+    SameVariant, StorageError, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url, work,
 )
 from archlab.train.trainer import Trainer
 from conftest import ROOT, interruptible
@@ -192,7 +193,7 @@ def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
     out = tmp_path / "out"
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)
+    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out, url)
     optuna_study._pop_waiting_trial_id()  # claimed by a worker still training it
     text = report(study, optuna_study, out, url)
     assert "4 planned: 1 complete, 1 running, 2 waiting, 0 failed, 0 pruned; **incomplete**: the table covers only the 1 of 4 that have finished" in text
@@ -205,7 +206,7 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
     study = load_study(str(path))
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out)  # yoco, seed 0, lr slot 0 (lr 0.002)
+    run_trial(study, optuna_study, optuna_study._pop_waiting_trial_id(), out, url)  # yoco, seed 0, lr slot 0 (lr 0.002)
     trained = optuna_study.get_trials()[0]
     edit = functools.partial(rewrite, path)
     edit(lr={"low": 0.001, "high": 0.004, "points": 2})
@@ -239,16 +240,15 @@ def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
     study = load_study(str(path))
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)  # yoco seed 0; yoco-u seed 0 is still queued
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)  # yoco seed 0; yoco-u seed 0 is still queued
     log = io.StringIO()
     shrunk = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}}, seeds=[0, 1])
     work(shrunk, out, None, Console(file=log, width=200), grace_period=60)
     now = {planned_as(t): t for t in trials_of(url, "grown")}
     assert now[("yoco", 1, 0)].state.name == "COMPLETE"  # the added seed trained
-    dropped = now[("yoco-u", 0, 0)]  # the removed variant's queued trial is failed with the reason, not trained
-    assert dropped.state.name == "FAIL" and not dropped.intermediate_values
-    assert f"trial {dropped.number} (yoco-u seed 0 lr slot 0): fail (NotPlanned: the study no longer plans yoco-u seed 0 lr slot 0" in log.getvalue()
-    regrown = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}})  # put back: queued again
+    dropped = now[("yoco-u", 0, 0)]  # the removed variant's queued trial is left to workers that plan it, not trained
+    assert dropped.state.name == "WAITING" and "yoco-u" not in log.getvalue()
+    regrown = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}})  # put back: trained
     work(regrown, out, None, Console(file=log, width=200), grace_period=60)
     done = settled(trials_of(url, "grown"))
     assert sorted(done) == [("yoco", 0, 0), ("yoco", 1, 0), ("yoco-u", 0, 0), ("yoco-u", 1, 0)]
@@ -286,6 +286,7 @@ def test_a_trial_taken_by_a_worker_that_died_before_training_goes_stale_even_mid
 CLAIMER = """
 import sys, time
 from pathlib import Path
+import numpy as np
 import optuna
 from optuna.storages import RDBStorage
 from archlab.study.runner import claim
@@ -325,7 +326,7 @@ def test_a_metric_that_is_not_a_number_fails_the_trial_with_that_reason(tmp_path
     study, out = load_study(str(mini(tmp_path, "nan", steps=4))), tmp_path / "out"
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
     trial = optuna_study.get_trials()[0]
     assert trial.state.name == "FAIL" and not trial.intermediate_values  # stopped at its first evaluation
     why = "TrainError: evaluation loss became nan after step 2; training stopped before logging or saving it, no checkpoint had been written"
@@ -547,7 +548,7 @@ def test_tpe_draws_differ_across_workers_and_resumes(tmp_path, monkeypatch):
     for _ in range(2):  # two processes, one after the other: each opens the study afresh
         optuna_study = join(study, out, url, grace_period=60)
         for _ in range(2):
-            assert run_trial(study, optuna_study, claim(optuna_study, url, out), out)
+            assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
     lrs = [t.params["lr"] for t in optuna_study.get_trials()]
     assert len(lrs) == 4 and len(set(lrs)) == 4, lrs
 
@@ -579,3 +580,82 @@ def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
               finished("yoco", 1, 0, 1.9, 3e-3), finished("yoco", 1, 1, 2.1, 1e-3)]
     (yoco, _) = summarize(study, trials)
     assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["spread (sd)"]) == (1.85, 2, "0.002..0.003", 0.0707)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_study_run_afresh_in_another_storage_or_beside_another_study_trains_its_own_trials(tmp_path):
+    """Trials are numbered from 0 in each study and storage: with one trials folder for all, the
+    second study's trials met the first one's runs and failed, every one."""
+    path, out = mini(tmp_path, "first", steps=2), tmp_path / "out"
+    log = io.StringIO()
+    for study, url in ((load_study(str(path)), None), (load_study(str(path)), f"sqlite:///{tmp_path / 'afresh.db'}"),
+                       (load_study(str(mini(tmp_path, "second", steps=2))), None)):
+        done = work(study, out, url, Console(file=log, width=200), grace_period=60).get_trials()
+        assert [t.state.name for t in done] == ["COMPLETE"] * 4, log.getvalue()
+    assert len(list((out / "trials").glob("*/0000-yoco-s0-lr0"))) == 3
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_worker_on_an_older_definition_leaves_a_newer_ones_trials_waiting(tmp_path):
+    """It failed them as no longer planned, though they were newer than its definition."""
+    path, out = mini(tmp_path, "newer", variants={"yoco": {"spec": "yoco.yaml"}}), tmp_path / "out"
+    older = load_study(str(path))
+    url = storage_url(out, None)
+    join(older, out, url, grace_period=60)
+    newer = rewrite(path, variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}})
+    optuna_study = join(newer, out, url, grace_period=60)
+    taken = [claim(optuna_study, url, out, older.planned()) for _ in range(3)]
+    assert taken[2] is None and {planned_as(optuna_study._storage.get_trial(t))[0] for t in taken[:2]} == {"yoco"}
+    assert {planned_as(t)[0] for t in optuna_study.get_trials(states=(TrialState.WAITING,))} == {"yoco-u"}
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_trial_lost_with_its_worker_past_its_retries_is_queued_by_the_next_run(tmp_path):
+    """The interrupted worker says its trial "is run again by the next study run": after the
+    automatic retries it was failed for good, and no run took it up again."""
+    study, out = load_study(str(mini(tmp_path, "lost"))), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    lost = claim(optuna_study, url, out)
+    optuna_study._storage.set_trial_state_values(lost, TrialState.FAIL)  # as a stale trial past its retries
+    key = planned_as(optuna_study._storage.get_trial(lost))
+    again = join(study, out, url, grace_period=60)
+    assert [t.state.name for t in again.get_trials() if planned_as(t) == key] == ["FAIL", "WAITING"]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
+    """A worker with a shorter one failed live workers' trials as stale, and each ran twice."""
+    study, out = load_study(str(mini(tmp_path, "grace"))), tmp_path / "out"
+    url = storage_url(out, None)
+    join(study, out, url, grace_period=60)
+    with pytest.raises(StorageError, match="this study's workers use --grace-period 60; .* give --grace-period 60"):
+        join(study, out, url, grace_period=2)
+    join(study, out, url, grace_period=60)
+
+
+def test_a_study_folder_whose_name_holds_a_question_mark_keeps_its_database(tmp_path):
+    """Pasted into the URL, "q?x/optuna.db" named the database "q" beside the folder."""
+    out = tmp_path / "q?x"
+    url = storage_url(out, None)
+    assert make_url(url).database == str(out / "optuna.db")
+    assert url == f"sqlite:///{tmp_path}/q%3Fx/optuna.db"
+
+
+def test_tpe_learns_each_variants_learning_rate_from_that_variant_alone():
+    """Pooled, the trials of the variant best at 1e-4 drew every other variant's rates to 1e-4."""
+    from archlab.study.runner import SameVariantSampler
+
+    study = optuna.create_study()
+    lr = FloatDistribution(1e-5, 1e-1, log=True)
+    fixed = {"variant": CategoricalDistribution(["yoco", "yoco-u"]), "seed": CategoricalDistribution([0]),
+             "slot": optuna.distributions.IntDistribution(0, 100)}
+    for slot, rate in enumerate(np.geomspace(1e-5, 1e-1, 20)):
+        for variant, best, offset in (("yoco", 1e-4, 1.0), ("yoco-u", 1e-2, 5.0)):  # yoco-u's losses all worse than yoco's
+            study.add_trial(optuna.trial.create_trial(params={"variant": variant, "seed": 0, "slot": slot, "lr": rate},
+                                                      distributions={**fixed, "lr": lr}, value=offset + abs(np.log10(rate / best))))
+    study.enqueue_trial({"variant": "yoco-u", "seed": 0, "slot": 99})
+    drawing = study._storage.get_trial(study.ask()._trial_id)
+    draws = [SameVariantSampler(optuna.samplers.TPESampler(seed=s)).sample_independent(study, drawing, "lr", lr) for s in range(20)]
+    pooled = [optuna.samplers.TPESampler(seed=s).sample_independent(study, drawing, "lr", lr) for s in range(20)]
+    assert 1e-3 < np.median(draws) < 1e-1 and np.median(pooled) < 1e-3

@@ -15,13 +15,14 @@ nothing is waiting or running.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import re
 import socket
 import time
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def default_dir(study: Study) -> Path:
 
 def storage_url(out: Path, url: str | None) -> str:
     """The given storage, or a SQLite file in the study directory (one machine, no server)."""
-    return url or f"sqlite:///{(out / 'optuna.db').resolve()}"
+    return url or sqlalchemy.engine.URL.create("sqlite", database=str((out / "optuna.db").resolve())).render_as_string()  # a ? in it quoted
 
 
 class StorageError(Exception):
@@ -159,14 +160,39 @@ class SameVariant(optuna.pruners.BasePruner):
         return self.pruners[variant].prune(_TrialsOf(study, variant), trial)
 
 
+class SameVariantSampler(optuna.samplers.BaseSampler):
+    """A sampler that learns from the trials of the drawing trial's own variant only (as
+    ``SameVariant`` prunes): one architecture's best learning rate says little of another's, and
+    pooled, the best variant's would draw every variant's trials to it."""
+
+    def __init__(self, sampler: optuna.samplers.BaseSampler):
+        self.sampler = sampler
+
+    def infer_relative_search_space(self, study, trial):
+        return self.sampler.infer_relative_search_space(_TrialsOf(study, planned_as(trial)[0]), trial)
+
+    def sample_relative(self, study, trial, search_space):
+        return self.sampler.sample_relative(_TrialsOf(study, planned_as(trial)[0]), trial, search_space)
+
+    def sample_independent(self, study, trial, param_name, param_distribution):
+        return self.sampler.sample_independent(_TrialsOf(study, planned_as(trial)[0]), trial, param_name, param_distribution)
+
+
 class _TrialsOf:
-    """A study seen through the trials of one variant."""
+    """A study seen through the trials of one variant (by the pruners and by TPE, which reads them
+    through ``_get_trials``)."""
 
     def __init__(self, study: optuna.Study, variant: str):
         self._study, self.variant = study, variant
 
     def get_trials(self, deepcopy: bool = True, states=None) -> list[optuna.trial.FrozenTrial]:
-        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if planned_as(t)[0] == self.variant]
+        return self._of_variant(self._study.get_trials(deepcopy=deepcopy, states=states))
+
+    def _get_trials(self, deepcopy: bool = True, states=None, use_cache: bool = False) -> list[optuna.trial.FrozenTrial]:
+        return self._of_variant(self._study._get_trials(deepcopy=deepcopy, states=states, use_cache=use_cache))
+
+    def _of_variant(self, trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+        return [t for t in trials if planned_as(t)[0] == self.variant]
 
     def __getattr__(self, name: str):
         return getattr(self._study, name)
@@ -245,11 +271,18 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     also creates the storage's tables)."""
     with planning_lock(url, out, study.key):
         optuna_study = open_study(study, url, grace_period)
+        agreed = optuna_study.user_attrs.get("grace_period")  # the first worker's
+        if agreed is None:
+            optuna_study.set_user_attr("grace_period", grace_period)
+        elif agreed != grace_period:  # each worker beats and judges staleness by its own
+            raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
+                               f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period {agreed}")
         check_unchanged(study, optuna_study)
         queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
-            if earlier is None or earlier.user_attrs.get("failure", "").startswith(NotPlanned.__name__):
+            lost = earlier is not None and earlier.state == TrialState.FAIL and "failure" not in earlier.user_attrs  # with its worker
+            if earlier is None or lost or earlier.user_attrs.get("failure", "").startswith(NotPlanned.__name__):
                 optuna_study.enqueue_trial(params, user_attrs=params)  # user attrs: shown by optuna-dashboard
         cfg = study.config
         vocab = next(iter(study.specs.values())).vocab_size
@@ -261,9 +294,10 @@ class NotPlanned(Exception):
     """A queued trial whose variant, seed or lr slot has since left the study's definition."""
 
 
-def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
+def claim(optuna_study: optuna.Study, url: str, out: Path, planned: Collection[tuple] | None = None) -> int | None:
     """Fail the trials of dead workers (queued again), then take a waiting trial (None when none is
-    waiting). A trial beats before it is taken: a running trial that never beat is never found
+    waiting), one of those ``planned`` if given: a worker still on an older definition of the study
+    leaves the trials a newer one queued to the workers that plan them. A trial beats before it is taken: a running trial that never beat is never found
     stale, so a worker dying between taking a trial and its first beat would leave it running for
     ever. Optuna makes a take one worker's with SELECT ... FOR UPDATE, which SQLite ignores: there
     both steps hold the storage's lock."""
@@ -271,6 +305,8 @@ def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
     with nullcontext() if url.startswith("postgresql") else storage_lock(url, out):
         fail_stale_trials(optuna_study)
         for waiting in storage.get_all_trials(optuna_study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+            if planned is not None and planned_as(waiting) not in planned:
+                continue
             storage.record_heartbeat(waiting._trial_id)  # a beat on a waiting trial is not looked at
             try:
                 if storage.set_trial_state_values(waiting._trial_id, state=TrialState.RUNNING):
@@ -280,7 +316,15 @@ def claim(optuna_study: optuna.Study, url: str, out: Path) -> int | None:
     return None
 
 
-def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
+def trials_folder(out: Path, study_name: str, url: str) -> Path:
+    """Where a study's trials train: numbered from 0 in each study and storage, so each pair has a
+    folder of its own (a study run afresh with another storage, or two sharing an --out, would
+    otherwise meet the folders of the first)."""
+    storage = hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+    return out / "trials" / f"{study_name}-{storage}"
+
+
+def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Path) -> float:
     """Train a claimed trial as planned (variant, seed, lr slot); its final metric. The plan is
     read from the trial, not suggested from the study's lists, so that those lists may change."""
     definition, (variant, seed, slot) = study.definition, key
@@ -291,7 +335,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
         lr = setup["lr"]
         trial.set_user_attr("lr", lr)
     else:  # seeded by the trial: every worker and every resume would otherwise repeat one sampler's draws
-        trial.study.sampler = optuna.samplers.TPESampler(seed=trial.number)
+        trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
     cfg = cfg.model_copy(
@@ -310,15 +354,15 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> float:
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at step {step}")
 
-    trainer = Trainer(spec, cfg, out / "trials" / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}", Console(quiet=True))
+    trainer = Trainer(spec, cfg, trials / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}", Console(quiet=True))
     trial.set_user_attr("flops_per_step", trainer.flops_per_step)
     return trainer.fit(steps, on_eval=on_eval)[-1][metric]
 
 
-def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> tuple[float | None, TrialState, str | None]:
+def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Path) -> tuple[float | None, TrialState, str | None]:
     """How a trial ended: its value, state and, if it failed, why (a failure is a result too)."""
     try:
-        return _train(study, trial, key, out), TrialState.COMPLETE, None
+        return _train(study, trial, key, out, trials), TrialState.COMPLETE, None
     except optuna.TrialPruned:
         return None, TrialState.PRUNED, None
     except UpdateFinishedTrialError:  # not this worker's trial any more (run_trial)
@@ -327,7 +371,7 @@ def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path) -> tuple[
         return None, TrialState.FAIL, f"{type(exc).__name__}: {exc}"
 
 
-def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path) -> bool:
+def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path, url: str) -> bool:
     """Train a claimed trial and record how it ended. False when it was no longer this worker's to
     record: another worker failed it as stale (this one sent no heartbeat for longer than the grace
     period, e.g. while paused) and queued it again."""
@@ -336,7 +380,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
     with get_heartbeat_thread(trial_id, optuna_study._storage):
         try:
-            value, state, failure = _outcome(study, trial, key, out)
+            value, state, failure = _outcome(study, trial, key, out, trials_folder(out, optuna_study.study_name, url))
             if failure:
                 trial.set_user_attr("failure", failure)
             optuna_study.tell(trial, value, state=state, skip_if_finished=True)
@@ -368,16 +412,17 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
     url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
     optuna_study = join(study, out, url, grace_period)
-    planned = len(study.plan())
+    planned = study.planned()
     columns = [TextColumn(f"[bold]{optuna_study.study_name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[now]}"), TimeElapsedColumn()]
     live = console.is_interactive  # a terminal; a log file gets a plain line per trial instead
     with Progress(*columns, console=console, disable=not live) as progress:
-        task = progress.add_task("study", total=planned, now="")
+        task = progress.add_task("study", total=len(planned), now="")
         while True:
-            trial_id = claim(optuna_study, url, out)
+            trial_id = claim(optuna_study, url, out, planned)
             progress.update(task, completed=len(settled(optuna_study.get_trials(deepcopy=False))))
             if trial_id is None:
-                if not optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)):
+                unfinished = optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+                if not any(t.state == TrialState.RUNNING or planned_as(t) in planned for t in unfinished):
                     break
                 progress.update(task, now="waiting for other workers' trials")
                 time.sleep(heartbeat_interval(grace_period))
@@ -385,7 +430,7 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
             trial = optuna_study._storage.get_trial(trial_id)
             now = "{} seed {} lr slot {}".format(*planned_as(trial))
             progress.update(task, now=now)
-            if not run_trial(study, optuna_study, trial_id, out):
+            if not run_trial(study, optuna_study, trial_id, out, url):
                 console.print(f"trial {trial.number} ({now}) was taken over: this worker sent no heartbeat for over {grace_period} s"
                               " (paused?), so another failed it and queued it again; going on", highlight=False)
             elif not live:

@@ -659,3 +659,10 @@ def test_tpe_learns_each_variants_learning_rate_from_that_variant_alone():
     draws = [SameVariantSampler(optuna.samplers.TPESampler(seed=s)).sample_independent(study, drawing, "lr", lr) for s in range(20)]
     pooled = [optuna.samplers.TPESampler(seed=s).sample_independent(study, drawing, "lr", lr) for s in range(20)]
     assert 1e-3 < np.median(draws) < 1e-1 and np.median(pooled) < 1e-3
+
+
+def test_a_report_from_a_sqlite_file_that_is_not_there_makes_none(tmp_path):
+    typo = tmp_path / "typo.db"
+    result = archlab("study", "report", mini(tmp_path), "--storage", f"sqlite:///{typo}")
+    assert result.returncode != 0 and f"no SQLite database {typo}; give the --storage the study ran with" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not typo.exists()

@@ -112,7 +112,10 @@ def _unopenable(url: str, exc: Exception) -> StorageError:
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
-    if _sqlite_database(url) in IN_MEMORY:
+    database = _sqlite_database(url)
+    if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
+        raise StorageError(f"no SQLite database {database}; give the --storage the study ran with")
+    if database in IN_MEMORY:
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
     try:

@@ -612,26 +612,50 @@ def test_a_worker_on_an_older_definition_leaves_a_newer_ones_trials_waiting(tmp_
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_trial_lost_with_its_worker_past_its_retries_is_queued_by_the_next_run(tmp_path):
     """The interrupted worker says its trial "is run again by the next study run": after the
-    automatic retries it was failed for good, and no run took it up again."""
+    automatic retries it was failed for good, and no run took it up again. One with retries left
+    is the stale-trial callback's to queue (on PostgreSQL it may not have run yet)."""
     study, out = load_study(str(mini(tmp_path, "lost"))), tmp_path / "out"
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
-    lost = claim(optuna_study, url, out)
-    optuna_study._storage.set_trial_state_values(lost, TrialState.FAIL)  # as a stale trial past its retries
-    key = planned_as(optuna_study._storage.get_trial(lost))
-    again = join(study, out, url, grace_period=60)
-    assert [t.state.name for t in again.get_trials() if planned_as(t) == key] == ["FAIL", "WAITING"]
+    storage = optuna_study._storage
+    spent, fresh = claim(optuna_study, url, out), claim(optuna_study, url, out)
+    storage.set_trial_system_attr(spent, "retry_history", [90, 91])  # lost twice before
+    for trial_id in (spent, fresh):
+        storage.set_trial_state_values(trial_id, TrialState.FAIL)  # as fail_stale_trials leaves it
+    keys = {planned_as(storage.get_trial(t)): storage.get_trial(t).number for t in (spent, fresh)}
+    again = join(study, out, url, grace_period=60).get_trials()
+    by_key = {key: [t for t in again if planned_as(t) == key] for key in keys}
+    spent_key, fresh_key = keys
+    assert [t.state.name for t in by_key[spent_key]] == ["FAIL", "WAITING"]
+    assert by_key[spent_key][1].system_attrs["retry_history"] == [90, 91, keys[spent_key]]  # the report follows it
+    assert [t.state.name for t in by_key[fresh_key]] == ["FAIL"]
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
-    """A worker with a shorter one failed live workers' trials as stale, and each ran twice."""
+    """A worker with a shorter one failed live workers' trials as stale, and each ran twice. With
+    no trial running, a new run may set another."""
     study, out = load_study(str(mini(tmp_path, "grace"))), tmp_path / "out"
     url = storage_url(out, None)
-    join(study, out, url, grace_period=60)
+    optuna_study = join(study, out, url, grace_period=60)
+    claim(optuna_study, url, out)  # a worker is training
     with pytest.raises(StorageError, match="this study's workers use --grace-period 60; .* give --grace-period 60"):
         join(study, out, url, grace_period=2)
     join(study, out, url, grace_period=60)
+    optuna_study._storage.set_trial_state_values(optuna_study.get_trials(states=(TrialState.RUNNING,))[0]._trial_id, TrialState.COMPLETE, [1.0])
+    assert join(study, out, url, grace_period=2).user_attrs["grace_period"] == 2
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_trial_an_earlier_version_failed_as_not_planned_is_queued_again(tmp_path):
+    study, out = load_study(str(mini(tmp_path, "legacy"))), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    taken = claim(optuna_study, url, out)
+    optuna_study._storage.set_trial_user_attr(taken, "failure", "NotPlanned: the study no longer plans yoco seed 0 lr slot 0")
+    optuna_study._storage.set_trial_state_values(taken, TrialState.FAIL)
+    key = planned_as(optuna_study._storage.get_trial(taken))
+    assert [t.state.name for t in join(study, out, url, grace_period=60).get_trials() if planned_as(t) == key] == ["FAIL", "WAITING"]
 
 
 def test_a_study_folder_whose_name_holds_a_question_mark_keeps_its_database(tmp_path):

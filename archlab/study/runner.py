@@ -3,13 +3,13 @@
 The first worker to arrive enqueues the planned trials (variant, seed, lr slot) under a lock (a
 PostgreSQL advisory lock, or a file lock next to a local storage), skipping any already there.
 A trial keeps its plan as fixed parameters, never suggested from the study's lists, so variants and
-seeds may be added or removed later; a queued trial the study no longer plans fails, saying so.
+seeds may be added or removed later; a worker takes only the queued trials its definition plans.
 Workers then claim waiting trials one at a time (Optuna moves a trial from WAITING to RUNNING for
 exactly one of them; on SQLite, only under the same file lock) and train them, reporting each
 evaluation so the pruner can stop a poor run.
 A running trial sends heartbeats from the moment it is claimed; when a worker dies its trial goes
-stale, is marked failed and re-queued by RetryHeartbeatStaleTrialCallback. A worker leaves once
-nothing is waiting or running.
+stale, is marked failed and re-queued by RetryHeartbeatStaleTrialCallback, twice; past that, by the
+next worker to join. A worker leaves once nothing it plans is waiting and nothing is running.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from archlab.spec import describe_differences
 from archlab.study.definition import Study
 from archlab.train.data import prepare
 from archlab.train.trainer import Trainer
+
+
+MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
+NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
 def heartbeat_interval(grace_period: int) -> int:
@@ -123,7 +127,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
             url,
             heartbeat_interval=heartbeat_interval(grace_period),
             grace_period=grace_period,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=2),
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY),
             engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
         )
     except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials
@@ -274,27 +278,30 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     also creates the storage's tables)."""
     with planning_lock(url, out, study.key):
         optuna_study = open_study(study, url, grace_period)
-        agreed = optuna_study.user_attrs.get("grace_period")  # the first worker's
-        if agreed is None:
-            optuna_study.set_user_attr("grace_period", grace_period)
-        elif agreed != grace_period:  # each worker beats and judges staleness by its own
+        agreed = optuna_study.user_attrs.get("grace_period")  # the running workers'
+        if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
                                f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period {agreed}")
         check_unchanged(study, optuna_study)
         queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
-            lost = earlier is not None and earlier.state == TrialState.FAIL and "failure" not in earlier.user_attrs  # with its worker
-            if earlier is None or lost or earlier.user_attrs.get("failure", "").startswith(NotPlanned.__name__):
+            if earlier is None or earlier.user_attrs.get("failure", "").startswith(NOT_PLANNED):
                 optuna_study.enqueue_trial(params, user_attrs=params)  # user attrs: shown by optuna-dashboard
+            elif _lost_for_good(earlier):  # a new run tries again, as a retry, so that the report follows it
+                RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
         cfg = study.config
         vocab = next(iter(study.specs.values())).vocab_size
         prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+        optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
 
 
-class NotPlanned(Exception):
-    """A queued trial whose variant, seed or lr slot has since left the study's definition."""
+def _lost_for_good(trial: optuna.trial.FrozenTrial) -> bool:
+    """A trial failed with its worker (it recorded no reason) after its automatic retries. One
+    still to be retried is left to RetryHeartbeatStaleTrialCallback, which may not have run yet."""
+    return (trial.state == TrialState.FAIL and "failure" not in trial.user_attrs
+            and len(trial.system_attrs.get("retry_history", [])) >= MAX_RETRY)
 
 
 def claim(optuna_study: optuna.Study, url: str, out: Path, planned: Collection[tuple] | None = None) -> int | None:
@@ -331,8 +338,6 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
     """Train a claimed trial as planned (variant, seed, lr slot); its final metric. The plan is
     read from the trial, not suggested from the study's lists, so that those lists may change."""
     definition, (variant, seed, slot) = study.definition, key
-    if key not in study.planned():
-        raise NotPlanned(f"the study no longer plans {variant} seed {seed} lr slot {slot}: its definition changed since the trial was queued")
     setup = study.setup(variant, slot)
     if definition.sampler == "grid":
         lr = setup["lr"]

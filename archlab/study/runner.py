@@ -307,9 +307,9 @@ def _lost_for_good(trial: optuna.trial.FrozenTrial) -> bool:
 def claim(optuna_study: optuna.Study, url: str, out: Path, planned: Collection[tuple] | None = None) -> int | None:
     """Fail the trials of dead workers (queued again), then take a waiting trial (None when none is
     waiting), one of those ``planned`` if given: a worker still on an older definition of the study
-    leaves the trials a newer one queued to the workers that plan them. A trial beats before it is taken: a running trial that never beat is never found
-    stale, so a worker dying between taking a trial and its first beat would leave it running for
-    ever. Optuna makes a take one worker's with SELECT ... FOR UPDATE, which SQLite ignores: there
+    leaves the trials a newer one queued to the workers that plan them. A trial beats before it is
+    taken: a running trial that never beat is never found stale, so a worker dying between taking a
+    trial and its first beat would leave it running for ever. Optuna makes a take one worker's with SELECT ... FOR UPDATE, which SQLite ignores: there
     both steps hold the storage's lock."""
     storage = optuna_study._storage
     with nullcontext() if url.startswith("postgresql") else storage_lock(url, out):

@@ -77,6 +77,11 @@ def _report(exc: SpecError) -> None:
         err.print(f"  [cyan]{escape(problem.loc)}[/]: {escape(problem.msg)}", highlight=False)
 
 
+def _error(text: str) -> None:
+    """One line naming what is wrong (any markup-like text in it shown as it is)."""
+    err.print(f"[bold red]error[/]: {escape(text)}", highlight=False)
+
+
 def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
     """Load every spec, reporting each bad one; returns the good ones and the count of bad."""
     good, bad, files = [], 0, _expand(paths)
@@ -166,7 +171,7 @@ def build(
         table.add_row(label, _describe_structure(model), f"{params:,}", check)
     out.print(table)
     for problem in problems:
-        err.print(f"[bold red]error[/]: {escape(problem)}", highlight=False)
+        _error(problem)
     if bad or failed:
         raise typer.Exit(1)
 
@@ -322,7 +327,7 @@ def generate(
             _report(exc)
             raise typer.Exit(1) from None
         except CheckpointError as exc:
-            err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+            _error(str(exc))
             raise typer.Exit(1) from None
         err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
     else:
@@ -361,7 +366,7 @@ def generate(
                 shown = text
     except FloatingPointError as exc:  # weights that give NaN
         sys.stdout.write("\n")
-        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(codec.decode(new)[len(shown) :] + "\n")
     size = cache.bytes_per_sequence()
@@ -440,7 +445,7 @@ def bench(
                 try:
                     check_capturable(model)
                 except ValueError as exc:
-                    err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+                    _error(str(exc))
                     raise typer.Exit(1) from None
             for n in lengths:
                 progress.update(task, description=f"{spec.name} @ {n:,} tokens")
@@ -581,7 +586,7 @@ def train(
     except Relayed:  # the first process said it
         raise typer.Exit(1) from None
     except (DataError, CheckpointError, TrainError) as exc:
-        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         raise typer.Exit(1) from None
     except KeyboardInterrupt as exc:
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
@@ -641,7 +646,7 @@ def _study_errors(action):
         _report(exc)
         raise typer.Exit(1) from None
     except (DataError, StorageError) as exc:
-        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         raise typer.Exit(1) from None
 
 
@@ -748,16 +753,16 @@ def main() -> None:
     try:
         args = _expand_list_options(sys.argv[1:])
     except ValueError as exc:
-        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         sys.exit(2)
     try:
         app(args=args)
     except (RegistryError, BackendError) as exc:
-        err.print(f"[bold red]error[/]: {escape(str(exc))}", highlight=False)
+        _error(str(exc))
         sys.exit(2)
     except OSError as exc:  # a path given (--out, --doc, data.cache, ...) that cannot be read or written
         where = f"{exc.filename}: " if exc.filename else ""
-        err.print(f"[bold red]error[/]: {escape(where + (exc.strerror or str(exc)))}", highlight=False)
+        _error(where + (exc.strerror or str(exc)))
         sys.exit(1)
 
 

@@ -247,7 +247,8 @@ class Kernels:
         self.block, self.requested, self.backends, self.ops, self.auto, self.table = block, requested, backends, ops, auto, table
         self.chunk_size = chunk_size
         self._chosen: dict[str, dict] = {}
-        if missing := [(b, op) for b in ("torch", *backends) for op in ops if (b, op) not in {**KERNELS, **ADAPTERS, **(table or {})}]:
+        available = {**KERNELS, **ADAPTERS, **(table or {})}
+        if missing := [(b, op) for b in ("torch", *backends) for op in ops if (b, op) not in available]:
             raise BackendError(f"{block}: no function for {', '.join(f'{op} on {b}' for b, op in missing)}; a block's kernel table"
                                " names each of its ops for torch and for each backend it offers")
 

@@ -176,13 +176,13 @@ class SameVariantSampler(optuna.samplers.BaseSampler):
         self.sampler = sampler
 
     def infer_relative_search_space(self, study, trial):
-        return self.sampler.infer_relative_search_space(_TrialsOf(study, planned_as(trial)[0]), trial)
+        return self.sampler.infer_relative_search_space(_TrialsOf.of(study, trial), trial)
 
     def sample_relative(self, study, trial, search_space):
-        return self.sampler.sample_relative(_TrialsOf(study, planned_as(trial)[0]), trial, search_space)
+        return self.sampler.sample_relative(_TrialsOf.of(study, trial), trial, search_space)
 
     def sample_independent(self, study, trial, param_name, param_distribution):
-        return self.sampler.sample_independent(_TrialsOf(study, planned_as(trial)[0]), trial, param_name, param_distribution)
+        return self.sampler.sample_independent(_TrialsOf.of(study, trial), trial, param_name, param_distribution)
 
 
 class _TrialsOf:
@@ -191,6 +191,11 @@ class _TrialsOf:
 
     def __init__(self, study: optuna.Study, variant: str):
         self._study, self.variant = study, variant
+
+    @classmethod
+    def of(cls, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> _TrialsOf:
+        """The study seen through the trials of ``trial``'s variant."""
+        return cls(study, planned_as(trial)[0])
 
     def get_trials(self, deepcopy: bool = True, states=None) -> list[optuna.trial.FrozenTrial]:
         return self._of_variant(self._study.get_trials(deepcopy=deepcopy, states=states))

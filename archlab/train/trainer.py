@@ -326,9 +326,13 @@ class Trainer:
 
     def _save(self, step: int, data: DataSource) -> Path:
         """The checkpoint of ``step``, with the fingerprint of the tokens it trained on; its folder, on every process."""
-        state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
-        info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint}
-        self.world.from_main(lambda: checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints))
+
+        def save():  # the trainer's state gathered by the process that writes it
+            state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+            info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint}
+            checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints)
+
+        self.world.from_main(save)
         return checkpoint.folder(self.run_dir, step)
 
     def _prepare(self, resume: bool) -> DataSource:

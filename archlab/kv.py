@@ -215,9 +215,12 @@ class PagedKV:
             page = kv_idx // size
             return (owner[page] == mine[b]) & (first[page] + kv_idx % size <= q_pos[b, q_idx])
 
+        # the partial page leads a list as wide as the full pages': a kernel may index both
+        # lists with the strides and width of the first (CUDA's decoding kernel does)
+        held = table[:, :-1].contiguous()
+        seen = torch.cat([table.gather(1, full[:, None]), held[:, :-1]], 1)
         return BlockMask.from_kv_blocks(
-            partial[:, None, None], table.gather(1, full[:, None])[:, None, None].int(),
-            full[:, None, None].int(), table[:, None, None, :-1].int(),
+            partial[:, None, None], seen[:, None, None].int(), full[:, None, None].int(), held[:, None, None].int(),
             BLOCK_SIZE=(FLEX_QUERY_BLOCK, size), mask_mod=visible, seq_lengths=(q_pos.shape[1], pages * size),
             compute_q_blocks=False,  # those serve the backward pass only
         )

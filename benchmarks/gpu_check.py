@@ -62,7 +62,7 @@ from archlab.train.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 console = Console(stderr=True)
 TOLERANCE = 3e-2  # relative error of a bf16 kernel against the bf16 PyTorch path (both ~1e-2 from fp64)
-KILL_GRACE_S = 60  # past a section's limit, for its own alarm to land and its result to be written
+KILL_GRACE_S = 20  # past a section's limit, for its own alarm to land and its result to be written
 
 # (block spec, kernel backends to compare with "torch")
 PARITY = [
@@ -543,8 +543,9 @@ def main() -> None:
                 outcome = {"result": sections[args.sections]()}
         except Exception:
             outcome = {"error": traceback.format_exc()}
-            console.print(outcome["error"])
         args.part.write_text(json.dumps(outcome, default=str))
+        if "error" in outcome:
+            console.print(outcome["error"], markup=False, highlight=False)  # a traceback's [brackets] are not markup
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds run_apart: its section goes too
     results = {

@@ -50,11 +50,21 @@ def test_paged_attention_equals_attention_over_rows(page_size, queries, kernel):
         torch.testing.assert_close(paged.attend(q, q_pos), expected, rtol=1e-12, atol=1e-12)
 
 
+def read_by_cuda_decoding(blocks: torch.Tensor, counts: torch.Tensor, partial: torch.Tensor, row: int) -> set[int]:
+    """The blocks CUDA's FlexAttention decoding kernel reads from the list ``blocks`` for a query
+    row: it finds the full blocks' list, as the partial ones', at the partial list's row offset
+    and wraps it at that list's width (torch/_inductor/kernel/flex/templates/flex_decode.py.jinja)."""
+    assert blocks.is_contiguous() and partial.is_contiguous()
+    flat = blocks.flatten()
+    return {int(flat[row * partial.stride(0) + j % partial.shape[-1]]) for j in range(int(counts[row, 0, 0]))}
+
+
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 def test_flex_blocks_are_the_pages_each_row_sees(page_size):
     """On the CPU FlexAttention applies only the mask function; its CUDA kernel reads only the
-    listed blocks and skips the mask on full ones. So: full blocks are exactly the pages a row's
-    query sees whole, and full and partial ones together every page it sees any key of."""
+    listed blocks, as it indexes them, and skips the mask on full ones. So: full blocks are
+    exactly the pages a row's query sees whole, and full and partial ones together every page it
+    sees any key of."""
     rows, length = 3, 40
     k = v = torch.zeros(rows, length, 1, 4)
     order = [(r, end) for end in range(page_size, length + page_size, page_size) for r in (1, 2, 0)]
@@ -65,8 +75,8 @@ def test_flex_blocks_are_the_pages_each_row_sees(page_size):
     for row in range(rows):
         key_pos = table.first[:, None] + torch.arange(page_size)
         seen = ((table.owner == row)[:, None] & (key_pos <= q_pos[row, 0])).sum(1)
-        listed = {int(p) for p in mask.full_kv_indices[row, 0, 0, : mask.full_kv_num_blocks[row, 0, 0]]}
-        partial = {int(p) for p in mask.kv_indices[row, 0, 0, : mask.kv_num_blocks[row, 0, 0]]}
+        listed = read_by_cuda_decoding(mask.full_kv_indices, mask.full_kv_num_blocks, mask.kv_indices, row)
+        partial = read_by_cuda_decoding(mask.kv_indices, mask.kv_num_blocks, mask.kv_indices, row)
         assert listed == set((seen == page_size).nonzero()[:, 0].tolist())
         assert listed | partial == set((seen > 0).nonzero()[:, 0].tolist())
 

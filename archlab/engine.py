@@ -173,6 +173,7 @@ class Engine:
     def _positions(self, start: torch.Tensor, n: int) -> torch.Tensor:
         return self.model.streams_of(start[:, None] + torch.arange(n, device=self.device))
 
+    @torch.no_grad()
     def feed(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache, full: bool) -> torch.Tensor | None:
         """Run tokens [B, n] at positions start[b]..start[b]+n-1 into the cache: through the whole
         model (``full``; returns the last position's logits [B, V]) or only the prefill steps."""
@@ -184,6 +185,7 @@ class Engine:
         x = self.model.run(x, positions, steps, cache)
         return self.model.logits(x[:, -1:])[:, -1] if full else None
 
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache) -> torch.Tensor:
         """One token per sequence (tokens [B, 1] at positions start [B]) through the whole model;
         returns the logits [B, V]. With ``cuda_graph`` the step is captured on first use per
@@ -242,6 +244,9 @@ class Engine:
             raise CacheFull(f"the longest prompt ({longest} tokens{new}) needs {need} positions, past the cache's "
                             f"capacity of {cache.capacity}; make the cache with capacity {need} or more")
         if cache.pages is not None:
+            if cache.pages.ran_out():
+                raise CacheFull("this cache ran out of room in an earlier use and some of its positions point at no page;"
+                                " make a new one (new_cache or cache_for)")
             ends = self.model.streams_of(torch.tensor([len(p) + new_tokens for p in prompts]))
             pages = cache.pages.needed(ends)
             if pages > cache.pages.pages:

@@ -112,6 +112,11 @@ class PageTable:
         """Pages the rows hold once each holds positions [0, ends[r]) (the pages they hold kept)."""
         return int(torch.maximum(self.held[self.rows], ceil_div(ends.to(self.held.device), self.page_size)).sum())
 
+    def ran_out(self) -> bool:
+        """Whether a row asked for more than the pool or the capacity holds: its table then sends
+        positions to the spare page for good."""
+        return bool(self.overrun) or int(self.handed) > self.pages
+
     def check(self) -> None:
         """Raise ``CacheFull`` if a row asked for more than the pool or the capacity holds."""
         if self.overrun:

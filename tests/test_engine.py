@@ -250,6 +250,20 @@ def test_a_cache_filled_from_a_few_sequences_decodes_like_them(name, page_size):
         engine.new_cache(5, 40).fill_from(small)
 
 
+def test_stepping_by_hand_builds_no_autograd_graph():
+    """``feed`` and ``decode`` called directly, with gradients on: the cache is written in place,
+    so a graph would chain every step to the last and grow with each token."""
+    spec, model = tiny_model("yoco")
+    engine = Engine(model.eval())
+    cache = engine.new_cache(1, 20)
+    engine.prefill(prompts_for(spec, (8,)), cache)
+    assert torch.is_grad_enabled()
+    logits = engine.decode(torch.tensor([[1]]), torch.tensor([8]), cache)
+    fed = engine.feed(torch.tensor([[2, 3]]), torch.tensor([9]), cache, full=True)
+    (pool,) = cache.global_kv.values()
+    assert not logits.requires_grad and not fed.requires_grad and pool["k"].grad_fn is None
+
+
 @pytest.mark.parametrize("name, page_size", [("transformer", None), ("yoco", None), ("yoco", 4), ("yoco-u-gdn", None),
                                              ("yoco-u-mamba2", None)])
 def test_a_cache_given_that_does_not_fit_the_prompts_is_refused_before_it_runs(name, page_size):

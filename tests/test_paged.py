@@ -170,6 +170,22 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
         torch.testing.assert_close(pool["v"][:, page], reference["v"][:, same], rtol=0, atol=0)
 
 
+@torch.no_grad()
+def test_a_cache_that_ran_out_is_refused_when_used_again():
+    """Its table sends some positions to the spare page for good, and counts pages it never got:
+    short prompts were told they needed 8 of 6 pages."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=8)
+    cache = engine.new_cache(2, 64, pages=6)
+    engine.prefill([torch.randint(0, spec.vocab_size, (16,)) for _ in range(2)], cache)
+    with pytest.raises(CacheFull, match="6 K,V pages of 8 positions ran out"):
+        for position in range(16, 36):
+            engine.decode(torch.zeros(2, 1, dtype=torch.long), torch.tensor([position] * 2), cache)
+            cache.check()
+    with pytest.raises(CacheFull, match=r"ran out of room in an earlier use .* make a new one"):
+        list(engine.stream([torch.randint(0, spec.vocab_size, (5,)) for _ in range(2)], 3, cache=cache))
+
+
 def test_a_pool_that_runs_out_at_the_last_token_is_named(monkeypatch):
     """The last token is only written into the cache, not decoded; past the pool, it went to the
     spare page with nothing said. The check at the call stops this first; without it, the check

@@ -474,12 +474,16 @@ def cost(
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)
+    labelled = list(zip(_labels(good), (spec for _, spec in good)))
     if doc is not None:
+        if fmt is not Format.md:
+            _error(f"--doc writes a markdown page; --format {fmt.value} goes with a table on stdout")
+            raise typer.Exit(2)
         command = "archlab cost " + " ".join(str(p) for p in paths) + " --seq-len " + " ".join(seq_len) + f" --doc {doc}"
-        doc.write_text(cost_doc([(str(p), s) for p, s in good], lengths, command))
+        doc.write_text(cost_doc(labelled, lengths, command))
         err.print(f"wrote {doc}")
         return
-    rows = [replace(Cost(spec).row(n), spec=label) for label, (_, spec) in zip(_labels(good), good) for n in lengths]
+    rows = [replace(Cost(spec).row(n), spec=label) for label, spec in labelled for n in lengths]
     sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
 
 

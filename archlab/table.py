@@ -62,7 +62,7 @@ def render(rows: list[dict], fmt: Format) -> str:
 def si(value: float) -> str:
     """1.29e9 -> '1.29G': three significant digits with an SI prefix."""
     value = float(f"{value:.3g}")  # round first, so 999.9 reads 1.00K, not 1.00e+03
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(value) >= scale:
             return f"{_three_digits(value / scale)}{prefix}"
     return _three_digits(value)

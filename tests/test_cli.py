@@ -382,6 +382,8 @@ BAD_PATHS = [
      "error: /proc/archlab: No such file or directory"),
     ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 1, "error: {dir}/absent/cost.md: No such file or directory"),
     ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 1, "error: {dir}: Is a directory"),
+    ("cost --doc as csv", ["cost", SPEC, "--doc", "{dir}/cost.md", "--format", "csv"], 2,
+     "--doc writes a markdown page; --format csv goes with a table on stdout"),
     ("bench --plot in no folder", ["bench", SPEC, "--plot", "{dir}/absent/bench.png"], 2, "--plot {dir}/absent/bench.png: no folder {dir}/absent"),
     ("bench --plot not png", ["bench", SPEC, "--plot", "{dir}/bench.txt"], 2, "the plot is a PNG; give a file name ending in .png"),
     ("bench --plot a folder", ["bench", SPEC, "--plot", "{dir}"], 2, "--plot {dir} is a folder"),

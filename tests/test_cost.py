@@ -192,7 +192,7 @@ def test_cost_docs_are_up_to_date():
     from archlab.cost import cost_doc
 
     page = ROOT / "docs" / "costs.md"
-    specs = [(f"specs/paper/{p.name}", archlab.load_spec(p)) for p in PAPER]
+    specs = [(spec.name, spec) for spec in map(archlab.load_spec, PAPER)]
     lengths = [16 * 1024, 64 * 1024, 256 * 1024]
     command = "archlab cost specs/paper --seq-len 16K 64K 256K --doc docs/costs.md"
     assert page.read_text() == cost_doc(specs, lengths, command), "run: " + command
@@ -224,7 +224,8 @@ def test_the_readable_table_keeps_a_small_cache_visible():
 
 @pytest.mark.parametrize(
     "value, text",
-    [(0, "0"), (4, "4.00"), (9.4e9, "9.40G"), (63e9, "63.0G"), (263e12, "263T"), (999.9, "1.00K"), (1.294e9, "1.29G")],
+    [(0, "0"), (4, "4.00"), (9.4e9, "9.40G"), (63e9, "63.0G"), (263e12, "263T"), (999.9, "1.00K"), (1.294e9, "1.29G"),
+     (1.45e18, "1.45E")],
 )
 def test_si_keeps_three_digits(value, text):
     """Every figure in a column carries three digits, and rounding up moves to the next prefix."""

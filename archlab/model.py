@@ -23,7 +23,7 @@ from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError
 from archlab.rope import Rotary
-from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, YocoLayout
+from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, SpecError, YocoLayout
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:
@@ -119,6 +119,8 @@ def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
 class Model(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
+        if problems := spec.problems():  # a spec varied by model_copy(update=...) skipped them
+            raise SpecError(spec.name, problems)
         self.spec = spec
         self.plan = Plan.of(spec)
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)

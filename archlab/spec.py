@@ -139,10 +139,17 @@ def _resolve_blocks() -> None:
         model.model_rebuild(_types_namespace=namespace)
 
 
+# bounds far past any real model, so that a typo is refused here rather than spent in validation,
+# planning and the allocator
+MAX_LAYERS = 1024  # in one half
+MAX_WIDTH = 2**20
+MAX_LOOP_TIMES = 256
+
+
 class Half(Strict):
     """A run of layers: ``blocks`` is a pattern repeated over ``n_layers`` (e.g. [gdn, gdn, swa])."""
 
-    n_layers: PositiveInt
+    n_layers: int = Field(gt=0, le=MAX_LAYERS)
     blocks: tuple[Block, ...]
     position: Position = RoPE(type="rope")
 
@@ -200,7 +207,7 @@ KVCache = Literal["shared", "per_iteration"]
 
 
 class _Loop(Strict):
-    times: Annotated[int, Field(ge=1, description="iterations T of the looped layers")]
+    times: Annotated[int, Field(ge=1, le=MAX_LOOP_TIMES, description="iterations T of the looped layers")]
     kv_cache: KVCache | None = Field(
         None,
         description="for loops over layers with a length-growing K,V cache: one cache for all"
@@ -272,7 +279,7 @@ class ModelSpec(Strict):
     name: str = Field(min_length=1)
     description: str = ""
     vocab_size: int = Field(gt=0, le=2**31 - 1)  # bounded, so that a typo is refused here rather than by the allocator
-    d_model: PositiveInt
+    d_model: int = Field(gt=0, le=MAX_WIDTH)
     norm: Norm = RMSNorm()
     ffn: FFN = SwiGLU()
     layout: Layout
@@ -332,6 +339,9 @@ class ModelSpec(Strict):
         yoco = isinstance(self.layout, YocoLayout)
         for half_index, (path, half) in enumerate(self.halves):
             ctx = self.build_context(half_index)
+            if len(half.blocks) > half.n_layers:
+                root.at(f"{path}.blocks").add(f"{len(half.blocks)} blocks for {half.n_layers} layers: the pattern's blocks"
+                                              f" past layer {half.n_layers} would never be built")
             for i, block in enumerate(half.blocks):
                 at = root.at(f"{path}.blocks").at(i)
                 block.check(ctx, at)
@@ -505,6 +515,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem(at, f"YAML syntax error: {what}")]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc}")]) from None
+    except ValueError as exc:  # a number past Python's limit on digits
+        raise SpecError(str(path), [Problem("<yaml>", f"cannot read a value: {str(exc).split(';')[0]}")]) from None
     except RecursionError:
         raise SpecError(str(path), [Problem("<yaml>", "nested too deeply to read")]) from None
     if not isinstance(data, dict):

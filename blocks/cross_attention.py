@@ -31,6 +31,10 @@ class CrossAttentionSpec(BlockSpec):
         heads = self.heads(ctx)
         derived = "" if self.n_heads else (f" (n_heads unset: d_model // layout.global_kv.head_dim = {ctx.d_model} //"
                                            f" {ctx.global_head_dim} = {heads}; give n_heads)")
+        if not self.n_heads and ctx.d_model % ctx.global_head_dim:
+            problems.at("n_heads").add(f"d_model={ctx.d_model} is not a multiple of the global K,V's head_dim"
+                                       f" {ctx.global_head_dim}, so the query heads cannot be derived from it; give n_heads")
+            return
         if heads == 0 or heads % ctx.global_kv_heads:
             problems.at("n_heads").add(
                 f"{heads} query heads must be a positive multiple of the global K,V's"

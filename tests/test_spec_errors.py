@@ -111,8 +111,24 @@ CASES = [
     ("range loop ending before it starts", {"s.yaml": STACK + "loop: {position: range, start: 2, end: 1, times: 2}\n"}, "s.yaml",
      ["loop.end: 1 must be past start (2)"]),
     ("global head wider than the model", {"s.yaml": BASE.replace("head_dim: 8", "head_dim: 64")}, "s.yaml",
-     ["layout.cross_decoder.blocks[0].n_heads: 0 query heads must be a positive multiple of the global K,V's 2 heads",
-      "(n_heads unset: d_model // layout.global_kv.head_dim = 32 // 64 = 0; give n_heads)"]),
+     ["layout.cross_decoder.blocks[0].n_heads: d_model=32 is not a multiple of the global K,V's head_dim 64, so the"
+      " query heads cannot be derived from it; give n_heads"]),
+    ("global head not tiling the model", {"s.yaml": BASE.replace("head_dim: 8", "head_dim: 12")}, "s.yaml",
+     ["layout.cross_decoder.blocks[0].n_heads: d_model=32 is not a multiple of the global K,V's head_dim 12"]),
+    ("global head wider than the model, heads given",
+     {"s.yaml": BASE.replace("cross_decoder: {n_layers: 2}", "cross_decoder: {n_layers: 2, blocks: [{type: cross_attention, n_heads: 3}]}")},
+     "s.yaml", ["layout.cross_decoder.blocks[0].n_heads: 3 query heads must be a positive multiple of the global K,V's 2 heads"]),
+    ("a pattern longer than its layers", {"s.yaml": STACK.replace("n_layers: 4, blocks: [{type: attention, n_heads: 4}]",
+                                                                  "n_layers: 2, blocks: [attention, attention, swa]")},
+     "s.yaml", ["layout.layers.blocks: 3 blocks for 2 layers: the pattern's blocks past layer 2 would never be built"]),
+    ("a width past any model", {"s.yaml": BASE.replace("d_model: 32", "d_model: 100000000000000000001")}, "s.yaml",
+     ["d_model: Input should be less than or equal to 1048576"]),
+    ("layers past any model", {"s.yaml": STACK.replace("n_layers: 4", "n_layers: 10000000")}, "s.yaml",
+     ["layout.layers.n_layers: Input should be less than or equal to 1024"]),
+    ("a loop past any model", {"s.yaml": BASE + "loop: {position: lower, times: 10000000}\n"}, "s.yaml",
+     ["loop.times: Input should be less than or equal to 256"]),
+    ("a number too long to read", {"s.yaml": BASE.replace("d_model: 32", "d_model: 1" + "0" * 5000)}, "s.yaml",
+     ["<yaml>: cannot read a value: Exceeds the limit (4300 digits) for integer string conversion"]),
     ("a count derived from a parent's value", {"s.yaml": "extends: base.yaml\nd_model: 40\n", "base.yaml": BASE}, "s.yaml",
      ["n_heads: 5 query heads", "(n_heads unset: d_model // layout.global_kv.head_dim = 40 // 8 = 5; give n_heads)"]),
     ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
@@ -217,6 +233,15 @@ def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, di
     check_heads(problems, d_model, next(h for h in range(3, 100) if d_model % h), None)
     (problem,) = problems.found
     assert f"allowed: one of {divisors}" in problem.msg
+
+
+def test_a_spec_varied_past_its_checks_is_refused_by_the_build():
+    """``model_copy(update=...)`` skips validation: a loop straddling the global K,V projection
+    built as two loops, not the one the spec names."""
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml")
+    varied = spec.model_copy(update={"loop": spec.loop.model_copy(update={"position": "range", "start": 1, "end": 3})})
+    with pytest.raises(archlab.SpecError, match="straddle the global K,V projection"):
+        archlab.build_model(varied)
 
 
 def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):

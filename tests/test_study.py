@@ -439,6 +439,9 @@ def test_bad_study_definitions_are_named(tmp_path):
         ({"variants": {**data["variants"], "yoco-u": {**data["variants"]["yoco-u"], "scale_set": {"tinyy": {"loop.times": 2}}}}},
          "variants.yoco-u.scale_set.tinyy: no scale 'tinyy'; this study has ['tiny']"),
         ({"variants": {**data["variants"], "a|b": data["variants"]["yoco"]}}, "variants.a|b: a variant's name is letters, digits"),
+        ({"name": "../../outside"}, "name: a study's name is letters, digits"),  # it names the default --out folder
+        ({"scales": {**data["scales"], "a/b": data["scales"]["tiny"]}}, "scales.a/b: a scale's name is letters, digits"),
+        ({"lr": {"low": 0.001, "high": 0.003, "points": 100_000_000}}, "lr.points: Input should be less than or equal to 1000"),
         ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),
     ]:  # the last stays in the file
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", **changes}))

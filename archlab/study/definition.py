@@ -20,7 +20,8 @@ from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, set_each_d
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
-VARIANT_NAME = re.compile(r"[A-Za-z0-9._-]+")
+FOLDER_NAME = re.compile(r"[A-Za-z0-9._-]+")  # of a study, scale or variant: they name folders and report cells
+MAX_POINTS = 1000  # learning rates per (variant, seed): far past any study, short of a grid that never finishes expanding
 
 
 class Variant(Strict):
@@ -40,7 +41,7 @@ class LearningRates(Strict):
 
     low: PositiveFloat = 1e-3
     high: PositiveFloat = 1e-2
-    points: PositiveInt = 2
+    points: int = Field(2, gt=0, le=MAX_POINTS)
 
     def grid(self) -> list[float]:
         if self.points == 1:
@@ -85,9 +86,12 @@ class StudySpec(Strict):
         for i, seed in enumerate(self.seeds):
             if seed in self.seeds[:i]:
                 root.at("seeds").at(i).add(f"seed {seed} is listed twice")
+        named = [("study", root.at("name"), self.name), *(("scale", root.at("scales").at(s), s) for s in self.scales),
+                 *(("variant", root.at("variants").at(v), v) for v in self.variants)]
+        for what, at, name in named:
+            if not FOLDER_NAME.fullmatch(name):
+                at.add(f"a {what}'s name is letters, digits, '.', '_' and '-' only")
         for name, variant in self.variants.items():
-            if not VARIANT_NAME.fullmatch(name):  # it names trial folders and report table cells
-                root.at("variants").at(name).add("a variant's name is letters, digits, '.', '_' and '-' only")
             for scale in sorted(set(variant.scale_set) - set(self.scales)):  # a misspelt scale would be ignored
                 root.at("variants").at(name).at("scale_set").at(scale).add(f"no scale {scale!r}; this study has {sorted(self.scales)}")
         return root.found

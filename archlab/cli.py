@@ -86,7 +86,7 @@ def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
     """Load every spec, reporting each bad one; returns the good ones and the count of bad."""
     good, bad, files = [], 0, _expand(paths)
     if not files:
-        err.print(f"[bold red]error[/]: no spec files found in {' '.join(map(str, paths))}", highlight=False)
+        err.print(f"[bold red]error[/]: no spec files found in {escape(' '.join(map(str, paths)))}", highlight=False)
     for path in files:
         try:
             good.append((path, load_spec(path)))
@@ -101,7 +101,7 @@ def validate(paths: SpecPaths) -> None:
     """Check specs; name every problem with its field path. Exit 1 if any spec is invalid."""
     good, bad = _load_all(paths)
     for path, spec in good:
-        out.print(f"[green]ok[/]    {path}  ({spec.name})", highlight=False)
+        out.print(f"[green]ok[/]    {escape(str(path))}  ({escape(spec.name)})", highlight=False)
     if bad:
         err.print(f"{bad} of {bad + len(good)} spec(s) invalid")
     if bad or not good:
@@ -168,7 +168,7 @@ def build(
             verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)" if result.finite else "[red]non-finite"
             checked = f"{result.passes}, costs, decoding" if result.finite else result.passes
             check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
-        table.add_row(label, _describe_structure(model), f"{params:,}", check)
+        table.add_row(escape(label), _describe_structure(model), f"{params:,}", check)
     out.print(table)
     for problem in problems:
         _error(problem)
@@ -217,7 +217,7 @@ def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callab
         size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
         paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
         after = f"; {kept()}" if kept else ""
-        err.print(f"[bold red]error[/]: {what}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
+        err.print(f"[bold red]error[/]: {escape(what)}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
         raise typer.Exit(1) from None
 
 
@@ -329,12 +329,12 @@ def generate(
         except CheckpointError as exc:
             _error(str(exc))
             raise typer.Exit(1) from None
-        err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False)
+        err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
     else:
         spec, tokenizer, model = _load_one(source), None, None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
     if tokenizer is None and spec.vocab_size < 256:
-        err.print(f"[bold red]error[/]: {spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
+        err.print(f"[bold red]error[/]: {escape(spec.name)} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
     ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
     if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
@@ -348,7 +348,7 @@ def generate(
     if model is None:
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
         model = _built(spec)
-        err.print(f"[yellow]notice[/]: {spec.name} has random weights (no checkpoint given); expect noise.")
+        err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):
@@ -448,7 +448,7 @@ def bench(
                     _error(str(exc))
                     raise typer.Exit(1) from None
             for n in lengths:
-                progress.update(task, description=f"{spec.name} @ {n:,} tokens")
+                progress.update(task, description=f"{escape(spec.name)} @ {n:,} tokens")
                 with _fits_in_memory(f"{spec.name}: a batch of {batch} x ({n:,} prompt + {gen:,} new tokens)",
                                      "--seq-len, --batch or --gen", page_size):
                     rows.append(measure(model, label, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows, cuda_graph=cuda_graph,
@@ -457,7 +457,7 @@ def bench(
     sys.stdout.write(render([r.as_dict() for r in rows], fmt))
     if plot_path is not None:
         plot(rows, str(plot_path))
-        err.print(f"plot written to {plot_path}")
+        err.print(f"plot written to {plot_path}", markup=False)
 
 
 @app.command()
@@ -481,7 +481,7 @@ def cost(
             raise typer.Exit(2)
         command = "archlab cost " + " ".join(str(p) for p in paths) + " --seq-len " + " ".join(seq_len) + f" --doc {doc}"
         doc.write_text(cost_doc(labelled, lengths, command))
-        err.print(f"wrote {doc}")
+        err.print(f"wrote {doc}", markup=False)
         return
     rows = [replace(Cost(spec).row(n), spec=label) for label, spec in labelled for n in lengths]
     sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
@@ -505,7 +505,7 @@ def equal_flops(
     compared = [(_spec_file(reference), ref), *good]
     for label, (_, spec) in zip(_labels(compared), compared):
         matched = equal_flops_steps(ref, steps, spec, n)
-        table.add_row(label, si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
+        table.add_row(escape(label), si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
     out.print(table)
 
 
@@ -595,7 +595,7 @@ def train(
     except KeyboardInterrupt as exc:
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
         raise typer.Exit(_interrupted_code(exc)) from None
-    say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False)
+    say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False, markup=False)
 
 
 def _kept_of(out: Path, memory: bool = False) -> str:
@@ -682,9 +682,9 @@ def study_run(
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
             err.print(f"[bold red]error[/]: no trial succeeded ({planned} of {planned} failed); why each failed is under"
-                      f" Failed trials in {where / 'report.md'}", highlight=False)
+                      f" Failed trials in {escape(str(where / 'report.md'))}", highlight=False)
             raise typer.Exit(1)
-        err.print(f"report and plots in {where}", highlight=False)
+        err.print(f"report and plots in {where}", highlight=False, markup=False)
 
     _study_errors(action)
 

@@ -405,6 +405,31 @@ def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message)
     assert paths["file"].read_text() == "kept\n" and not any(paths["dir"].iterdir())  # nothing there was touched
 
 
+# (the commands run in turn, each with what it must print); {spec}: a spec named x[/] in a folder br[/]x, {run}: a run
+# folder under exp [v2]/br[/]x
+MARKUP_LIKE = {
+    "validate": [(["validate", "{spec}"], "ok    {spec}  (x[/])")],
+    "build": [(["build", "{spec}"], " x[/] ")],
+    "generate": [(["generate", "{spec}", "--max-new-tokens", "2"], "notice: x[/] has random weights")],
+    "train": [(["train", "{spec}", "--out", "{run}", "--steps", "1", "--set", "data.source=mqar", "--set", "seq_len=64", "--set", "batch_size=4",
+                "--set", "micro_batch_size=4", "--set", "eval_batches=1"], "done: 1 step; checkpoints and metrics.jsonl in {run}"),
+              (["train", "{spec}", "--out", "{run}", "--resume", "--steps", "2"], "resuming from {run}/checkpoints/step-00000001 (step 1)"),
+              (["generate", "{run}", "--max-new-tokens", "2"], "weights from {run}/checkpoints/step-00000002; byte tokens")],
+}
+
+
+@pytest.mark.parametrize("command", MARKUP_LIKE)
+def test_paths_and_names_that_look_like_markup_are_printed_as_they_are(cli, tmp_path, command):
+    """The console reads [...] as markup: a [/] in a path or a spec's name stopped the command with a
+    traceback (a training, once it had saved), and [v2] dropped out of the path it named."""
+    paths = {"spec": tmp_path / "br[/]x" / "yoco.yaml", "run": tmp_path / "exp [v2]" / "br[/]x" / "run"}
+    paths["spec"].parent.mkdir(parents=True)
+    paths["spec"].write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: \"x[/]\"\n")
+    for args, said in MARKUP_LIKE[command]:
+        code, out, stderr = cli(*expand(args, **paths))
+        assert code == 0 and "Traceback" not in out + stderr and said.format(**paths) in out + stderr, out + stderr
+
+
 # (command, what stderr must say): options out of bounds are refused before any work (exit 2)
 BAD_OPTIONS = [
     (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),
@@ -452,14 +477,14 @@ def test_generate_refuses_a_prompt_or_stop_it_cannot_use_before_drawing_weights(
     assert "random weights" not in stderr and not stdout
 
 
-@pytest.mark.parametrize("command", ["generate", "build", "train"])
+@pytest.mark.parametrize("command", ["generate", "train"])
 def test_a_model_larger_than_memory_is_said_in_words(cli, tmp_path, command):
     spec = tmp_path / "big.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: big\nd_model: {2**40}\n")  # a 2^50-byte embedding
-    options = {"generate": ["--max-new-tokens", "2"], "build": [], "train": ["--out", tmp_path / "run", "--steps", "1"]}[command]
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: big\nd_model: {2**20}\n")  # 2^40-element matrices
+    options = {"generate": ["--max-new-tokens", "2"], "train": ["--out", tmp_path / "run", "--steps", "1"]}[command]
     code, _, stderr = cli(command, spec, *options)
     assert code == 1 and "Traceback" not in stderr, stderr
-    assert "12,089,258,199,323,880,351,334,400 parameters" in stderr and "does not fit in memory" in stderr, stderr
+    assert "10,998,146,662,400 parameters" in stderr and "does not fit in memory" in stderr, stderr
     assert ("no checkpoint had been written, so there is nothing to resume" in stderr) == (command == "train")
     assert not (tmp_path / "run").exists()
 
@@ -574,6 +599,27 @@ def test_resume_refuses_weights_of_another_dtype(tmp_path):
     run = fake_run(tmp_path, weights=lambda t: t.half())
     with pytest.raises(CheckpointError, match=r"step-00000001 does not fit this model \(weights of another dtype"):
         load(run / "checkpoints" / "step-00000001", build_model(load_spec(ROOT / SPEC)))
+
+
+def test_weights_of_another_shape_are_named_in_one_line(cli, tmp_path):
+    """A spec edited after training: which weights differ, not torch's lines of size mismatches."""
+    run = fake_run(tmp_path / "run")
+    (run / "spec.yaml").write_text((run / "spec.yaml").read_text().replace("d_model: 64", "d_model: 96"))
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "2")
+    assert code == 1 and "does not fit this model (weights of another shape: [" in stderr and "not [" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+@pytest.mark.parametrize("pickled", [b"\x80\x02h\x05.", b"\x80\x02q\x05.", b"\x80\x02J\x01\x00."],
+                         ids=["memo never stored", "memo past the list", "integer cut short"])
+def test_a_trainer_state_the_unpickler_chokes_on_is_damage(tmp_path, pickled):
+    """KeyError, IndexError or struct.error from torch's weights-only unpickler, not a traceback."""
+    run = fake_run(tmp_path)
+    checkpoint = run / "checkpoints" / "step-00000001"
+    (checkpoint / "state.json").write_text('{"step": 1}')
+    (checkpoint / "trainer.pt").write_bytes(pickled)
+    with pytest.raises(CheckpointError, match=r"step-00000001 is damaged \(trainer.pt does not load: (KeyError|IndexError|error)\)"):
+        load(checkpoint, build_model(load_spec(ROOT / SPEC)))
 
 
 def test_a_sound_fake_run_generates(cli, tmp_path):

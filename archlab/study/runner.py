@@ -445,7 +445,7 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
             progress.update(task, now=now)
             if not run_trial(study, optuna_study, trial_id, out, url):
                 console.print(f"trial {trial.number} ({now}) was taken over: this worker sent no heartbeat for over {grace_period} s"
-                              " (paused?), so another failed it and queued it again; going on", highlight=False)
+                              " (paused?), so another failed it and queued it again; going on", highlight=False, markup=False)
             elif not live:
                 trial = optuna_study._storage.get_trial(trial_id)
                 outcome, metric = trial.state.name.lower(), study.definition.metric
@@ -454,5 +454,5 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
                 elif trial.value is not None:
                     outcome += f", {metric} {trial.value:.4f}"
                 outcome += f" ({trial.user_attrs['failure'].splitlines()[0]})" if "failure" in trial.user_attrs else ""
-                console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False)
+                console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False, markup=False)  # a failure may quote [paths]
     return optuna_study

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import pickle
 import re
 import shutil
 from pathlib import Path
@@ -77,19 +76,21 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
     return final
 
 
-def _stored_dtype(f, name: str) -> torch.dtype:
-    """A saved tensor's dtype, from an empty slice of it: its data is not read."""
+def _stored_form(f, name: str) -> tuple[torch.dtype, list[int]]:
+    """A saved tensor's dtype and shape, from an empty slice of it: its data is not read."""
     piece = f.get_slice(name)
-    return (piece[:0] if piece.get_shape() else f.get_tensor(name)).dtype
+    shape = piece.get_shape()
+    return (piece[:0] if shape else f.get_tensor(name)).dtype, shape
 
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
-    expected = model.state_dict()
+    expected = {name: (t.dtype, list(t.shape)) for name, t in model.state_dict().items()}
     with safe_open(path / "model.safetensors", "pt") as f:  # loading would convert another dtype silently
-        saved = {name: _stored_dtype(f, name) for name in f.keys() if name in expected}
-    wrong = [f"{name}: {dtype}, not {expected[name].dtype}" for name, dtype in saved.items() if dtype != expected[name].dtype]
-    if wrong:
-        raise CheckpointError(f"checkpoint {path} does not fit this model (weights of another dtype: {sorted(wrong)[:3]})")
+        saved = {name: _stored_form(f, name) for name in f.keys() if name in expected}
+    for index, kind in enumerate(("dtype", "shape")):
+        wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]
+        if wrong:
+            raise CheckpointError(f"checkpoint {path} does not fit this model (weights of another {kind}: {sorted(wrong)[:3]})")
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise CheckpointError(
@@ -112,7 +113,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
     try:
         trainer_state = torch.load(path / "trainer.pt", weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+    except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
         raise _damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None

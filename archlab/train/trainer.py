@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from archlab.cost import Cost, peak_flops
@@ -251,7 +252,7 @@ class Trainer:
         step = info["step"]
         if step > steps:
             raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
-        self._say(f"resuming from {found[-1]} (step {step})")
+        self._say(f"resuming from {escape(str(found[-1]))} (step {step})")
         return step
 
     def _refuse_foreign_files(self) -> None:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
-from archlab.train.data import RecallTask, TokenSource
+from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
 from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT, interruptible
 
@@ -218,6 +218,47 @@ def test_a_text_folder_leaves_out_its_hidden_folders(tmp_path):
     (tmp_path / "docs" / "notes.txt").write_text("the notes")
     assert read_texts(str(tmp_path), 5000) == ["the notes"]
     assert read_texts(str(tmp_path / ".venv"), 20) == ["import os\n" * 2]  # given as the corpus, it is read
+
+
+@pytest.mark.parametrize("max_bytes", [1, 4095, 4096, 8193, 100_001])
+def test_a_text_file_is_read_as_far_as_max_bytes_as_reading_it_whole_cut_it(tmp_path, max_bytes):
+    """The same characters, newlines read as text mode reads them, so a corpus tokenizes as it did."""
+    text = "".join(f"line {i}\r\nd\u00e9j\u00e0 \u20ac{i}\rdone \U0001f600\n" for i in range(10_000))
+    (tmp_path / "text.txt").write_bytes(text.encode())
+    assert read_texts(str(tmp_path / "text.txt"), max_bytes) == [(tmp_path / "text.txt").read_text(encoding="utf-8")[:max_bytes]]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+def test_an_endless_stream_is_read_no_further_than_max_bytes():
+    """/dev/zero was read whole, until the kernel killed the run with no word; NUL bytes are binary."""
+    with pytest.raises(DataError, match=r"left out 1 file\(s\) that are not UTF-8 text: /dev/zero \(NUL bytes: binary, not text\)$"):
+        read_texts("/dev/zero", 100_000)
+
+
+def test_a_file_that_is_not_utf8_is_named(cli, tmp_path):
+    """A Latin-1 file is not "no text": the error names it and its first bad byte."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", latin1, *SMALL),
+            f"data source {str(latin1)!r} holds no text (looked at 1 file(s)); left out 1 file(s) that are not UTF-8 text:"
+            f" {latin1} (not UTF-8: byte 0xe9); convert text in another encoding to UTF-8")
+
+
+def test_a_folder_names_the_files_it_leaves_out(tmp_path):
+    """Files of a folder that are not UTF-8 text are left out with a notice naming them, not in silence."""
+    (tmp_path / "old").mkdir()
+    for i in range(6):
+        (tmp_path / "old" / f"latin{i}.txt").write_bytes("caf\u00e9\n".encode("latin-1"))
+    (tmp_path / "zeros.txt").write_bytes(b"\0" * 5000)
+    (tmp_path / "good.txt").write_text("caf\u00e9 au lait\n")
+    with pytest.warns(UserWarning) as said:
+        assert read_texts(str(tmp_path), 5000) == ["caf\u00e9 au lait\n"]
+    bad = "(not UTF-8: byte 0xe9)"
+    assert [str(w.message) for w in said] == [(
+        f"data source {str(tmp_path)!r}: left out 7 file(s) that are not UTF-8 text: old/latin0.txt {bad}, old/latin1.txt {bad},"
+        f" old/latin2.txt {bad}, old/latin3.txt {bad}, old/latin4.txt {bad}, and 2 more; convert text in another encoding to"
+        " UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )]
 
 
 def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):

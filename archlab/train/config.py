@@ -47,7 +47,7 @@ class Data(Strict):
 
     source: str = "stdlib"
     tokenizer: str | None = None  # a tokenizer.json; None: train a byte-level BPE on the corpus
-    max_bytes: PositiveInt = 16_000_000  # of text read from a corpus to tokenize
+    max_bytes: PositiveInt = 16_000_000  # characters of text read from a corpus to tokenize
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a raw .bin token file
     hf_text_field: str = "text"

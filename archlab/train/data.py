@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import sysconfig
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,10 +146,15 @@ def _stdlib_files() -> list[Path]:
 
 
 def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[str]:
-    """Documents of a text corpus, in a fixed order, up to ``max_bytes`` in all."""
+    """Documents of a text corpus, in a fixed order, up to ``max_bytes`` characters in all, each
+    file read only as far as they go. Files that are not UTF-8 text (a byte that is not UTF-8, a
+    NUL byte, or unreadable) are left out by name: in a notice where other files hold text, in the
+    error where none does."""
     looked_for = ""  # which files of a folder are read, said when none held text
+    root = None  # a folder's files are named from it
     if source == "stdlib":
         files = _stdlib_files()
+        root = Path(sysconfig.get_paths()["stdlib"])
     elif source.startswith("hf:"):
         return _hf_texts(source[3:], max_bytes, text_field)
     else:
@@ -159,20 +165,55 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
                        and not _hidden(p.relative_to(path))) if path.is_dir() else [path]
         looked_for = (f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}, outside hidden folders such as .git"
                       f" or .venv" if path.is_dir() else "")
-    texts, total = [], 0
+        root = path if path.is_dir() else None
+    texts, total, left_out = [], 0, []
     for file in files:
         try:
-            text = file.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # not text
+            text = _read_text(file, max_bytes - total)
+        except _NotText as why:
+            left_out.append(f"{file.relative_to(root) if root else file} ({why})")
+            continue
         if text.strip():
-            texts.append(text[: max_bytes - total])
-            total += len(texts[-1])
+            texts.append(text)
+            total += len(text)
         if total >= max_bytes:
             break
     if not texts:
-        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for})")
+        said = f"; {_left_out_said(left_out)}" if left_out else ""
+        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for}){said}")
+    if left_out:
+        warnings.warn(f"data source {source!r}: {_left_out_said(left_out)}", stacklevel=2)
     return texts
+
+
+NAMED = 5  # files left out that a message names; the rest are counted
+
+
+class _NotText(Exception):
+    """Why a file of a text corpus is left out, said after its name."""
+
+
+def _read_text(file: Path, wanted: int) -> str:
+    """The first ``wanted`` characters of a UTF-8 text file, as ``read_text()[:wanted]`` gives
+    them, read no further (a file larger than memory, an endless stream such as /dev/zero)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            text = f.read(wanted)
+    except UnicodeDecodeError as exc:
+        raise _NotText(f"not UTF-8: byte 0x{exc.object[exc.start]:02x}") from None
+    except OSError as exc:
+        raise _NotText(f"unreadable: {exc.strerror or exc}") from None
+    if "\0" in text:
+        raise _NotText("NUL bytes: binary, not text")
+    return text
+
+
+def _left_out_said(left_out: list[str]) -> str:
+    """The files read_texts left out, named (the first few) and counted."""
+    named = ", ".join(left_out[:NAMED]) + (f", and {len(left_out) - NAMED} more" if len(left_out) > NAMED else "")
+    convert = "; convert text in another encoding to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    return f"left out {len(left_out)} file(s) that are not UTF-8 text: {named}" + (
+        convert if any("(not UTF-8:" in said for said in left_out) else "")
 
 
 def _hidden(relative: Path) -> bool:

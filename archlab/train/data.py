@@ -139,10 +139,12 @@ class RecallTask:
 # --- corpora --------------------------------------------------------------------------------
 
 
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
 def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    return sorted(p for p in STDLIB.rglob("*.py") if not skip & set(p.relative_to(STDLIB).parts))
 
 
 def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[str]:
@@ -153,8 +155,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
     looked_for = ""  # which files of a folder are read, said when none held text
     root = None  # a folder's files are named from it
     if source == "stdlib":
-        files = _stdlib_files()
-        root = Path(sysconfig.get_paths()["stdlib"])
+        files, root = _stdlib_files(), STDLIB
     elif source.startswith("hf:"):
         return _hf_texts(source[3:], max_bytes, text_field)
     else:

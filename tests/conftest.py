@@ -7,6 +7,10 @@ from pathlib import Path
 # (tests/test_kernels_interpreted.py). Triton reads the flag when it decorates a kernel, so it is
 # set before either package is first imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One thread for torch here and in every command a test starts, so that a test's several processes
+# (torchrun's, concurrent study workers) do not contend for a small machine's cores; the tests'
+# models are too small to gain from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch

@@ -15,6 +15,7 @@ folder in ``ARCHLAB_TEST_MAMBA_SSM``.
 
 import builtins
 import contextlib
+import dataclasses
 import os
 import sys
 import types
@@ -68,15 +69,47 @@ def mamba_ssm_importable(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(multi_processor_count=1))
 
 
+class LanguagePatchedOnce:
+    """The interpreter's ``_patch_lang``, which a kernel calls around its run and a device function
+    at each call: a call patches only modules of triton.language not yet patched in this kernel's
+    run, and the kernel's restore undoes every patch of its run, the last first."""
+
+    def __init__(self, patch):
+        import triton.language as tl
+
+        self.patch, self.languages, self.scopes, self.patched = patch, (tl, tl.core), [], set()
+
+    def __call__(self, fn):
+        langs = {id(value) for value in fn.__globals__.values() if any(value is lang for lang in self.languages)}
+        if not self.scopes or not langs <= self.patched:
+            self.scopes.append(self.patch(fn))
+            self.patched |= langs
+        return self
+
+    def restore(self):
+        while self.scopes:
+            self.scopes.pop().restore()
+        self.patched.clear()
+
+
 @pytest.fixture
 def interpreted(monkeypatch):
     """``load(backend)`` makes a package's kernels runnable here: loop indices as above, autotuning
     without timing (every config computes the same result and the interpreter has no timer, so
     the first is taken), and kernel backends allowed on the CPU. mamba-ssm leaves no trace."""
+    from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
 
     monkeypatch.setattr(Autotuner, "_bench", lambda self, *args, config, **meta: [0.0, 0.0, 0.0])
     monkeypatch.setattr(dispatch, "runs_on", lambda backend, device_type: True)
+    # Two costs of the interpreter that change no result, together most of these tests' time.
+    # Without debug it works out each integer op's overflow check and then drops it (compiled
+    # Triton emits none):
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
+    # and it patches triton.language afresh at every call of a device function (each exp in a
+    # loop), though the kernel calling it has patched the language already.
+    monkeypatch.setattr(interpreter, "_patch_lang", LanguagePatchedOnce(interpreter._patch_lang))
 
     def load(backend: str) -> None:
         if backend == "mamba_ssm":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -72,70 +73,86 @@ def rewrite(path, **changes):
     return load_study(str(path))
 
 
-def archlab(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "archlab", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "COLUMNS": "200"}, **kwargs)
+OK = (0, None)  # the exit codes of a command that succeeded, run in this process (conftest's cli)
+
+
+@contextmanager
+def no_longer_than(seconds):
+    """A command run in this process that waits for ever (a worker that never finds a dead
+    worker's trial stale) fails the test, as a subprocess's timeout would, rather than hang it."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def trials_of(url, name):
     return optuna.load_study(study_name=f"{name}-tiny", storage=url).get_trials()
 
 
-def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path):
+def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     out = tmp_path / "out"
-    result = archlab("study", "run", mini(tmp_path), "--out", out)
-    assert result.returncode == 0, result.stderr
+    code, stdout, stderr = cli("study", "run", mini(tmp_path), "--out", out)
+    assert code in OK, stderr
     trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert sorted(settled(trials)) == [("yoco", 0, 0), ("yoco", 0, 1), ("yoco-u", 0, 0), ("yoco-u", 0, 1)]
     assert all(sorted(t.intermediate_values) == [2, 4] for t in trials)  # reported for the pruner
-    assert "| yoco-u |" in result.stdout and "vs baseline" in result.stdout and "4 complete" in result.stdout
-    assert "lr grid of 2 points over [0.002, 0.004]" in result.stdout and "\n\n\n" not in result.stdout  # no question: no gap
-    assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in result.stderr.splitlines()) == 4  # a log, not a terminal
+    assert "| yoco-u |" in stdout and "vs baseline" in stdout and "4 complete" in stdout
+    assert "lr grid of 2 points over [0.002, 0.004]" in stdout and "\n\n\n" not in stdout  # no question: no gap
+    assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in stderr.splitlines()) == 4  # a log, not a terminal
     for png in ("curves.png", "loss_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
-    again = archlab("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
-    assert again.returncode == 0 and again.stdout == result.stdout
-    elsewhere = archlab("study", "report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}", "--out", tmp_path / "copy")
-    assert elsewhere.returncode == 0 and "4 complete" in elsewhere.stdout, elsewhere.stderr  # a storage named, not --out's
+    code, again, stderr = cli("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
+    assert code in OK and again == stdout, stderr
+    code, elsewhere, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}", "--out", tmp_path / "copy")
+    assert code in OK and "4 complete" in elsewhere, stderr  # a storage named, not --out's
     assert (tmp_path / "copy" / "report.md").is_file()
-    rerun = archlab("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
-    assert rerun.returncode == 0 and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
+    assert code in OK and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4, stderr
 
 
-def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, cli):
     variants = {"yoco": {"spec": "yoco.yaml"}, "exploding": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
     path = mini(tmp_path, "failing", variants, steps=6)
     out = tmp_path / "out"
-    result = archlab("study", "run", path, "--out", out)
-    assert result.returncode == 0, result.stderr
+    code, stdout, stderr = cli("study", "run", path, "--out", out)
+    assert code in OK, stderr
     trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "failing")
     failed = [t for t in trials if t.state.name == "FAIL"]
     assert failed and all(re.match(DIVERGED, t.user_attrs["failure"]) for t in failed)
     assert sum(t.state.name == "COMPLETE" for t in trials) == 2  # the other variant still ran
-    assert "0/2" in result.stdout  # pruned/failed column of the failing variant
-    assert "4 planned: 2 complete, 0 running, 0 waiting, 2 failed, 0 pruned" in result.stdout and "incomplete" not in result.stdout
-    listed = result.stdout.split("## Failed trials")[1]
+    assert "0/2" in stdout  # pruned/failed column of the failing variant
+    assert "4 planned: 2 complete, 0 running, 0 waiting, 2 failed, 0 pruned" in stdout and "incomplete" not in stdout
+    listed = stdout.split("## Failed trials")[1]
     assert all(re.search(rf"\| {t.number} \| exploding \| 0 \| {t.user_attrs['lr']:.2g} \| {DIVERGED}", listed) for t in failed)
 
 
-def test_a_study_whose_every_trial_failed_fails(tmp_path):
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # as the runner ignores them in a process of its own
+def test_a_study_whose_every_trial_failed_fails(tmp_path, cli, caplog):
     variants = {"yoco": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
     out = tmp_path / "out"
-    result = archlab("study", "run", mini(tmp_path, "doomed", variants, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), "--out", out)
-    assert result.returncode == 1 and "Traceback" not in result.stderr and "notice" not in result.stderr
-    assert f"no trial succeeded (1 of 1 failed); why each failed is under Failed trials in {out / 'report.md'}" in result.stderr
+    code, _, stderr = cli("study", "run", mini(tmp_path, "doomed", variants, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), "--out", out)
+    assert code == 1 and "Traceback" not in stderr + caplog.text and "notice" not in stderr, stderr  # caplog: what a process would log
+    assert f"no trial succeeded (1 of 1 failed); why each failed is under Failed trials in {out / 'report.md'}" in stderr
     assert re.search(DIVERGED, (out / "report.md").read_text())
 
 
-def test_an_unreachable_storage_is_named_without_its_password(tmp_path):
+def test_an_unreachable_storage_is_named_without_its_password(tmp_path, cli, caplog):
     url = "postgresql://nobody:hunter2@127.0.0.1:1/none"  # nothing listens on port 1
     for command in ("run", "report"):
-        result = archlab("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
-        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-        assert "cannot open the study storage postgresql://nobody:***@127.0.0.1:1/none" in result.stderr or (
-            "no database driver for postgresql" in result.stderr)
-        assert "hunter2" not in result.stderr
+        code, stdout, stderr = cli("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+        assert code == 1 and "Traceback" not in stderr + caplog.text, stderr  # caplog: what a process would log to its stderr
+        assert "cannot open the study storage postgresql://nobody:***@127.0.0.1:1/none" in stderr or (
+            "no database driver for postgresql" in stderr)
+        assert "hunter2" not in stdout + stderr + caplog.text
 
 
 def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relative_path(tmp_path, monkeypatch):
@@ -148,43 +165,45 @@ def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relativ
         assert "hunt" not in shown(url) and "***@" in shown(url)  # URLs the parser misreads or refuses
 
 
-def test_an_in_memory_storage_is_refused(tmp_path):
+def test_an_in_memory_storage_is_refused(tmp_path, cli):
     """It would vanish with the worker (and it failed inside Optuna with a traceback)."""
-    result = archlab("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "sqlite:// is an in-memory database: the study would end with this process" in result.stderr
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "sqlite:// is an in-memory database: the study would end with this process" in stderr
 
 
-def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path):
-    path, out = mini(tmp_path, "killed", steps=150), tmp_path / "out"
-    url = f"sqlite:///{out / 'optuna.db'}"
-    worker = subprocess.Popen([sys.executable, "-m", "archlab", "study", "run", str(path), "--out", str(out), "--grace-period", "4"],
+def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path, cli):
+    # one planned trial, long enough to be caught training: the next run has its retry alone to train
+    path = mini(tmp_path, "killed", {"yoco": {"spec": "yoco.yaml"}}, steps=150, lr={"low": 0.003, "high": 0.003, "points": 1})
+    out, url = tmp_path / "out", f"sqlite:///{tmp_path / 'out' / 'optuna.db'}"
+    worker = subprocess.Popen([sys.executable, "-m", "archlab", "study", "run", str(path), "--out", str(out), "--grace-period", "2"],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
-    while time.time() < deadline and worker.poll() is None:
-        try:
-            running = [t for t in trials_of(url, "killed") if t.state.name == "RUNNING" and t.intermediate_values]
-        except Exception:  # the storage is still being created
-            running = []
-        if running:
-            break
+    while time.time() < deadline and worker.poll() is None and not (out / "trials").is_dir():  # storage made, a trial claimed
         time.sleep(0.1)
+    assert worker.poll() is None, "the worker ended before training its trial"
+    study = optuna.load_study(study_name="killed-tiny", storage=url)
+    while time.time() < deadline and worker.poll() is None:  # until it has reported an evaluation: caught training
+        if any(t.state.name == "RUNNING" and t.intermediate_values for t in study.get_trials(deepcopy=False)):
+            break
+        time.sleep(0.05)
     worker.send_signal(signal.SIGKILL)
     assert worker.wait() == -signal.SIGKILL
-    result = archlab("study", "run", path, "--out", out, "--grace-period", "4")
-    assert result.returncode == 0, result.stderr
+    with no_longer_than(600):  # a run that never found the trial stale would wait for it for ever
+        code, stdout, stderr = cli("study", "run", path, "--out", out, "--grace-period", "2")
+    assert code in OK, stderr
     trials = trials_of(url, "killed")
     stale = [t for t in trials if t.state.name == "FAIL"]
     assert len(stale) == 1
     done = settled(trials)
-    assert len(done) == 4 and all(t.state.name == "COMPLETE" for t in done.values())
+    assert len(done) == 1 and all(t.state.name == "COMPLETE" for t in done.values()) and len(trials) == 2
     retry = [t for t in done.values() if t.system_attrs.get("failed_trial") == stale[0].number]
     assert len(retry) == 1
     # the report counts the planned trial once, by its retry, and says what became of the first attempt
-    assert "4 planned: 4 complete, 0 running, 0 waiting, 0 failed, 0 pruned; 1 lost their worker" in result.stdout
-    assert result.stdout.count("| 0/0 |") == 2
-    assert f"| {stale[0].number} | {planned_as(stale[0])[0]} |" in result.stdout
-    assert "stopped sending heartbeats after step" in result.stdout and f"| trial {retry[0].number}, complete |" in result.stdout
+    assert "1 planned: 1 complete, 0 running, 0 waiting, 0 failed, 0 pruned; 1 lost their worker" in stdout
+    assert stdout.count("| 0/0 |") == 1
+    assert f"| {stale[0].number} | {planned_as(stale[0])[0]} |" in stdout
+    assert "stopped sending heartbeats after step" in stdout and f"| trial {retry[0].number}, complete |" in stdout
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
@@ -201,7 +220,7 @@ def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
-def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(tmp_path):
+def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(tmp_path, cli):
     path, out = mini(tmp_path, "edited", steps=2), tmp_path / "out"
     study = load_study(str(path))
     url = storage_url(out, None)
@@ -211,10 +230,10 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
     edit = functools.partial(rewrite, path)
     edit(lr={"low": 0.001, "high": 0.004, "points": 2})
     for command in ("run", "report"):
-        result = archlab("study", command, path, "--out", out)
-        assert result.returncode == 1 and "Traceback" not in result.stderr
-        assert "holds 1 trial that trained under another definition" in result.stderr
-        assert "yoco seed 0 lr slot 0: lr 0.002 -> 0.001" in result.stderr
+        code, _, stderr = cli("study", command, path, "--out", out)
+        assert code == 1 and "Traceback" not in stderr, stderr
+        assert "holds 1 trial that trained under another definition" in stderr
+        assert "yoco seed 0 lr slot 0: lr 0.002 -> 0.001" in stderr
     after = trials_of(url, "edited")
     assert len(after) == 4 and after[0].state.name == "COMPLETE" and after[0].value == trained.value  # kept as it was
     # a change that no started trial trained under, and a new seed, are fine: the new seed's trials are planned
@@ -274,8 +293,12 @@ def test_a_trial_taken_by_a_worker_that_died_before_training_goes_stale_even_mid
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Killed):
         patch.setattr(storage, "set_trial_state_values", killed_once_taken)
         claim(optuna_study, url, out)
-    time.sleep(3)  # past the grace period (SQLite's clock counts whole seconds)
-    fail_stale_trials(optuna_study)  # what the next worker does first
+    deadline = time.time() + 60  # well past the grace period (SQLite's clock counts whole seconds: stale within 3 s)
+    while True:
+        fail_stale_trials(optuna_study)  # what the next worker does first
+        if all(storage.get_trial(dead).state.name != "RUNNING" for dead in (claimed, *taken)) or time.time() > deadline:
+            break
+        time.sleep(0.2)
     for dead in (claimed, *taken):
         stale = optuna_study._storage.get_trial(dead)
         retry = [t for t in optuna_study.get_trials() if t.system_attrs.get("failed_trial") == stale.number]
@@ -293,6 +316,7 @@ from archlab.study.runner import claim
 url, out, go = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 study = optuna.load_study(study_name="race", storage=RDBStorage(url, heartbeat_interval=1, grace_period=60,
                                                                engine_kwargs={"connect_args": {"timeout": 60}}))
+Path(f"{out}.ready").touch()  # imported and connected: the test starts every worker at once
 while not go.exists():
     time.sleep(0.01)
 claimed = []
@@ -308,15 +332,19 @@ def test_workers_on_one_sqlite_file_never_claim_the_same_trial(tmp_path):
     workers share the storage, not a study folder (each its own --out)."""
     url, go = f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "go"
     queued = optuna.create_study(study_name="race", storage=url)
-    for k in range(200):
+    for k in range(100):  # without the lock, 4 workers claimed some 15 of 100 twice
         queued.enqueue_trial({"k": k})
     (tmp_path / "claimer.py").write_text(CLAIMER)
     workers = [subprocess.Popen([sys.executable, str(tmp_path / "claimer.py"), url, str(tmp_path / f"out{i}"), str(go)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
-    time.sleep(5)  # every worker imported and waiting
+    ready = [tmp_path / f"out{i}.ready" for i in range(4)]
+    deadline = time.time() + 300
+    while not all(r.exists() for r in ready) and time.time() < deadline and all(w.poll() is None for w in workers):
+        time.sleep(0.05)  # until every worker has imported and is waiting
     go.touch()
-    claims = [int(t) for w in workers for t in w.communicate(timeout=300)[0].split()]
-    assert all(w.returncode == 0 for w in workers)
+    outputs = [w.communicate(timeout=300) for w in workers]
+    assert all(w.returncode == 0 for w in workers), [stderr for _, stderr in outputs]
+    claims = [int(t) for stdout, _ in outputs for t in stdout.split()]
     assert sorted(claims) == [t._trial_id for t in queued.get_trials()]  # each trial claimed once
 
 
@@ -357,7 +385,7 @@ def test_a_worker_whose_trial_was_taken_over_goes_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
-def test_a_report_reads_only_a_study_that_is_there(tmp_path):
+def test_a_report_reads_only_a_study_that_is_there(tmp_path, cli):
     path, out = mini(tmp_path, "named"), tmp_path / "out"
     study = load_study(str(path))
     url = storage_url(out, None)
@@ -365,9 +393,9 @@ def test_a_report_reads_only_a_study_that_is_there(tmp_path):
     report(study, optuna_study, tmp_path / "new" / "dir", url)  # a directory not yet there
     assert (tmp_path / "new" / "dir" / "report.md").is_file() and (tmp_path / "new" / "dir" / "curves.png").is_file()
     (out / "report.md").write_text("kept")
-    result = archlab("study", "report", mini(tmp_path, "renamed"), "--out", out)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert f"error: no study renamed-tiny in {url}; it holds named-tiny (was the study renamed" in " ".join(result.stderr.split())
+    code, _, stderr = cli("study", "report", mini(tmp_path, "renamed"), "--out", out)
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert f"error: no study renamed-tiny in {url}; it holds named-tiny (was the study renamed" in " ".join(stderr.split())
     assert (out / "report.md").read_text() == "kept" and optuna.get_all_study_names(url) == ["named-tiny"]
 
 
@@ -417,13 +445,13 @@ def test_a_pruned_trial_is_logged_with_where_it_was_cut(tmp_path, monkeypatch):
     assert f"trial 0 (yoco seed 0 lr slot 0): pruned at step 2 (val_loss {trial.intermediate_values[2]:.4f} there)" in log.getvalue()
 
 
-def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp_path):
-    result = archlab("study", "run", mini(tmp_path), "--out", tmp_path / "out", "--grace-period", "0")
-    assert result.returncode == 2 and "--grace-period" in result.stderr and "Traceback" not in result.stderr
+def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp_path, cli):
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", tmp_path / "out", "--grace-period", "0")
+    assert code == 2 and "--grace-period" in stderr and "Traceback" not in stderr, stderr
     assert not (tmp_path / "out").exists()
 
 
-def test_bad_study_definitions_are_named(tmp_path):
+def test_bad_study_definitions_are_named(tmp_path, cli):
     path = mini(tmp_path)
     data = yaml.safe_load(path.read_text())
     data["baseline"] = "gpt"
@@ -472,15 +500,15 @@ def test_bad_study_definitions_are_named(tmp_path):
     assert load_study(str(path)).specs["yoco-u"].layout.self_decoder.blocks[0].window == 16
     with pytest.raises(SpecError, match="no shipped study of that name"):
         load_study("loop-placement")
-    result = archlab("study", "run", "loop-placement")
-    assert result.returncode == 1 and "shipped:" in result.stderr and "Traceback" not in result.stderr
+    code, _, stderr = cli("study", "run", "loop-placement")
+    assert code == 1 and "shipped:" in stderr and "Traceback" not in stderr, stderr
 
 
-def test_a_shipped_study_is_a_command():
-    result = archlab("study", "window", "--help")
-    assert result.returncode == 0 and "Run (or join, or resume) a study" in result.stdout
-    listed = archlab("study", "--help")
-    assert all(name in listed.stdout for name in SHIPPED)
+def test_a_shipped_study_is_a_command(cli):
+    code, stdout, stderr = cli("study", "window", "--help")
+    assert code in OK and "Run (or join, or resume) a study" in stdout, stderr
+    code, listed, stderr = cli("study", "--help")
+    assert code in OK and all(name in listed for name in SHIPPED), stderr
 
 
 def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, curve=None):
@@ -589,12 +617,13 @@ def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
 def test_a_study_run_afresh_in_another_storage_or_beside_another_study_trains_its_own_trials(tmp_path):
     """Trials are numbered from 0 in each study and storage: with one trials folder for all, the
     second study's trials met the first one's runs and failed, every one."""
-    path, out = mini(tmp_path, "first", steps=2), tmp_path / "out"
+    one = {"variants": {"yoco": {"spec": "yoco.yaml"}}, "steps": 2, "lr": {"low": 0.003, "high": 0.003, "points": 1}}  # trial 0 alone
+    path, out = mini(tmp_path, "first", **one), tmp_path / "out"
     log = io.StringIO()
     for study, url in ((load_study(str(path)), None), (load_study(str(path)), f"sqlite:///{tmp_path / 'afresh.db'}"),
-                       (load_study(str(mini(tmp_path, "second", steps=2))), None)):
+                       (load_study(str(mini(tmp_path, "second", **one))), None)):
         done = work(study, out, url, Console(file=log, width=200), grace_period=60).get_trials()
-        assert [t.state.name for t in done] == ["COMPLETE"] * 4, log.getvalue()
+        assert [t.state.name for t in done] == ["COMPLETE"], log.getvalue()
     assert len(list((out / "trials").glob("*/0000-yoco-s0-lr0"))) == 3
 
 
@@ -688,8 +717,8 @@ def test_tpe_learns_each_variants_learning_rate_from_that_variant_alone():
     assert 1e-3 < np.median(draws) < 1e-1 and np.median(pooled) < 1e-3
 
 
-def test_a_report_from_a_sqlite_file_that_is_not_there_makes_none(tmp_path):
+def test_a_report_from_a_sqlite_file_that_is_not_there_makes_none(tmp_path, cli):
     typo = tmp_path / "typo.db"
-    result = archlab("study", "report", mini(tmp_path), "--storage", f"sqlite:///{typo}")
-    assert result.returncode != 0 and f"no SQLite database {typo}; give the --storage the study ran with" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and not typo.exists()
+    code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{typo}")
+    assert code not in OK and f"no SQLite database {typo}; give the --storage the study ran with" in stderr, stderr
+    assert "Traceback" not in stderr and not typo.exists()

@@ -1,5 +1,7 @@
 """Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -42,6 +44,14 @@ def clean_failure(result, *fragments):
     assert "Traceback" not in result.stderr + result.stdout, result.stderr
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
+
+
+def refused(outcome, *fragments):
+    """An in-process command (the ``cli`` fixture) that failed with one clear message: the form of
+    ``clean_failure`` for a command run in this process, where a traceback is an exception let out."""
+    code, out, stderr = outcome
+    assert "Traceback" not in stderr + out, stderr
+    assert code not in (0, None) and all(fragment in stderr for fragment in fragments), stderr
 
 
 def test_killed_run_resumes_bitwise(tmp_path):
@@ -99,11 +109,11 @@ def where_they_part(resumed, reference, started) -> str:
             f" reference's in {differ or 'no tensor'}")
 
 
-def test_distributed_gloo_matches_one_process(tmp_path):
+def test_distributed_gloo_matches_one_process(cli, tmp_path):
     spec = "specs/tiny/yoco-u.yaml"
     common = [*SMALL, "--set", "eval_interval=1000", "--steps", "6"]
-    one = archlab("train", spec, "--out", tmp_path / "one", *common)
-    assert one.returncode == 0, one.stderr
+    one = cli("train", spec, "--out", tmp_path / "one", *common)
+    assert one[0] == 0, one[2]
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "archlab", "train",
          spec, "--out", str(tmp_path / "two"), *common],
@@ -122,15 +132,16 @@ def test_distributed_gloo_matches_one_process(tmp_path):
     # clipped, the loss stays finite while the gradient is NaN; keeping one checkpoint would prune the good one
     ("yoco", ["--set", "optimizer.lr=1e4", "--set", "checkpoint_interval=1", "--set", "keep_checkpoints=1"], "gradient norm became nan"),
 ])
-def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, diverge, what):
+def test_divergence_stops_and_keeps_the_last_good_checkpoint(cli, tmp_path, spec, diverge, what):
     run = tmp_path / "run"
-    result = archlab("train", f"specs/tiny/{spec}.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0", *diverge, "--steps", "50")
-    clean_failure(result, what, "training stopped before applying it")
+    result = cli("train", f"specs/tiny/{spec}.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0", *diverge, "--steps", "50")
+    refused(result, what, "training stopped before applying it")
+    stderr = result[2]
     kept = sorted((run / "checkpoints").glob("step-*"))
-    right_after = int(kept[-1].name.removeprefix("step-")) + 1 == int(re.search(r"at step (\d+);", result.stderr)[1])
-    assert ("first step from" in result.stderr) == right_after  # its weights alone gave the NaN: no learning rate helps
+    right_after = int(kept[-1].name.removeprefix("step-")) + 1 == int(re.search(r"at step (\d+);", stderr)[1])
+    assert ("first step from" in stderr) == right_after  # its weights alone gave the NaN: no learning rate helps
     assert kept, "a good checkpoint was written before the run diverged"
-    assert str(kept[-1]) in result.stderr
+    assert str(kept[-1]) in stderr
     weights = load_file(kept[-1] / "model.safetensors")
     assert all(t.isfinite().all() for t in weights.values())
     def refuse(constant):
@@ -138,18 +149,18 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(tmp_path, spec, div
     records = [json.loads(line, parse_constant=refuse) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == int(kept[-1].name.removeprefix("step-"))  # nothing logged past the last good step
     if spec == "transformer":  # its last checkpoint's own weights give a NaN gradient: no learning rate helps
-        again = archlab("train", f"specs/tiny/{spec}.yaml", "--out", run, "--resume", "--set", "optimizer.lr=1e-3", "--steps", "50")
-        clean_failure(again, f"and it is the first step from {kept[-1]}, whose weights lead there at any learning rate",
-                      f"move {kept[-1].name} out of checkpoints/")
+        again = cli("train", f"specs/tiny/{spec}.yaml", "--out", run, "--resume", "--set", "optimizer.lr=1e-3", "--steps", "50")
+        refused(again, f"and it is the first step from {kept[-1]}, whose weights lead there at any learning rate",
+                f"move {kept[-1].name} out of checkpoints/")
 
 
-def test_weights_past_float_range_are_not_saved(tmp_path):
+def test_weights_past_float_range_are_not_saved(cli, tmp_path):
     """The loss of the step that overflowed them is still finite; the checkpoint would be unusable."""
     run = tmp_path / "run"
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0",
-                     "--set", "optimizer.lr=1e39", "--set", "checkpoint_interval=1", "--steps", "5")
-    clean_failure(result, "weights became non-finite by step 1 (embed.weight", "training stopped before saving them",
-                  "no checkpoint had been written")
+    result = cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--set", "schedule.warmup_steps=0",
+                 "--set", "optimizer.lr=1e39", "--set", "checkpoint_interval=1", "--steps", "5")
+    refused(result, "weights became non-finite by step 1 (embed.weight", "training stopped before saving them",
+            "no checkpoint had been written")
     assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
 
 
@@ -166,9 +177,8 @@ def test_weights_past_float_range_are_not_saved(tmp_path):
          ["layout.cross_decoder.blocks.0.backend", "--set reaches only the training config", "a spec that `extends` it"]),
     ],
 )
-def test_bad_input_is_a_clear_error(tmp_path, args, fragments):
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", *SMALL, "--steps", "2", *args)
-    clean_failure(result, *fragments)
+def test_bad_input_is_a_clear_error(cli, tmp_path, args, fragments):
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", *SMALL, "--steps", "2", *args), *fragments)
 
 
 def test_a_config_key_at_the_wrong_level_is_pointed_to_its_section(cli, tmp_path):
@@ -179,33 +189,33 @@ def test_a_config_key_at_the_wrong_level_is_pointed_to_its_section(cli, tmp_path
     assert not (tmp_path / "run").exists()
 
 
-def test_empty_corpus_and_bad_token_file(tmp_path):
+def test_empty_corpus_and_bad_token_file(cli, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("   \n")
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r1", "--data", empty, *SMALL),
-                  "holds no text (looked at 1 file(s); a folder's files ending in .c, .csv,")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r1", "--data", empty, *SMALL),
+            "holds no text (looked at 1 file(s); a folder's files ending in .c, .csv,")
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(5000) % 300)  # ids beyond the vocabulary of 256
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r2", "--data", tokens, *SMALL),
-                  "token id 299 >= vocab_size 256")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r2", "--data", tokens, *SMALL),
+            "token id 299 >= vocab_size 256")
     np.save(tokens, np.arange(5000) % 200 - 5)
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r3", "--data", tokens, *SMALL),
-                  "has token id -5; ids start at 0")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r3", "--data", tokens, *SMALL),
+            "has token id -5; ids start at 0")
     np.save(tokens, np.array([[i] for i in range(5000)], dtype=object), allow_pickle=True)  # pickled objects
-    objects = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
-    clean_failure(objects, "could not be read: it holds Python objects, not token ids")
-    assert "allow_pickle" not in objects.stderr
+    objects = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
+    refused(objects, "could not be read: it holds Python objects, not token ids")
+    assert "allow_pickle" not in objects[2]
     tokens.write_bytes(pickle.dumps(list(range(5000))))  # a pickle, named .npy
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL),
-                  "is not a NumPy .npy file")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL),
+            "is not a NumPy .npy file")
     raw = tmp_path / "tokens.bin"  # ids written as uint32, read with the default width of uint16
     (np.arange(5000) % 200).astype(np.uint32).tofile(raw)
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL),
-                  "read as uint16 has every other id 0", "set data.token_dtype: uint32")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL),
+            "read as uint16 has every other id 0", "set data.token_dtype: uint32")
     (np.arange(5000) % 200).astype(np.uint16).tofile(raw)  # and the other way round
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r6", "--data", raw, *SMALL,
-                          "--set", "data.token_dtype=uint32"), "(read as uint32: is that the width it was written in?")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r6", "--data", raw, *SMALL,
+                "--set", "data.token_dtype=uint32"), "(read as uint32: is that the width it was written in?")
 
 
 def test_a_text_folder_leaves_out_its_hidden_folders(tmp_path):
@@ -261,22 +271,22 @@ def test_a_folder_names_the_files_it_leaves_out(tmp_path):
     )]
 
 
-def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(tmp_path):
+def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(cli, tmp_path):
     run = tmp_path / "run"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
-                   "--set", "checkpoint_interval=2").returncode == 0
-    again = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4")
-    clean_failure(again, "already holds a run", "--resume")
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
+               "--set", "checkpoint_interval=2")[0] == 0
+    again = cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4")
+    refused(again, "already holds a run", "--resume")
     latest = sorted((run / "checkpoints").glob("step-*"))[-1]
     for damaged, fragment in (("trainer.pt", "trainer.pt does not load"), ("model.safetensors", "is damaged")):
         (latest / damaged).write_bytes(b"garbage" * 30)
         before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-        resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
-        clean_failure(resumed, fragment, "remove it to resume from the one before")
-        assert "weights_only" not in resumed.stderr  # torch's advice to load it unsafely is not passed on
+        resumed = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+        refused(resumed, fragment, "remove it to resume from the one before")
+        assert "weights_only" not in resumed[2]  # torch's advice to load it unsafely is not passed on
         assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    other = archlab("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
-    clean_failure(other, "was trained with a different spec than specs/tiny/yoco.yaml: name transformer -> yoco;")
+    other = cli("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
+    refused(other, "was trained with a different spec than specs/tiny/yoco.yaml: name transformer -> yoco;")
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
@@ -293,33 +303,33 @@ def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_
     assert "interrupted; no checkpoint had been written, so there is nothing to resume" in stderr and "Traceback" not in stderr
 
 
-def test_only_checkpoints_named_by_the_trainer_are_resumed_and_pruned(tmp_path):
+def test_only_checkpoints_named_by_the_trainer_are_resumed_and_pruned(cli, tmp_path):
     run = tmp_path / "run"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
-                   "--set", "checkpoint_interval=2", "--set", "keep_checkpoints=2").returncode == 0
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4",
+               "--set", "checkpoint_interval=2", "--set", "keep_checkpoints=2")[0] == 0
     latest = run / "checkpoints" / "step-00000004"
     shutil.copytree(latest, run / "checkpoints" / "step-00000004-keep")  # a user's copy, by a name of its own
     state = latest / "state.json"
     good = state.read_text()
     state.write_text(good.replace('"step": 4', '"step": 3'))
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"),
-                  f"checkpoint {latest} is damaged (its state.json is at step 3)")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"),
+            f"checkpoint {latest} is damaged (its state.json is at step 3)")
     state.write_text(good)
-    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming from {latest} (step 4)" in resumed.stderr
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+    assert code == 0, stderr
+    assert f"resuming from {latest} (step 4)" in stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004-keep", "step-00000006", "step-00000008"]
 
 
-def test_token_files_tokenizer_and_budgets(tmp_path):
+def test_token_files_tokenizer_and_budgets(cli, tmp_path):
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 20000).astype(np.uint16).tofile(tokens)
     run = tmp_path / "bin"
-    result = archlab("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--data", tokens, *SMALL, "--tokens", "2K")
-    assert result.returncode == 0, result.stderr
+    code, _, stderr = cli("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--data", tokens, *SMALL, "--tokens", "2K")
+    assert code == 0, stderr
     records = losses(run)
     assert len(records) == 4  # 2048 tokens / (8 x 64) per step
-    assert "less than one step" not in result.stderr
+    assert "less than one step" not in stderr
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert "moe_max_load" in first and first["moe_max_load"] >= 1.0
 
@@ -331,62 +341,65 @@ def test_token_files_tokenizer_and_budgets(tmp_path):
     import archlab as lab
 
     per_step = Cost(lab.load_spec(ROOT / "specs/tiny/transformer.yaml")).train_flops_per_token(64) * 8 * 64
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--flops", str(3.5 * per_step))
-    assert result.returncode == 0, result.stderr
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--flops", str(3.5 * per_step))
+    assert code == 0, stderr
     assert len(losses(run)) == 3
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(run / "tokenizer.json"))
     assert tokenizer.decode(tokenizer.encode("the lazy dog").ids) == "the lazy dog"
-    generated = archlab("generate", run, "--prompt", "the lazy", "--max-new-tokens", "6")
-    assert generated.returncode == 0, generated.stderr
-    assert "weights from" in generated.stderr and "tokenizer" in generated.stderr
-    assert generated.stdout.startswith("the lazy")
+    code, stdout, stderr = cli("generate", run, "--prompt", "the lazy", "--max-new-tokens", "6")
+    assert code == 0, stderr
+    assert "weights from" in stderr and "tokenizer" in stderr
+    assert stdout.startswith("the lazy")
     spec, model, used, tokens = lab.load_trained(str(run))  # the README's way in from Python
     assert (spec.name, used.name, tokens) == ("transformer", "step-00000003", run / "tokenizer.json")
     weights, held = load_file(used / "model.safetensors"), model.state_dict()
     assert len(weights.keys() & held.keys()) >= len(held) - 1  # all (one name fewer where embeddings are tied)
     assert all(torch.equal(weights[name], held[name]) for name in weights.keys() & held.keys())
-    reuse = archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "reuse", "--data", text, *SMALL,
-                    "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
-    assert reuse.returncode == 0, reuse.stderr
+    reuse = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "reuse", "--data", text, *SMALL,
+                "--set", f"data.tokenizer={run / 'tokenizer.json'}", "--steps", "2")
+    assert reuse[0] == 0, reuse[2]
     assert (tmp_path / "reuse" / "data" / "train.npy").is_file()
 
 
-def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(tmp_path):
+def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(cli, tmp_path, monkeypatch):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 400)
     (tmp_path / "elsewhere").mkdir()
 
     spec = ROOT / "specs/tiny/transformer.yaml"
-    trained = archlab("train", spec, "--out", "run", "--data", "corpus", *SMALL, "--set", "data.cache=shared", "--steps", "2", cwd=tmp_path)
-    assert trained.returncode == 0, trained.stderr
+    monkeypatch.chdir(tmp_path)  # each command run from the folder a user would run it in
+    trained = cli("train", spec, "--out", "run", "--data", "corpus", *SMALL, "--set", "data.cache=shared", "--steps", "2")
+    assert trained[0] == 0, trained[2]
     config, corpus = tmp_path / "run" / "config.yaml", tmp_path / "shared" / "data" / "corpus.json"
     data = yaml.safe_load(config.read_text())["data"]
     assert (data["source"], data["cache"]) == (str(tmp_path / "corpus"), str(tmp_path / "shared"))
-    generated = archlab("generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4", cwd=tmp_path / "elsewhere")
-    assert generated.returncode == 0, generated.stderr
-    assert f"tokenizer {tmp_path / 'shared' / 'tokenizer.json'}" in generated.stderr
-    resumed = archlab("train", spec, "--out", "../run", "--resume", "--steps", "3", cwd=tmp_path / "elsewhere")
-    assert resumed.returncode == 0, resumed.stderr
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    code, _, stderr = cli("generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4")
+    assert code == 0, stderr
+    assert f"tokenizer {tmp_path / 'shared' / 'tokenizer.json'}" in stderr
+    resumed = cli("train", spec, "--out", "../run", "--resume", "--steps", "3")
+    assert resumed[0] == 0, resumed[2]
     for file in (config, corpus):  # as a run recorded them before paths were made absolute
         file.write_text(file.read_text().replace(str(tmp_path) + "/", ""))
-    older = archlab("train", spec, "--out", "run", "--resume", "--steps", "4", cwd=tmp_path)  # from where it was started
-    assert older.returncode == 0, older.stderr
+    monkeypatch.chdir(tmp_path)
+    older = cli("train", spec, "--out", "run", "--resume", "--steps", "4")  # from where it was started
+    assert older[0] == 0, older[2]
     (tmp_path / "shared" / "tokenizer.json").unlink()  # byte tokens in its place would print garbage
-    clean_failure(archlab("generate", "run", "--max-new-tokens", "4", cwd=tmp_path),
-                  f"the run's tokenizer is not at {tmp_path / 'shared' / 'tokenizer.json'}, where data.cache")
+    refused(cli("generate", "run", "--max-new-tokens", "4"),
+            f"the run's tokenizer is not at {tmp_path / 'shared' / 'tokenizer.json'}, where data.cache")
 
 
-def test_mqar_reports_accuracy(tmp_path):
+def test_mqar_reports_accuracy(cli, tmp_path):
     run = tmp_path / "mqar"
-    result = archlab("train", "specs/tiny/yoco-u.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3",
-                     "--set", "eval_interval=3")
-    assert result.returncode == 0, result.stderr
+    code, _, stderr = cli("train", "specs/tiny/yoco-u.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3",
+                          "--set", "eval_interval=3")
+    assert code == 0, stderr
     last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert 0.0 <= last["eval_acc"] <= 1.0 and last["eval_loss"] > 0
     # not a terminal: a plain line per logged step as it happens, the evaluation's accuracy with it
-    lines = [line for line in result.stderr.splitlines() if line.startswith("step ")]
+    lines = [line for line in stderr.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]
     assert "loss" in lines[0] and "lr" in lines[0] and "tok/s" in lines[0] and "eval" not in lines[0]
     assert f"acc {last['eval_acc']:.1%}" in lines[-1]
@@ -410,32 +423,32 @@ def test_a_terminal_gets_the_live_display(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="FlexAttention trains on CUDA")
-def test_flex_attention_refuses_to_train_off_cuda_before_writing(tmp_path):
+def test_flex_attention_refuses_to_train_off_cuda_before_writing(cli, tmp_path):
     from archlab.spec import load_yaml, set_dotted
 
     data = load_yaml(ROOT / "specs" / "tiny" / "yoco-u.yaml")
     block = {"type": "swa", "window": 16, "n_heads": 4, "n_kv_heads": 2, "backend": "flex"}
     (tmp_path / "flex.yaml").write_text(yaml.safe_dump(set_dotted(data, "layout.self_decoder.blocks", [block])))
     run = tmp_path / "run"
-    result = archlab("train", tmp_path / "flex.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3")
-    clean_failure(result, "swa: backend flex has no backward pass on the CPU", "backend: torch or auto, or on a CUDA device")
+    result = cli("train", tmp_path / "flex.yaml", "--out", run, "--data", "mqar", *SMALL, "--steps", "3")
+    refused(result, "swa: backend flex has no backward pass on the CPU", "backend: torch or auto, or on a CUDA device")
     assert not run.exists()
 
 
-def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(tmp_path):
+def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(cli, tmp_path):
     run, first, second = tmp_path / "run", tmp_path / "first", tmp_path / "second"
     for corpus, text in ((first, "zzzz qqqq "), (second, "the quick brown fox. ")):
         corpus.mkdir()
         (corpus / "a.txt").write_text(text * 400)
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "nothere/", *SMALL), "no such file")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "nothere/", *SMALL), "no such file")
     # a retry may fail after tokenizing (seq_len too long for the data): that corpus must not outlive it
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", first, *SMALL, "--set", "seq_len=100000"),
-                  "sequence length 100000")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", first, *SMALL, "--set", "seq_len=100000"),
+            "sequence length 100000")
     assert (run / "data" / "train.npy").is_file()
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume"),
-                  "nothing to resume", "start it without --resume")
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL, "--steps", "2")
-    assert result.returncode == 0, result.stderr
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume"),
+            "nothing to resume", "start it without --resume")
+    result = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL, "--steps", "2")
+    assert result[0] == 0, result[2]
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["source"] == str(second)
     from tokenizers import Tokenizer
 
@@ -444,15 +457,9 @@ def test_a_failed_start_leaves_its_folder_free_and_a_run_stays_protected(tmp_pat
 
     shutil.rmtree(run / "checkpoints")  # metrics alone are still a run
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL),
-                  "holds the metrics of a run", "choose a new --out")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", second, *SMALL),
+            "holds the metrics of a run", "choose a new --out")
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-
-
-def refused(outcome, *fragments):
-    """An in-process command (the ``cli`` fixture) that failed with one clear message."""
-    code, _, stderr = outcome
-    assert code not in (0, None) and all(fragment in stderr for fragment in fragments), stderr
 
 
 def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp_path):
@@ -583,34 +590,34 @@ def test_a_resume_that_fails_changes_nothing(cli, tmp_path):
     assert [step for step, _ in losses(cut)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
+def test_extending_a_finished_run_says_what_it_does_to_the_schedule(cli, tmp_path):
     run = tmp_path / "run"
     schedule = ["--set", "schedule.warmup_steps=1", "--set", "optimizer.lr=3e-3"]
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *schedule,
-                   "--steps", "4").returncode == 0
-    extended = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
-    assert extended.returncode == 0, extended.stderr
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *schedule,
+               "--steps", "4")[0] == 0
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8")
+    assert code == 0, stderr
     cfg = TrainConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
     assert cfg.steps == 8  # the steps trained, and what a later --resume continues to
     before, after = 3e-3 * lr_factor(4, 4, cfg), 3e-3 * lr_factor(4, 8, cfg)
-    assert "from 4 to 8 steps" in extended.stderr
-    assert f"the learning rate of step 5 is {after:.2e}, not {before:.2e}" in extended.stderr
+    assert "from 4 to 8 steps" in stderr
+    assert f"the learning rate of step 5 is {after:.2e}, not {before:.2e}" in stderr
     fifth = json.loads((run / "metrics.jsonl").read_text().splitlines()[4])
     assert fifth["step"] == 5 and fifth["lr"] == pytest.approx(after)
-    shrunk = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
-    clean_failure(shrunk, "at step 8, past the 6 steps asked")
+    shrunk = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    refused(shrunk, "at step 8, past the 6 steps asked")
 
 
-def test_budgets_under_a_step_and_an_all_warmup_run_are_noticed(tmp_path):
+def test_budgets_under_a_step_and_an_all_warmup_run_are_noticed(cli, tmp_path):
     for budget in (["--tokens", "10"], ["--flops", "5"]):
         run = tmp_path / budget[0].strip("-")
-        result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *budget)
-        assert result.returncode == 0, result.stderr
-        assert f"{' '.join(budget)} is less than one step (batch_size 8 x seq_len 64 = 512 tokens" in result.stderr
-        assert "the whole run is warm-up" in result.stderr  # warmup_steps 20 >= 1 step
+        code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", "mqar", *SMALL, *budget)
+        assert code == 0, stderr
+        assert f"{' '.join(budget)} is less than one step (batch_size 8 x seq_len 64 = 512 tokens" in stderr
+        assert "the whole run is warm-up" in stderr  # warmup_steps 20 >= 1 step
         assert len(losses(run)) == 1
-    clean_failure(archlab("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "bad", "--tokens", "50Mi"),
-                  "--tokens: '50Mi' is not a whole number of tokens", "powers of 1,000")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "bad", "--tokens", "50Mi"),
+            "--tokens: '50Mi' is not a whole number of tokens", "powers of 1,000")
 
 
 def test_evaluation_runs_in_micro_batches_with_the_same_result(tmp_path):
@@ -732,12 +739,26 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
     assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]
 
 
+def cli_here(*args):
+    """The ``cli`` fixture's command in this process, for a fixture wider than one test."""
+    from archlab.cli import main
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("COLUMNS", "500")
+        patch.chdir(ROOT)
+        patch.setattr(sys, "argv", ["archlab", *map(str, args)])
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited:
+            main()
+    return exited.value.code, stdout.getvalue(), stderr.getvalue()
+
+
 @pytest.fixture(scope="module")
 def trained_on_text(tmp_path_factory):
     """A finished 4-step run on text: its tokenizer.json and tokenized corpus in the run folder."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    made = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
-    assert made.returncode == 0, made.stderr
+    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
+    assert code == 0, stderr
     return run
 
 
@@ -806,13 +827,22 @@ def test_a_checkpoints_files_share_one_mode(tmp_path):
 MQAR = ["--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "log_interval=1"]
 
 
-def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_and_keeps_the_last(tmp_path):
+@pytest.fixture(scope="module")
+def trained_on_mqar(tmp_path_factory):
+    """A finished 3-step run on MQAR, its one checkpoint at step 3: copied by the tests that resume it."""
+    run = tmp_path_factory.mktemp("mqar") / "run"
+    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3")
+    assert code == 0, stderr
+    return run
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_and_keeps_the_last(cli, trained_on_mqar, tmp_path):
     """A file-size limit stands in for a full disk (CPython ignores SIGXFSZ, so a write past it
     fails): torch.save reports the short write as a RuntimeError, which was a traceback."""
     import resource
 
     run = tmp_path / "run"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3").returncode == 0
+    shutil.copytree(trained_on_mqar, run)
     limit = (run / "checkpoints/step-00000003/model.safetensors").stat().st_size + 100_000  # the weights fit, the optimizer's state not
     full = subprocess.run([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", str(run), "--resume", "--steps", "6"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "500"},
@@ -820,18 +850,18 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_and_keeps_the_last(tmp_
     clean_failure(full, "the checkpoint of step 6 could not be written in", "is the disk full?",
                   f"Training stopped after step 6; the last one saved, {run / 'checkpoints/step-00000003'}, is intact")
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-00000003"]  # and no half-written folder
-    resumed = archlab("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
-    assert resumed.returncode == 0, resumed.stderr
+    resumed = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    assert resumed[0] == 0, resumed[2]
 
 
-def test_an_evaluation_that_is_not_finite_stops_before_it_is_logged_or_saved(tmp_path):
+def test_an_evaluation_that_is_not_finite_stops_before_it_is_logged_or_saved(cli, tmp_path):
     """The update of step 1 overflows the weights: its own loss was finite, its evaluation is not.
     Logged, it wrote a bare NaN into metrics.jsonl; saved, a later error called it "good"."""
     run = tmp_path / "run"
-    result = archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "schedule.warmup_steps=0",
-                     "--set", "optimizer.lr=1e39", "--set", "eval_interval=1", "--set", "eval_batches=1", "--set", "checkpoint_interval=1",
-                     "--steps", "5")
-    clean_failure(result, "evaluation loss became nan after step 1; training stopped before logging or saving it, no checkpoint had been written")
+    result = cli("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "schedule.warmup_steps=0",
+                 "--set", "optimizer.lr=1e39", "--set", "eval_interval=1", "--set", "eval_batches=1", "--set", "checkpoint_interval=1",
+                 "--steps", "5")
+    refused(result, "evaluation loss became nan after step 1; training stopped before logging or saving it, no checkpoint had been written")
     assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()
 
 
@@ -876,11 +906,11 @@ def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(t
     assert busy.stderr.count("is in use by another training process") == 1 and "[rank1]" not in busy.stderr, busy.stderr
 
 
-def test_metrics_the_disk_cannot_hold_stop_the_run_in_words(tmp_path):
+def test_metrics_the_disk_cannot_hold_stop_the_run_in_words(trained_on_mqar, tmp_path):
     import resource
 
     run = tmp_path / "run"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3").returncode == 0
+    shutil.copytree(trained_on_mqar, run)
     limit = (run / "metrics.jsonl").stat().st_size + 10  # not room for another line
     full = subprocess.run([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", str(run), "--resume", "--steps", "6"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "500"},
@@ -894,8 +924,8 @@ def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tm
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 200_000).astype(np.uint16).tofile(tokens)
     run = tmp_path / "on-tokens"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", tokens, "--steps", "2",
-                   "--set", "checkpoint_interval=2").returncode == 0
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", tokens, "--steps", "2",
+               "--set", "checkpoint_interval=2")[0] == 0
     tokens.write_bytes(tokens.read_bytes()[:30_000])
     refused_untouched(cli, run, f"{str(tokens)!r} is not the data the run trained on: its checkpoint records 190000+10000 tokens,",
                       "the data now gives 14250+750 tokens", "put the run's data back to resume")
@@ -904,8 +934,8 @@ def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tm
     text.mkdir()
     shutil.copy(ROOT / "archlab/cli.py", text)
     run = tmp_path / "on-text"
-    assert archlab("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", text, "--steps", "2",
-                   "--set", "checkpoint_interval=2").returncode == 0
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--data", text, "--steps", "2",
+               "--set", "checkpoint_interval=2")[0] == 0
     tokenizer = (run / "tokenizer.json").read_bytes()
     shutil.rmtree(run / "data")
     with open(text / "cli.py", "a") as f:

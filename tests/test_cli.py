@@ -52,10 +52,11 @@ with open(sys.argv[2], "w") as results:
             try:
                 main()
                 code = 0
-            except SystemExit as exc:
-                code = exc.code
-                if not isinstance(code, int):  # None, or a message
-                    code = 0 if code is None else print(code, file=sys.stderr) or 1
+            except SystemExit as exc:  # as Python exits: None is 0, a message is printed and is 1
+                code = 0 if exc.code is None else exc.code
+                if not isinstance(code, int):
+                    print(code, file=sys.stderr)
+                    code = 1
             except BaseException:
                 traceback.print_exc()
                 code = 1

@@ -753,13 +753,18 @@ def cli_here(*args):
     return exited.value.code, stdout.getvalue(), stderr.getvalue()
 
 
+def finished_run(tmp_path_factory, *args):
+    """A tiny transformer trained with ``args`` in a folder of its own, for tests that copy it."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *args)
+    assert code == 0, stderr
+    return run
+
+
 @pytest.fixture(scope="module")
 def trained_on_text(tmp_path_factory):
     """A finished 4-step run on text: its tokenizer.json and tokenized corpus in the run folder."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
-    assert code == 0, stderr
-    return run
+    return finished_run(tmp_path_factory, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
 
 
 def refused_untouched(cli, run, *fragments):
@@ -830,10 +835,7 @@ MQAR = ["--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=8", "--set
 @pytest.fixture(scope="module")
 def trained_on_mqar(tmp_path_factory):
     """A finished 3-step run on MQAR, its one checkpoint at step 3: copied by the tests that resume it."""
-    run = tmp_path_factory.mktemp("mqar") / "run"
-    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3")
-    assert code == 0, stderr
-    return run
+    return finished_run(tmp_path_factory, *MQAR, "--set", "checkpoint_interval=3", "--steps", "3")
 
 
 def test_a_checkpoint_the_disk_cannot_hold_stops_the_run_and_keeps_the_last(cli, trained_on_mqar, tmp_path):

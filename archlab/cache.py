@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from archlab.kv import PageTable, pages_for
+from archlab.kv import PageTable, pages_for, past_capacity
 from archlab.plan import Step
 from archlab.registry import RegistryError
 
@@ -59,6 +59,7 @@ class Cache:
         self.sequences, self.capacity, self.streams = sequences, capacity, model.streams
         rows = sequences * model.streams
         self.pages = None
+        self.overrun = torch.zeros((), dtype=torch.bool, device=device)  # contiguous: a position past the capacity was fed
         if page_size is not None and model.global_kv is not None:
             pages = pages_for([capacity] * rows, page_size) if pages is None else pages
             self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
@@ -106,19 +107,25 @@ class Cache:
             if not self._grows[key]:
                 for name, tensor in self._initial(key, self.sequences * self.streams).items():
                     state[name].copy_(tensor)
+        self.overrun.zero_()  # the rows an overrun wrote are rewritten before they are read
         self.fresh = True
 
     def reserve(self, ends: torch.Tensor, span: int) -> None:
         """Make room for positions below ends [rows], at most ``span`` past the last call's
-        (the engine asks before every step that writes)."""
+        (the engine asks before every step that writes); a contiguous cache notes, on the
+        device, whether any lies past its capacity."""
         if self.pages is not None:
             self.pages.reserve(ends, span)
+        else:
+            self.overrun |= (ends > self.capacity).any()
 
     def check(self) -> None:
-        """Raise ``CacheFull`` if a paged cache ran out of pages or past its capacity (a sync with
-        the device)."""
+        """Raise ``CacheFull`` if a sequence went past the capacity, or a paged cache ran out of
+        pages (a sync with the device)."""
         if self.pages is not None:
             self.pages.check()
+        elif self.overrun:
+            raise past_capacity(self.capacity)
 
     def _states(self) -> list[State]:
         return [*self.global_kv.values(), *self.layers.values()]

@@ -47,6 +47,10 @@ class CacheFull(RuntimeError):
     """A paged cache ran out of pages, or a sequence went past its capacity."""
 
 
+def past_capacity(capacity: int) -> CacheFull:
+    return CacheFull(f"a sequence went past the cache's capacity of {capacity} positions")
+
+
 def pages_for(lengths: list[int], page_size: int) -> int:
     """Pages that sequences of these lengths hold."""
     return sum(ceil_div(n, page_size) for n in lengths)
@@ -120,7 +124,7 @@ class PageTable:
     def check(self) -> None:
         """Raise ``CacheFull`` if a row asked for more than the pool or the capacity holds."""
         if self.overrun:
-            raise CacheFull(f"a sequence went past the cache's capacity of {self.capacity} positions")
+            raise past_capacity(self.capacity)
         handed = int(self.handed)
         if handed > self.pages:
             raise CacheFull(

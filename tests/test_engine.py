@@ -414,3 +414,23 @@ def test_paging_a_model_without_a_global_kv_is_a_notice_not_a_silence():
     with pytest.warns(UserWarning, match="only a YOCO layout's global K,V is kept in pages; page_size=8 is ignored"):
         engine = Engine(model, page_size=8)
     assert engine.page_size is None
+
+
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+@torch.no_grad()
+def test_decoding_past_a_contiguous_cache_is_named_and_spares_the_other_rows(path):
+    """Decoding by hand at position 25 of a cache of 20 was an IndexError (on CUDA a device-side
+    assert, which ends the process). The row that overran is named by ``check``; the row beside it
+    decodes as it would alone; and a cache prefilled afresh after is not refused."""
+    spec = archlab.load_spec(path)
+    engine = Engine(archlab.build_model(spec).eval())
+    prompts = prompts_for(spec, (10, 10))
+    cache, alone = engine.new_cache(2, 20), engine.new_cache(1, 20)
+    engine.prefill(prompts, cache)
+    engine.prefill(prompts[1:], alone)
+    logits = engine.decode(torch.tensor([[1], [2]]), torch.tensor([25, 10]), cache)
+    with pytest.raises(CacheFull, match="a sequence went past the cache's capacity of 20 positions"):
+        cache.check()
+    torch.testing.assert_close(logits[1:], engine.decode(torch.tensor([[2]]), torch.tensor([10]), alone), rtol=1e-5, atol=1e-5)
+    again = [tokens.tolist() for tokens, _, _ in engine.stream(prompts, 5, cache=cache)]
+    assert again == [tokens.tolist() for tokens, _, _ in engine.stream(prompts, 5)]

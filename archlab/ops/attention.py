@@ -117,7 +117,10 @@ def write_rows(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -
 
 def append_kv(state: dict, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """Write k, v at their positions into a row-per-position cache; return the whole cache and
-    its key positions."""
+    its key positions. A position past the cache is written on its last row rather than out of
+    bounds (on CUDA a device-side assert, fatal to the process): the cache noted the overrun when
+    the engine reserved the positions, and ``Cache.check`` names it."""
+    positions = positions.clamp(max=state["k"].shape[1] - 1)
     write_rows(state["k"], positions, k)
     write_rows(state["v"], positions, v)
     return state["k"], state["v"], torch.arange(state["k"].shape[1], device=k.device)[None]

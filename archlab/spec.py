@@ -139,6 +139,18 @@ def _resolve_blocks() -> None:
         model.model_rebuild(_types_namespace=namespace)
 
 
+class HoldsBlocks(Strict):
+    """A spec model that holds ``Block``s. pydantic rebuilds a model left incomplete at its first
+    use (``ModelSpec(**data)``, ``model_validate``): that rebuild binds ``Block`` too."""
+
+    @classmethod
+    def model_rebuild(cls, **kwargs: Any) -> bool | None:
+        if "_types_namespace" in kwargs:
+            return super().model_rebuild(**kwargs)
+        _resolve_blocks()
+        return True
+
+
 # bounds far past any real model, so that a typo is refused here rather than spent in validation,
 # planning and the allocator
 MAX_LAYERS = 1024  # in one half
@@ -146,7 +158,7 @@ MAX_WIDTH = 2**20
 MAX_LOOP_TIMES = 256
 
 
-class Half(Strict):
+class Half(HoldsBlocks):
     """A run of layers: ``blocks`` is a pattern repeated over ``n_layers`` (e.g. [gdn, gdn, swa])."""
 
     n_layers: int = Field(gt=0, le=MAX_LAYERS)
@@ -175,7 +187,7 @@ class CrossHalf(Half):
     position: Position = NoPosition(type="none")
 
 
-class StackLayout(Strict):
+class StackLayout(HoldsBlocks):
     """A plain decoder: every layer mixes its own input."""
 
     type: Literal["stack"]
@@ -189,7 +201,7 @@ class GlobalKV(Strict):
     head_dim: PositiveInt
 
 
-class YocoLayout(Strict):
+class YocoLayout(HoldsBlocks):
     """Decoder-decoder: self-decoder, one global K,V projection, cross-decoder reading it."""
 
     type: Literal["yoco"]
@@ -272,7 +284,7 @@ class ParScale(Strict):
 # --- the model ------------------------------------------------------------------------------
 
 
-class ModelSpec(Strict):
+class ModelSpec(HoldsBlocks):
     """A whole architecture. Field order is the order ``archlab show`` prints."""
 
     schema_version: Literal[1]

@@ -1,5 +1,9 @@
 """Every shipped spec validates; every tiny spec builds, runs forward and backward, and is causal."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -30,6 +34,31 @@ def test_spec_validates_and_round_trips(path):
         assert isinstance(half.blocks, tuple)
         with pytest.raises(ValidationError):
             half.n_layers = 1
+
+
+FIRST_USE = """
+import json, sys
+from archlab.spec import Half, ModelSpec, load_yaml
+data = load_yaml(sys.argv[2])
+if sys.argv[1] == "init":
+    half = ModelSpec(**data).layout.self_decoder
+elif sys.argv[1] == "validate":
+    half = ModelSpec.model_validate(data).layout.self_decoder
+else:
+    half = Half.model_validate(data["layout"]["self_decoder"])
+print(json.dumps(half.model_dump(mode="json")))
+"""
+
+
+@pytest.mark.parametrize("first_use", ["init", "validate", "half"])
+def test_a_spec_model_made_directly_knows_the_installed_blocks(first_use):
+    """``ModelSpec(**data)``, ``model_validate`` or a half's, first in a process: its ``Block`` was
+    bound to the installed plugins only by ``load_spec`` and ``validate_spec``, and pydantic said
+    the model was not fully defined."""
+    path = ROOT / "specs" / "tiny" / "yoco-u-gdn.yaml"
+    done = subprocess.run([sys.executable, "-c", FIRST_USE, first_use, str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == archlab.load_spec(path).layout.self_decoder.model_dump(mode="json")
 
 
 @pytest.mark.parametrize("path", PAPER, ids=ids(PAPER))

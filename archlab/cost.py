@@ -13,6 +13,7 @@ are not counted. The kinds are listed in ``archlab.block.FLOP_KINDS``.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -119,14 +120,17 @@ class Cost:
         last ``logits`` of them (all ``n`` by default)."""
         spec, d = self.spec, self.spec.d_model
         total = Flops()
-        for step in steps:
-            if step.project:
-                kv = spec.layout.global_kv
-                total["matmul"] += 2 * n * d * 2 * kv.n_kv_heads * kv.head_dim
-                continue
-            for i in self.plan.segments[step.segment].layers:
-                total += spec.block_at(i).flops(self._ctx(i), n, start, self.plan.reuses_kv(step, i))
-                total["matmul"] += n * spec.ffn.flops_per_token(d)
+        projections = sum(step.project for step in steps)
+        if projections:
+            kv = spec.layout.global_kv
+            total["matmul"] += projections * 2 * n * d * 2 * kv.n_kv_heads * kv.head_dim
+        # a layer's FLOPs hang on its block and whether it reuses K,V: worked out once per pair,
+        # however many loop iterations repeat it
+        runs = Counter((i, self.plan.reuses_kv(step, i)) for step in steps if not step.project
+                       for i in self.plan.segments[step.segment].layers)
+        for (i, reuse_kv), times in runs.items():
+            layer = spec.block_at(i).flops(self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
+            total += Flops({kind: value * times for kind, value in layer.items()})
         total = Flops({kind: value * self.streams for kind, value in total.items()})
         logits = n if logits is None else logits
         total["matmul"] += 2 * logits * d * (spec.vocab_size + (self.streams * (d + 1) if self.streams > 1 else 0))
@@ -167,9 +171,9 @@ class Cost:
             kv = spec.layout.global_kv
             projections = sum(step.project for step in self.plan.steps)
             grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
-        for _, _, layer in self.plan.state_keys():
+        for layer, slots in Counter(layer for _, _, layer in self.plan.state_keys()).items():
             block = spec.block_at(layer)
-            size = block.state_bytes(self._ctx(layer), context, kv_bytes)
+            size = slots * block.state_bytes(self._ctx(layer), context, kv_bytes)
             grows, local = (grows + size, local) if block.grows_kv_cache else (grows, local + size)
         return CacheBytes(grows * self.streams, local * self.streams)
 

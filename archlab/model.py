@@ -133,7 +133,8 @@ class Model(nn.Module):
         self.stream_mix = StreamMix(spec.d_model, spec.parscale) if spec.parscale else None
         self.norm = build_norm(spec.norm, spec.d_model)
         self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
-        self.apply(self._init)
+        if self.head.weight.device.type != "meta":  # shapes alone: drawing nothing is much faster there
+            self.apply(self._init)
         if spec.tie_embeddings:
             self.head.weight = self.embed.weight
 

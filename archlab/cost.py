@@ -53,6 +53,10 @@ def peak_flops(device_name: str) -> float | None:
     return PEAK_FLOPS[max(matches, key=len)]
 
 
+def _times(flops: Flops, count: int) -> Flops:
+    return Flops({kind: value * count for kind, value in flops.items()})
+
+
 @dataclass
 class CostRow:
     spec: str
@@ -130,8 +134,8 @@ class Cost:
                        for i in self.plan.segments[step.segment].layers)
         for (i, reuse_kv), times in runs.items():
             layer = spec.block_at(i).flops(self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
-            total += Flops({kind: value * times for kind, value in layer.items()})
-        total = Flops({kind: value * self.streams for kind, value in total.items()})
+            total += _times(layer, times)
+        total = _times(total, self.streams)
         logits = n if logits is None else logits
         total["matmul"] += 2 * logits * d * (spec.vocab_size + (self.streams * (d + 1) if self.streams > 1 else 0))
         return total

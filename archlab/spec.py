@@ -135,8 +135,14 @@ def _resolve_blocks() -> None:
     if ModelSpec.__pydantic_complete__:
         return
     namespace = {"Block": block_union()}
-    for model in (Half, CrossHalf, StackLayout, YocoLayout, ModelSpec):
+    for model in _subclasses(HoldsBlocks):  # as defined: the parts before the wholes that hold them
         model.model_rebuild(_types_namespace=namespace)
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 class HoldsBlocks(Strict):

@@ -3,6 +3,7 @@
 import functools
 import io
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+import torch
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.storages import RetryHeartbeatStaleTrialCallback, fail_stale_trials
@@ -25,9 +27,10 @@ from sqlalchemy.engine import make_url
 from archlab.spec import SpecError
 from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.report import failures, report, summarize
+from archlab.study.report import failures, report, settings, summarize
 from archlab.study.runner import (
-    SameVariant, StorageError, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url, work,
+    SameVariant, StorageError, StudyChanged, check_unchanged, claim, environment, join, planned_as, run_trial, settled, shown, storage_url,
+    work,
 )
 from archlab.train.trainer import Trainer
 from conftest import ROOT, interruptible
@@ -105,6 +108,8 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert len(trials) == 4 and all(t.state.name == "COMPLETE" for t in trials)
     assert sorted(settled(trials)) == [("yoco", 0, 0), ("yoco", 0, 1), ("yoco-u", 0, 0), ("yoco-u", 0, 1)]
     assert all(sorted(t.intermediate_values) == [2, 4] for t in trials)  # reported for the pruner
+    assert all(t.user_attrs["environment"] == environment(torch.device("cpu")) for t in trials)
+    assert f"- trained with: archlab {environment(torch.device('cpu'))['archlab']}, python " in stdout
     assert "| yoco-u |" in stdout and "vs baseline" in stdout and "4 complete" in stdout
     assert "lr grid of 2 points over [0.002, 0.004]" in stdout and "\n\n\n" not in stdout  # no question: no gap
     assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in stderr.splitlines()) == 4  # a log, not a terminal
@@ -593,6 +598,36 @@ def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
     (yoco, _) = summarize(study, trials)
     assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned/failed"]) == (3.05, 2, "0.002", "0/1")
     assert "| yoco | " in (table := render(summarize(study, trials), Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
+
+
+def test_a_trial_keeps_the_code_and_the_libraries_it_trained_with():
+    kept = environment(torch.device("cpu"))
+    assert kept["torch"] == torch.__version__ and kept["python"] == platform.python_version()
+    assert kept["device"] == f"CPU ({torch.get_num_threads()} threads)" and kept["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    if (ROOT / ".git").exists():  # a checkout: its commit, as git names it
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        assert kept["archlab"].startswith(f"0.1.0 at {head[:10]}")
+
+
+def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):
+    """Two machines, or one before and after an upgrade, give results that differ in their last
+    bits: the report says which trials trained where, and which kept no record."""
+    study = load_study(str(mini(tmp_path, "mixed", seeds=[0, 1])))
+    here = {"archlab": "0.1.0 at abc", "python": "3.11.7", "torch": "2.13.0+cpu", "device": "CPU (2 threads)"}
+    there = {**here, "torch": "2.14.0+cpu"}
+    recorded = optuna.create_study()
+    for trial, kept in ((finished("yoco", 0, 0, 3.0), here), (finished("yoco", 1, 0, 3.1), there), (finished("yoco-u", 0, 0, 3.2), here),
+                        (finished("yoco-u", 1, 0, 3.3), None)):
+        trial.user_attrs.update({"environment": kept} if kept else {})
+        recorded.add_trial(trial)
+    assert settings(study, recorded.get_trials()) == [
+        "- trained in 3 settings (a trial repeats to the bit only within one):",
+        "  - archlab 0.1.0 at abc, python 3.11.7, torch 2.13.0+cpu, device CPU (2 threads): trials 0, 2",
+        "  - archlab 0.1.0 at abc, python 3.11.7, torch 2.14.0+cpu, device CPU (2 threads): trial 1",
+        "  - not recorded (trained before trials kept it): trial 3",
+    ]
+    assert settings(study, recorded.get_trials()[:1]) == ["- trained with: archlab 0.1.0 at abc, python 3.11.7, torch 2.13.0+cpu, device CPU (2 threads)"]
+    assert settings(study, []) == []
 
 
 def test_a_trial_lost_before_training_is_listed_with_its_planned_lr(tmp_path):

@@ -109,6 +109,20 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
     return line
 
 
+def settings(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
+    """What the reported trials trained with (the code, Python, PyTorch, device): one line when
+    they agree, else each setting with its trials, since results repeat to the bit only within one."""
+    by_setting: dict[str, list[int]] = {}
+    for t in sorted(_reported(study, trials).values(), key=lambda t: t.number):
+        kept = t.user_attrs.get("environment")
+        described = ", ".join(f"{name} {value}" for name, value in kept.items()) if kept else "not recorded (trained before trials kept it)"
+        by_setting.setdefault(described, []).append(t.number)
+    if len(by_setting) <= 1:  # none before any trial has finished
+        return [f"- trained with: {described}" for described in by_setting]
+    return [f"- trained in {len(by_setting)} settings (a trial repeats to the bit only within one):",
+            *(f"  - {described}: trial{'s' * (len(numbers) > 1)} {', '.join(map(str, numbers))}" for described, numbers in by_setting.items())]
+
+
 def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     """Every failed attempt at a planned trial and why it failed; one whose worker died also says
     what became of its retry."""
@@ -186,6 +200,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
         progress(study, trials),
+        *settings(study, trials),
         f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),

@@ -1,6 +1,7 @@
 """Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
 import functools
+import importlib.metadata
 import io
 import os
 import platform
@@ -606,7 +607,7 @@ def test_a_trial_keeps_the_code_and_the_libraries_it_trained_with():
     assert kept["device"] == f"CPU ({torch.get_num_threads()} threads)" and kept["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
     if (ROOT / ".git").exists():  # a checkout: its commit, as git names it
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
-        assert kept["archlab"].startswith(f"0.1.0 at {head[:10]}")
+        assert kept["archlab"].startswith(f"{importlib.metadata.version('archlab')} at {head[:10]}")
 
 
 def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):

@@ -15,7 +15,6 @@ next worker to join. A worker leaves once nothing it plans is waiting and nothin
 from __future__ import annotations
 
 import fcntl
-import functools
 import hashlib
 import importlib.metadata
 import os
@@ -64,8 +63,7 @@ def default_dir(study: Study) -> Path:
     return Path("runs") / "studies" / study.key
 
 
-@functools.cache
-def code_version() -> str:
+def _described_code() -> str:
     """archlab's version and, when it runs from a git checkout, the commit (``-dirty`` with
     uncommitted changes to tracked files)."""
     version = importlib.metadata.version("archlab")
@@ -80,11 +78,14 @@ def code_version() -> str:
     return f"{version} at {described}"
 
 
+CODE_VERSION = _described_code()  # as this process loaded it: an edit to the checkout while a worker trains does not run
+
+
 def environment(device: torch.device) -> dict[str, str]:
     """What a trial's numbers depend on besides its plan: the code, the Python whose standard
     library the stdlib corpus is, PyTorch and the device. A trial repeats to the bit only where all
     of these match, so each trial keeps them and the report says when its trials differ."""
-    found = {"archlab": code_version(), "python": platform.python_version(), "torch": torch.__version__, "device": device_name(device)}
+    found = {"archlab": CODE_VERSION, "python": platform.python_version(), "torch": torch.__version__, "device": device_name(device)}
     if device.type == "cpu":  # the vector instructions torch's CPU kernels use: another set sums in another order
         found["cpu kernels"] = torch.backends.cpu.get_cpu_capability()
     return found

@@ -611,8 +611,8 @@ def test_a_trial_keeps_the_code_and_the_libraries_it_trained_with():
 
 
 def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):
-    """Two machines, or one before and after an upgrade, give results that differ in their last
-    bits: the report says which trials trained where, and which kept no record."""
+    """Two machines, or one before and after an upgrade, may give other results for the same plan:
+    the report says which trials trained where, and which kept no record."""
     study = load_study(str(mini(tmp_path, "mixed", seeds=[0, 1])))
     here = {"archlab": "0.1.0 at abc", "python": "3.11.7", "torch": "2.13.0+cpu", "device": "CPU (2 threads)"}
     there = {**here, "torch": "2.14.0+cpu"}

@@ -25,5 +25,5 @@ else
     PY=.venv-gpu/bin/python
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
-$PY -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name())"
+$PY -c "import torch; from archlab.environment import environment; print(' | '.join(f'{k} {v}' for k, v in environment(torch.device('cuda')).items()))"
 PYTHONUNBUFFERED=1 $PY benchmarks/gpu_check.py --out "$OUT" "$@"

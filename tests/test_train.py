@@ -1,10 +1,12 @@
 """Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
 
 import contextlib
+import importlib.metadata
 import io
 import json
 import os
 import pickle
+import platform
 import re
 import shutil
 import signal
@@ -20,6 +22,7 @@ import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 
+from archlab.environment import environment
 from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
 from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
@@ -125,6 +128,8 @@ def test_distributed_gloo_matches_one_process(cli, tmp_path):
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, 7))
     for (_, x), (_, y) in zip(a, b):
         assert y == pytest.approx(x, rel=1e-4)
+    settings = [yaml.safe_load((tmp_path / run / "environment.yaml").read_text())[0] for run in ("one", "two")]
+    assert "processes" not in settings[0] and settings[1]["processes"] == "2"
 
 
 @pytest.mark.parametrize("spec,diverge,what", [  # a NaN loss itself: test_study's exploding trials
@@ -783,6 +788,66 @@ def test_a_resume_points_to_a_metrics_line_that_is_not_utf8(cli, trained_on_text
     with open(run / "metrics.jsonl", "ab") as f:
         f.write(b"\xff\xfe garbage\n")
     refused_untouched(cli, run, f"{run / 'metrics.jsonl'}, line 5, is not a metrics record: \\xff\\xfe garbage;")
+
+
+def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, trained_on_text, tmp_path):
+    here = environment(torch.device("cpu"))
+    assert yaml.safe_load((trained_on_text / "environment.yaml").read_text()) == [{"from step": 0, **here}]
+
+    def resumed(name, recorded, steps):
+        """A copy of the 4-step run, its environment.yaml as given (None: none), resumed to ``steps``;
+        the settings it then records, and what the resume said."""
+        run = tmp_path / name
+        shutil.copytree(trained_on_text, run)
+        (run / "environment.yaml").unlink()
+        if recorded is not None:
+            (run / "environment.yaml").write_text(yaml.safe_dump(recorded, sort_keys=False))
+        code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", steps)
+        assert code == 0, stderr
+        return yaml.safe_load((run / "environment.yaml").read_text()), " ".join(stderr.split())
+
+    older = {**here, "torch": "2.12.0"}
+    kept, said = resumed("same", [{"from step": 0, **here}], 6)
+    assert kept == [{"from step": 0, **here}] and "another setting" not in said
+    kept, said = resumed("other", [{"from step": 0, **older}], 6)
+    assert kept == [{"from step": 0, **older}, {"from step": 4, **here}]
+    assert f"the steps before this resume trained in another setting (torch 2.12.0 -> {torch.__version__})" in said
+    # a setting recorded from step 4 on, whose steps the resume from step 4 trains again, goes
+    kept, said = resumed("again", [{"from step": 0, **here}, {"from step": 4, **older}], 6)
+    assert kept == [{"from step": 0, **here}] and "another setting" not in said
+    kept, said = resumed("unrecorded", None, 6)  # a run from before runs kept their settings
+    assert kept == [{"from step": 4, **here}] and "another setting" not in said
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained_on_text, damaged)
+    (damaged / "environment.yaml").write_text("- torch: 2.13.0\n")
+    refused_untouched(cli, damaged, f"{damaged / 'environment.yaml'} is not a list of the settings the run trained in",
+                      "mend or remove it to resume")
+
+
+def test_a_run_keeps_the_code_and_the_libraries_it_trains_with():
+    kept = environment(torch.device("cpu"))
+    assert kept["torch"] == torch.__version__ and kept["python"] == platform.python_version()
+    assert kept["device"] == f"CPU ({torch.get_num_threads()} threads)" and kept["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    if (ROOT / ".git").exists():  # a checkout: its commit, as git names it
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
+        assert kept["archlab"].startswith(f"{importlib.metadata.version('archlab')} at {head[:10]}")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit decorators fla applies on import
+def test_the_environment_names_the_kernel_packages_on_a_gpu_and_the_processes_sharing_a_run(monkeypatch):
+    import fla
+    import triton
+
+    import archlab.environment
+
+    cpu = environment(torch.device("cpu"))
+    assert "processes" not in cpu and not {"flash-linear-attention", "triton"} & cpu.keys()  # no kernel package runs on a CPU
+    assert environment(torch.device("cpu"), processes=2) == {**cpu, "processes": "2"}
+    monkeypatch.setattr(archlab.environment, "device_name", lambda device: "NVIDIA H200")
+    gpu = environment(torch.device("cuda"))
+    assert gpu["device"] == "NVIDIA H200" and "cpu kernels" not in gpu
+    assert (gpu["flash-linear-attention"], gpu["triton"]) == (fla.__version__, triton.__version__)
 
 
 @pytest.mark.parametrize("split", ["train", "val"])

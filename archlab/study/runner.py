@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.metadata
 import os
-import platform
 import re
 import socket
-import subprocess
 import time
 import warnings
 import zlib
@@ -31,7 +28,6 @@ from pathlib import Path
 
 import optuna
 import sqlalchemy
-import torch
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize beats with; not exported
@@ -39,7 +35,6 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from archlab.bench import device_name
 from archlab.spec import describe_differences
 from archlab.study.definition import Study
 from archlab.train.data import prepare
@@ -61,34 +56,6 @@ warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning
 
 def default_dir(study: Study) -> Path:
     return Path("runs") / "studies" / study.key
-
-
-def _described_code() -> str:
-    """archlab's version and, when it runs from a git checkout, the commit (``-dirty`` with
-    uncommitted changes to tracked files)."""
-    version = importlib.metadata.version("archlab")
-    checkout = Path(__file__).resolve().parents[2]
-    if not (checkout / ".git").exists():  # an installed copy: a repository around site-packages is not its source
-        return version
-    try:
-        described = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty", "--abbrev=10"],
-                                   capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):  # no git here
-        return version
-    return f"{version} at {described}"
-
-
-CODE_VERSION = _described_code()  # as this process loaded it: an edit to the checkout while a worker trains does not run
-
-
-def environment(device: torch.device) -> dict[str, str]:
-    """What a trial's numbers depend on besides its plan: the code, the Python whose standard
-    library the stdlib corpus is, PyTorch and the device. A trial repeats to the bit only where all
-    of these match, so each trial keeps them and the report says when its trials differ."""
-    found = {"archlab": CODE_VERSION, "python": platform.python_version(), "torch": torch.__version__, "device": device_name(device)}
-    if device.type == "cpu":  # the vector instructions torch's CPU kernels use: another set sums in another order
-        found["cpu kernels"] = torch.backends.cpu.get_cpu_capability()
-    return found
 
 
 def storage_url(out: Path, url: str | None) -> str:
@@ -402,7 +369,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
 
     trainer = Trainer(spec, cfg, trials / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}", Console(quiet=True))
     trial.set_user_attr("flops_per_step", trainer.flops_per_step)
-    trial.set_user_attr("environment", environment(trainer.device))
+    trial.set_user_attr("environment", trainer.environment)
     return trainer.fit(steps, on_eval=on_eval)[-1][metric]
 
 

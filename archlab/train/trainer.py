@@ -26,12 +26,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from archlab.cost import Cost, peak_flops
+from archlab.environment import environment
 from archlab.ffn import MoEFFN
 from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, spec_to_yaml
+from archlab.spec import ModelSpec, describe_differences, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, changes, load_config
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
@@ -40,7 +41,7 @@ from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 T = TypeVar("T")
 
 # what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
-START_FILES = {checkpoint.RUN_SPEC, "config.yaml", "tokenizer.json", "data", "checkpoints"}
+START_FILES = {checkpoint.RUN_SPEC, "config.yaml", "environment.yaml", "tokenizer.json", "data", "checkpoints"}
 
 
 class TrainError(Exception):
@@ -191,6 +192,7 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
+        self.environment = environment(self.device, self.world.size)  # environment.yaml keeps it, from the step it trains from
         self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_resume)
         self.resumed_corpus: str | None = None  # the fingerprint of the tokens it trained on (_resume)
 
@@ -223,6 +225,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
         self._write_config(steps)
+        self._write_environment([{"from step": 0, **self.environment}])
 
     def _resume(self, steps: int) -> int:
         """Load the latest checkpoint's weights, optimizer and RNG state; the step to go on from.
@@ -271,6 +274,7 @@ class Trainer:
     def _continue_record(self, step: int, steps: int) -> None:
         """Resuming at ``step`` (on the first process): drop what metrics.jsonl logged after it, and record
         what the resume changed. Read before anything is written: a damaged line stops the resume with the file as it was."""
+        settings = self._recorded_settings()
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             text = metrics.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
@@ -289,6 +293,7 @@ class Trainer:
                     kept.append(line)
             write_text_whole(metrics, "".join(line + "\n" for line in kept))
         self._adopt_config(step, steps)
+        self._adopt_environment(step, settings)
 
     def _adopt_config(self, step: int, steps: int) -> None:
         """Resuming with a new total or ``--set`` values: say what changes, with the learning rate of
@@ -308,6 +313,38 @@ class Trainer:
     def _write_config(self, steps: int) -> None:
         config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said
         write_text_whole(self.run_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+    def _recorded_settings(self) -> list[dict]:
+        """The settings environment.yaml records the run trained in (none for a run from before runs
+        kept them); a damaged file stops the resume with it as it was."""
+        file = self.run_dir / "environment.yaml"
+        if not file.exists():
+            return []
+        try:
+            settings = yaml.safe_load(file.read_text(errors="backslashreplace"))
+        except yaml.YAMLError:
+            settings = None
+        if not (isinstance(settings, list) and all(isinstance(s, dict) and isinstance(s.get("from step"), int) for s in settings)):
+            raise TrainError(f"{file} is not a list of the settings the run trained in, each with the step it began at"
+                             " ('from step'); mend or remove it to resume")
+        return settings
+
+    def _adopt_environment(self, step: int, recorded: list[dict]) -> None:
+        """Resuming at ``step`` in another setting than the steps before it (another commit, PyTorch,
+        device...): say so, since the run may not repeat to the bit what an uninterrupted one gives,
+        and record from which step it holds. Settings of steps the resume trains again are dropped."""
+        before = [s for s in recorded if s["from step"] < step]
+        last = {name: value for name, value in before[-1].items() if name != "from step"} if before else None
+        if last is not None and (differ := describe_differences(last, self.environment)):
+            self._say(f"[yellow]notice[/]: the steps before this resume trained in another setting ({escape('; '.join(differ))});"
+                      " its numbers may not repeat to the bit those of a run in a single setting. environment.yaml records each, from"
+                      " the step it began at")
+        kept = before if last == self.environment else [*before, {"from step": step, **self.environment}]
+        if kept != recorded:
+            self._write_environment(kept)
+
+    def _write_environment(self, settings: list[dict]) -> None:
+        write_text_whole(self.run_dir / "environment.yaml", yaml.safe_dump(settings, sort_keys=False))
 
     def _say(self, text: str) -> None:
         """A line on the console, from the first process only."""

@@ -752,22 +752,22 @@ def _show_notice(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def main() -> None:
-
-    warnings.showwarning = _show_notice
-    try:
-        args = _expand_list_options(sys.argv[1:])
-    except ValueError as exc:
-        _error(str(exc))
-        sys.exit(2)
-    try:
-        app(args=args)
-    except (RegistryError, BackendError) as exc:
-        _error(str(exc))
-        sys.exit(2)
-    except OSError as exc:  # a path given (--out, --doc, data.cache, ...) that cannot be read or written
-        where = f"{exc.filename}: " if exc.filename else ""
-        _error(where + (exc.strerror or str(exc)))
-        sys.exit(1)
+    with warnings.catch_warnings():  # the notices' form for this command only, not for a caller's code after it
+        warnings.showwarning = _show_notice
+        try:
+            args = _expand_list_options(sys.argv[1:])
+        except ValueError as exc:
+            _error(str(exc))
+            sys.exit(2)
+        try:
+            app(args=args)
+        except (RegistryError, BackendError) as exc:
+            _error(str(exc))
+            sys.exit(2)
+        except OSError as exc:  # a path given (--out, --doc, data.cache, ...) that cannot be read or written
+            where = f"{exc.filename}: " if exc.filename else ""
+            _error(where + (exc.strerror or str(exc)))
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
+import contextlib
+import io
 import os
 import signal
 import sys
@@ -36,23 +38,29 @@ def tiny_model(name: str):
     return spec, archlab.build_model(spec)
 
 
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """The command run in this process, for the many bad inputs that fail before any real work:
-    returns (exit code, stdout, stderr). An exception it lets out fails the test, as a traceback would."""
-    monkeypatch.setenv("COLUMNS", "500")  # no line breaks inside a message
-    monkeypatch.chdir(ROOT)
+def in_process_cli(patch: pytest.MonkeyPatch):
+    """archlab's command line, run in this process from the checkout (``patch`` undoes the folder,
+    the terminal width and argv it sets): a function of the arguments giving (exit code, stdout, stderr)."""
+    from archlab.cli import main
 
-    def run(*args):
-        monkeypatch.setattr(sys, "argv", ["archlab", *map(str, args)])
-        from archlab.cli import main
+    patch.setenv("COLUMNS", "500")  # no line breaks inside a message
+    patch.chdir(ROOT)
 
-        with pytest.raises(SystemExit) as exited:
+    def run(*args) -> tuple[int | str | None, str, str]:
+        patch.setattr(sys, "argv", ["archlab", *map(str, args)])
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited:
             main()
-        captured = capsys.readouterr()
-        return exited.value.code, captured.out, captured.err
+        return exited.value.code, stdout.getvalue(), stderr.getvalue()
 
     return run
+
+
+@pytest.fixture
+def cli(monkeypatch):
+    """The command run in this process, for the many bad inputs that fail before any real work:
+    returns (exit code, stdout, stderr). An exception it lets out fails the test, as a traceback would."""
+    return in_process_cli(monkeypatch)
 
 
 def interruptible() -> None:

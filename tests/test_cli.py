@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -376,7 +377,7 @@ def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_
 
 
 def test_generate_streams_text_with_a_notice(cli):
-    texts = []
+    texts, shown = [], warnings.showwarning
     # a stop token that never comes changes nothing either
     for paging in ([], ["--page-size", "4"], ["--page-size", "4", "--page-kernel", "flex"], ["--stop", "\x01"]):
         code, out, stderr = cli("generate", "specs/tiny/yoco-u.yaml", "--prompt", "Hello", "--max-new-tokens", "12", "--seed", "1",
@@ -387,6 +388,7 @@ def test_generate_streams_text_with_a_notice(cli):
         assert "12 tokens" in stderr and "B global" in stderr
         texts.append(out)
     assert texts[0] == texts[1] == texts[2] == texts[3]  # the seed fixes the random weights too; pages change nothing
+    assert warnings.showwarning is shown  # the notices' form was the command's alone, not its caller's after it
 
 
 def test_bench_json_and_plot(cli, tmp_path):

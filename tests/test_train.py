@@ -1,8 +1,6 @@
 """Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
 
-import contextlib
 import importlib.metadata
-import io
 import json
 import os
 import pickle
@@ -27,7 +25,7 @@ from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
 from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
 from archlab.train.trainer import Trainer, lr_factor
-from conftest import ROOT, interruptible
+from conftest import ROOT, in_process_cli, interruptible
 
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
          "--set", "eval_batches=2", "--set", "log_interval=1"]
@@ -744,24 +742,11 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
     assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]
 
 
-def cli_here(*args):
-    """The ``cli`` fixture's command in this process, for a fixture wider than one test."""
-    from archlab.cli import main
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("COLUMNS", "500")
-        patch.chdir(ROOT)
-        patch.setattr(sys, "argv", ["archlab", *map(str, args)])
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), pytest.raises(SystemExit) as exited:
-            main()
-    return exited.value.code, stdout.getvalue(), stderr.getvalue()
-
-
 def finished_run(tmp_path_factory, *args):
     """A tiny transformer trained with ``args`` in a folder of its own, for tests that copy it."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    code, _, stderr = cli_here("train", "specs/tiny/transformer.yaml", "--out", run, *args)
+    with pytest.MonkeyPatch.context() as patch:
+        code, _, stderr = in_process_cli(patch)("train", "specs/tiny/transformer.yaml", "--out", run, *args)
     assert code == 0, stderr
     return run
 

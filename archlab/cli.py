@@ -34,6 +34,7 @@ from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, 
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained
 from archlab.train.config import MAX_STEPS, SEED_LIMIT, load_config
+from archlab.train.curves import Axis
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -596,6 +597,31 @@ def train(
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
         raise typer.Exit(_interrupted_code(exc)) from None
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False, markup=False)
+
+
+@app.command()
+def curves(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    x: Annotated[Axis, typer.Option(help="what the plot's curves run against")] = Axis.step,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of training and evaluation loss")] = None,
+) -> None:
+    """Training runs side by side, from their metrics.jsonl (finished or still training): the last
+    logged losses, the best evaluation and tokens/s; with --plot, their loss curves."""
+    from archlab.train.curves import Run, RunError, labels, plot, table
+
+    if plot_path is not None:
+        _check_plot_path(plot_path)
+    try:
+        read = [Run.read(folder, label) for folder, label in zip(runs, labels(runs))]
+        if plot_path is not None:
+            plot(read, x, plot_path)
+    except RunError as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from None
+    sys.stdout.write(render(table(read), fmt))
+    if plot_path is not None:
+        err.print(f"plot written to {plot_path}", markup=False)
 
 
 def _kept_of(out: Path, memory: bool = False) -> str:

@@ -8,6 +8,7 @@ import platform
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -1008,3 +1009,65 @@ def test_a_run_without_its_config_still_generates_with_its_tokenizer(trained_on_
     shutil.copytree(trained_on_text, run)
     (run / "config.yaml").unlink()
     assert load_trained(run)[3] == run / "tokenizer.json"
+
+
+def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_on_text, trained_on_mqar, tmp_path):
+    code, out, stderr = cli("curves", trained_on_text, trained_on_mqar, "--format", "json", "--plot", tmp_path / "steps.png")
+    assert code in (0, None), stderr
+    for row, run in zip(json.loads(out), (trained_on_text, trained_on_mqar), strict=True):
+        logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        evals = [r for r in logged if "eval_loss" in r]
+        best = min(evals, key=lambda r: r["eval_loss"])
+        assert (row["steps"], row["tokens"]) == (logged[-1]["step"], logged[-1]["tokens"])
+        assert (row["loss"], row["eval loss"]) == (round(logged[-1]["loss"], 4), round(evals[-1]["eval_loss"], 4))
+        assert (row["best eval loss"], row["at step"]) == (round(best["eval_loss"], 4), best["step"])
+        assert row["tok/s"] == statistics.median(r["tok_s"] for r in logged)
+    assert json.loads(out)[0]["eval acc"] is None and json.loads(out)[1]["eval acc"] is not None  # the recall task alone reports it
+    code, out, stderr = cli("curves", trained_on_text, trained_on_mqar, "--format", "csv")
+    assert out.splitlines()[0].endswith(",tok/s,eval acc") and out.splitlines()[1].endswith(",") and len(out.splitlines()) == 3, stderr
+    assert (tmp_path / "steps.png").read_bytes().startswith(b"\x89PNG")
+
+    # the best evaluation is not the last: a hand-written log
+    (tmp_path / "logged").mkdir()
+    logged = [{"step": step, "loss": 4.0 - step / 10, "tokens": 512 * step, "tok_s": speed, **({"eval_loss": score} if score else {})}
+              for step, speed, score in ((1, 9.0, 3.0), (2, 7.0, None), (3, 8.0, 2.5), (4, 1.0, 2.75))]
+    (tmp_path / "logged" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+    code, out, stderr = cli("curves", tmp_path / "logged", "--format", "json")
+    assert json.loads(out) == [{"run": "logged", "steps": 4, "tokens": 2048, "loss": 3.6, "eval loss": 2.75, "best eval loss": 2.5,
+                                "at step": 3, "tok/s": 7.5}], stderr
+
+    # against training FLOPs: each logged token at what the trainer counts a step to cost
+    from archlab.train.curves import Axis, Run
+
+    cfg = TrainConfig.model_validate(yaml.safe_load((trained_on_text / "config.yaml").read_text()))
+    trainer = Trainer(load_spec(trained_on_text / "spec.yaml"), cfg, tmp_path / "unused", Console(quiet=True))
+    run = Run.read(trained_on_text, "text")
+    assert run.x(run.records, Axis.flops) == [r["tokens"] * trainer.flops_per_step / trainer.tokens_per_step for r in run.records]
+    assert cli("curves", trained_on_text, "--x", "flops", "--plot", tmp_path / "flops.png")[0] in (0, None)
+    assert (tmp_path / "flops.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, trained_on_text, tmp_path):
+    running = tmp_path / "running" / "run"
+    shutil.copytree(trained_on_text, running)
+    with open(running / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a line being written
+    code, out, stderr = cli("curves", trained_on_text, running, "--format", "json")
+    assert code in (0, None), stderr
+    same, cut = json.loads(out)
+    assert same == {**cut, "run": same["run"]} and (same["run"], cut["run"]) == (str(trained_on_text), str(running))  # names repeat: paths
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(trained_on_text, damaged)
+    lines = (damaged / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (damaged / "metrics.jsonl").write_text("".join([lines[0], '{"step": "two"}\n', *lines[1:]]))
+    configless = tmp_path / "configless"
+    shutil.copytree(trained_on_text, configless)
+    (configless / "config.yaml").unlink()
+    for args, fragment in (([tmp_path / "absent"], f"{tmp_path / 'absent'} is not a folder"),
+                           ([tmp_path], f"{tmp_path} holds no metrics.jsonl: it is not a training run"),
+                           ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record: {{\"step\": \"two\"}}"),
+                           ([configless, "--x", "flops", "--plot", tmp_path / "c.png"], "lacks config.yaml, which training FLOPs are"),
+                           ([trained_on_text, "--plot", tmp_path], "is a folder; give a file such as")):
+        refused(cli("curves", *args), fragment)
+    assert not (tmp_path / "c.png").exists()

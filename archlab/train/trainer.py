@@ -35,6 +35,7 @@ from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, describe_differences, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, changes, load_config
+from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 
 
@@ -277,21 +278,11 @@ class Trainer:
         settings = self._recorded_settings()
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            text = metrics.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
-            lines, kept = text.splitlines(), []
-            for number, line in enumerate(lines, 1):
-                try:
-                    logged = json.loads(line)["step"]
-                except (ValueError, TypeError, KeyError):
-                    logged = None
-                if not isinstance(logged, int):
-                    if number == len(lines) and not text.endswith("\n"):
-                        continue  # a kill cut the last line short
-                    raise TrainError(f"{metrics}, line {number}, is not a metrics record: {line[:60]}; mend or remove"
-                                     " it to resume") from None
-                if logged <= step:
-                    kept.append(line)
-            write_text_whole(metrics, "".join(line + "\n" for line in kept))
+            try:
+                records, lines = read_metrics(metrics)
+            except RunError as exc:
+                raise TrainError(f"{exc}; mend or remove it to resume") from None
+            write_text_whole(metrics, "".join(line + "\n" for record, line in zip(records, lines) if record["step"] <= step))
         self._adopt_config(step, steps)
         self._adopt_environment(step, settings)
 

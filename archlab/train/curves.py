@@ -1,0 +1,144 @@
+"""Training runs side by side: their metrics.jsonl read back as a table and as loss curves against
+steps, tokens or training FLOPs (``archlab curves``)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from archlab.cost import Cost
+from archlab.table import Decimals
+from archlab.train.checkpoint import RUN_SPEC
+
+
+class RunError(Exception):
+    """A run folder that cannot be read back, said in words."""
+
+
+def read_metrics(file: Path) -> tuple[list[dict], list[str]]:
+    """The records of a run's metrics.jsonl in order, and their lines as written. A last line that
+    a kill cut short (no newline) is left out, as what came after the last record; any other line
+    that is not a record with a whole-number step raises ``RunError`` naming it."""
+    text = file.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
+    lines = text.splitlines()
+    records, kept = [], []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            step = record["step"]
+        except (ValueError, TypeError, KeyError):
+            step = None
+        if not isinstance(step, int):
+            if number == len(lines) and not text.endswith("\n"):
+                continue
+            raise RunError(f"{file}, line {number}, is not a metrics record: {line[:60]}")
+        records.append(record)
+        kept.append(line)
+    return records, kept
+
+
+class Axis(str, Enum):
+    step = "step"
+    tokens = "tokens"
+    flops = "flops"
+
+
+@dataclass
+class Run:
+    label: str
+    folder: Path
+    records: list[dict]
+
+    @classmethod
+    def read(cls, folder: Path, label: str) -> Run:
+        file = folder / "metrics.jsonl"
+        if not file.is_file():
+            what = "is not a folder" if not folder.is_dir() else "holds no metrics.jsonl: it is not a training run, or one that has logged no step yet"
+            raise RunError(f"{folder} {what}")
+        return cls(label, folder, read_metrics(file)[0])
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token of the spec and sequence length the run trained."""
+        from archlab.spec import SpecError, load_spec
+        from archlab.train.config import load_config
+
+        files = [self.folder / RUN_SPEC, self.folder / "config.yaml"]
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise RunError(f"{self.folder} lacks {' and '.join(missing)}, which training FLOPs are worked out from; plot"
+                           " it against steps or tokens")
+        try:
+            return Cost(load_spec(files[0])).train_flops_per_token(load_config(str(files[1])).seq_len)
+        except SpecError as exc:
+            raise RunError(f"{exc.source} does not load: {exc.problems[0].loc}: {exc.problems[0].msg}") from None
+
+    def x(self, records: list[dict], axis: Axis) -> list[float]:
+        if axis is Axis.step:
+            return [r["step"] for r in records]
+        if (untold := next((r["step"] for r in records if "tokens" not in r), None)) is not None:
+            raise RunError(f"{self.folder / 'metrics.jsonl'} logs no tokens at step {untold}; plot it against steps")
+        per_token = self.flops_per_token() if axis is Axis.flops else 1
+        return [r["tokens"] * per_token for r in records]
+
+    def row(self) -> dict:
+        """The last logged step's losses, the best evaluation and the training speed."""
+        last = self.records[-1] if self.records else {}
+        evals = [r for r in self.records if "eval_loss" in r]
+        best = min(evals, key=lambda r: r["eval_loss"]) if evals else {}
+        speeds = [r["tok_s"] for r in self.records if "tok_s" in r]
+        row = {
+            "run": self.label,
+            "steps": last.get("step", 0),
+            "tokens": last.get("tokens"),
+            "loss": _decimals(last.get("loss")),
+            "eval loss": _decimals(evals[-1]["eval_loss"] if evals else None),
+            "best eval loss": _decimals(best.get("eval_loss")),
+            "at step": best.get("step"),
+            "tok/s": statistics.median(speeds) if speeds else None,
+        }
+        if any("eval_acc" in r for r in evals):
+            row["eval acc"] = _decimals(evals[-1].get("eval_acc"))
+        return row
+
+
+def table(runs: list[Run]) -> list[dict]:
+    """A row per run, each with every column any of them has (eval acc where a run on text has none)."""
+    rows = [run.row() for run in runs]
+    columns = dict.fromkeys(column for row in rows for column in row)
+    return [{column: row.get(column) for column in columns} for row in rows]
+
+
+def _decimals(value: float | None) -> Decimals | None:
+    return None if value is None else Decimals(value, 4)
+
+
+def labels(folders: list[Path]) -> list[str]:
+    """Each run by its folder's name, or by its path where names repeat."""
+    names = [folder.resolve().name for folder in folders]
+    return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders)]
+
+
+def plot(runs: list[Run], axis: Axis, path: Path) -> None:
+    """Training and evaluation loss against ``axis``, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, panels = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, (key, title) in zip(panels, [("loss", "training loss"), ("eval_loss", "evaluation loss")]):
+        for run in runs:
+            logged = [r for r in run.records if key in r]
+            if logged:
+                ax.plot(run.x(logged, axis), [r[key] for r in logged], marker="o" if key == "eval_loss" else None,
+                        markersize=3, label=run.label)
+        ax.set_xlabel({Axis.step: "step", Axis.tokens: "tokens", Axis.flops: "training FLOPs"}[axis])
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:  # no run logged one yet: an empty panel, without matplotlib's warning of an empty legend
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

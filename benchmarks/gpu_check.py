@@ -50,10 +50,11 @@ import torch
 from rich.console import Console
 
 import archlab
-from archlab.bench import bench, device_name, sync
+from archlab.bench import bench, sync
 from archlab.cost import Cost, peak_flops
 from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
+from archlab.environment import environment
 from archlab.kv import PAGE_KERNELS
 from archlab.ops.dispatch import installed, runs_on, trains_on
 from archlab.train.config import TrainConfig
@@ -430,7 +431,8 @@ def layout(row: dict) -> str:
 
 
 def report(results: dict) -> str:
-    lines = [f"# GPU check on {results['device']} (torch {results['torch']})", "", f"packages: {results['packages']}"]
+    setting = results["environment"]
+    lines = [f"# GPU check on {setting['device']}", "", *(f"- {name}: {value}" for name, value in setting.items() if name != "device")]
     if "parity" in results:
         lines += ["", f"## Kernel parity (relative error against the PyTorch backend, {results['parity_dtype']}; ok below {TOLERANCE})", "",
                   "| block | backend | forward | input grad | 16 decode steps | fwd+bwd ms torch | fwd+bwd ms kernel | status |",
@@ -549,9 +551,7 @@ def main() -> None:
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # unwinds run_apart: its section goes too
     results = {
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "packages": {b: installed(b) for b in ("fla", "mamba_ssm", "flash_attn")},
+        "environment": environment(device),  # on a GPU, with the kernel packages' versions
         "parity_dtype": "float32" if smoke else "bfloat16",
         "errors": {},
     }

@@ -256,6 +256,7 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path):
     assert "parity (swa, flex)" in result.stderr and "parity (attention, flex)" in result.stderr  # a process each
     assert [r["spec"] for r in report["inference"] if r["status"] == "ok"][:2] == ["transformer", "transformer"]
     assert report["training"]["tok_s"] > 0
+    assert report["environment"]["torch"] == torch.__version__ and report["environment"]["device"].startswith("CPU (")
     assert all("decode_rel_err" not in r for r in report["parity"] if r["block"] in ("swa", "attention"))  # SDPA on both sides
     assert [r["status"] for r in report["window"]] == ["ok"] * 4 and report["window"][0]["rel_err"] == 0  # its own reference
     assert {r["spec"] for r in report["inference_paged"] if r["status"] == "ok"} == {"yoco-u"}
@@ -306,10 +307,11 @@ def test_the_gpu_checks_report_shows_no_figures_for_rows_that_have_none():
     rows = [{"spec": "yoco-u", "seq_len": 8192, "batch": 32, "prefill_rows": 8, "prefill_chunk": 2048, "prefill_tok_s": 1e5,
              "decode_tok_s": 3e3, "kv_total_mb": 46.3, "peak_mb": 2765.0, "status": "ok"},
             {"spec": "yoco-u", "seq_len": 131072, "batch": 32, "status": "out of memory"}]
-    text = report({"device": "cpu", "torch": "x", "packages": {}, "inference": rows,
+    text = report({"environment": {"device": "NVIDIA H200", "torch": "x", "triton": "y"}, "inference": rows,
                    "inference_paged": [{"spec": "yoco-u", "seq_len": 8192, "page_size": 256, "page_kernel": "flex", "status": "skipped: out of time"}]})
     assert "| yoco-u | 8192 |  |  |  | pages of 256, flex | - | - | - | - | skipped: out of time |" in text
     assert "| yoco-u | 8192 | 32 | 8 | 2048 | rows | 100,000 | 3,000 | 46.3 | 2.7 | ok |" in text
+    assert text.startswith("# GPU check on NVIDIA H200\n\n- torch: x\n- triton: y\n")
     assert "| yoco-u | 131072 | 32 |  |  | rows | - | - | - | - | out of memory |" in text
 
 

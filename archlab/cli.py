@@ -608,7 +608,7 @@ def curves(
 ) -> None:
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
     logged losses, the best evaluation and tokens/s; with --plot, their loss curves."""
-    from archlab.train.curves import Run, RunError, labels, plot, table
+    from archlab.train.curves import Run, RunError, labels, plot, table, trained_with
 
     if plot_path is not None:
         _check_plot_path(plot_path)
@@ -620,6 +620,8 @@ def curves(
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(render(table(read), fmt))
+    for line in trained_with(read):
+        err.print(line, markup=False, highlight=False)
     if plot_path is not None:
         err.print(f"plot written to {plot_path}", markup=False)
 

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import torch
+import yaml
 
 from archlab.bench import device_name
 from archlab.ops.dispatch import PACKAGES, installed
@@ -57,3 +58,35 @@ def environment(device: torch.device, processes: int = 1) -> dict[str, str]:
     else:  # blocks take the kernel packages here; on a CPU they never run
         found.update(_kernel_packages())
     return found
+
+
+class SettingsError(ValueError):
+    """A run's environment.yaml that does not read as its settings, said in words."""
+
+
+def read_settings(run_dir: Path) -> list[dict]:
+    """The settings a run's environment.yaml records, each with the step it began at (``from step``);
+    none for a run from before runs kept them."""
+    file = run_dir / "environment.yaml"
+    if not file.exists():
+        return []
+    try:
+        settings = yaml.safe_load(file.read_text(errors="backslashreplace"))
+    except yaml.YAMLError:
+        settings = None
+    if not (isinstance(settings, list) and all(isinstance(s, dict) and isinstance(s.get("from step"), int) for s in settings)):
+        raise SettingsError(f"{file} is not a list of the settings the run trained in, each with the step it began at ('from step')")
+    return settings
+
+
+def describe(setting: dict) -> str:
+    return ", ".join(f"{name} {value}" for name, value in setting.items())
+
+
+def setting_lines(by_setting: dict[str, list[str]], noun: str) -> list[str]:
+    """What things (trials, runs) trained with, as described settings -> their names: one line when
+    they agree, else each setting with its names, since results repeat to the bit only within one."""
+    if len(by_setting) <= 1:
+        return [f"- trained with: {described}" for described in by_setting]
+    return [f"- trained in {len(by_setting)} settings (a {noun} repeats to the bit only within one):",
+            *(f"  - {described}: {noun}{'s' * (len(names) > 1)} {', '.join(names)}" for described, names in by_setting.items())]

@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 
-from archlab.environment import environment
+from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.config import TrainConfig
 from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
@@ -1026,6 +1026,7 @@ def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_
     code, out, stderr = cli("curves", trained_on_text, trained_on_mqar, "--format", "csv")
     assert out.splitlines()[0].endswith(",tok/s,eval acc") and out.splitlines()[1].endswith(",") and len(out.splitlines()) == 3, stderr
     assert (tmp_path / "steps.png").read_bytes().startswith(b"\x89PNG")
+    assert f"- trained with: {describe(environment(torch.device('cpu')))}\n" in stderr  # both trained by this process
 
     # the best evaluation is not the last: a hand-written log
     (tmp_path / "logged").mkdir()
@@ -1052,10 +1053,14 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
     shutil.copytree(trained_on_text, running)
     with open(running / "metrics.jsonl", "a") as f:
         f.write('{"step": 5, "lo')  # a line being written
+    (running / "environment.yaml").write_text(yaml.safe_dump([{"from step": 0, "torch": "2.12.0"}, {"from step": 4, "torch": "2.13.0"}]))
     code, out, stderr = cli("curves", trained_on_text, running, "--format", "json")
     assert code in (0, None), stderr
     same, cut = json.loads(out)
     assert same == {**cut, "run": same["run"]} and (same["run"], cut["run"]) == (str(trained_on_text), str(running))  # names repeat: paths
+    assert stderr.splitlines() == ["- trained in 2 settings (a run repeats to the bit only within one):",
+                                   f"  - {describe(environment(torch.device('cpu')))}: run {trained_on_text}",
+                                   f"  - torch 2.12.0 from step 0; then torch 2.13.0 from step 4: run {running}"]
 
     damaged = tmp_path / "damaged"
     shutil.copytree(trained_on_text, damaged)
@@ -1064,8 +1069,12 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
     configless = tmp_path / "configless"
     shutil.copytree(trained_on_text, configless)
     (configless / "config.yaml").unlink()
+    unsettled = tmp_path / "unsettled"
+    shutil.copytree(trained_on_text, unsettled)
+    (unsettled / "environment.yaml").write_text("[1\n")
     for args, fragment in (([tmp_path / "absent"], f"{tmp_path / 'absent'} is not a folder"),
                            ([tmp_path], f"{tmp_path} holds no metrics.jsonl: it is not a training run"),
+                           ([unsettled], f"{unsettled / 'environment.yaml'} is not a list of the settings the run trained in"),
                            ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record: {{\"step\": \"two\"}}"),
                            ([configless, "--x", "flops", "--plot", tmp_path / "c.png"], "lacks config.yaml, which training FLOPs are"),
                            ([trained_on_text, "--plot", tmp_path], "is a folder; give a file such as")):

@@ -11,6 +11,7 @@ import optuna
 from optuna.trial import TrialState
 
 from archlab.cost import Cost
+from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
 from archlab.study.runner import latest, planned_as, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
@@ -112,15 +113,12 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
 def settings(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     """What the reported trials trained with (the code, Python, PyTorch, device): one line when
     they agree, else each setting with its trials, since results repeat to the bit only within one."""
-    by_setting: dict[str, list[int]] = {}
+    by_setting: dict[str, list[str]] = {}
     for t in sorted(_reported(study, trials).values(), key=lambda t: t.number):
         kept = t.user_attrs.get("environment")
-        described = ", ".join(f"{name} {value}" for name, value in kept.items()) if kept else "not recorded (trained before trials kept it)"
-        by_setting.setdefault(described, []).append(t.number)
-    if len(by_setting) <= 1:  # none before any trial has finished
-        return [f"- trained with: {described}" for described in by_setting]
-    return [f"- trained in {len(by_setting)} settings (a trial repeats to the bit only within one):",
-            *(f"  - {described}: trial{'s' * (len(numbers) > 1)} {', '.join(map(str, numbers))}" for described, numbers in by_setting.items())]
+        described = describe(kept) if kept else "not recorded (trained before trials kept it)"
+        by_setting.setdefault(described, []).append(str(t.number))
+    return setting_lines(by_setting, "trial")
 
 
 def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:

@@ -10,6 +10,7 @@ from enum import Enum
 from pathlib import Path
 
 from archlab.cost import Cost
+from archlab.environment import SettingsError, describe, read_settings, setting_lines
 from archlab.table import Decimals
 from archlab.train.checkpoint import RUN_SPEC
 
@@ -51,6 +52,7 @@ class Run:
     label: str
     folder: Path
     records: list[dict]
+    settings: list[dict]  # environment.yaml's
 
     @classmethod
     def read(cls, folder: Path, label: str) -> Run:
@@ -58,7 +60,20 @@ class Run:
         if not file.is_file():
             what = "is not a folder" if not folder.is_dir() else "holds no metrics.jsonl: it is not a training run, or one that has logged no step yet"
             raise RunError(f"{folder} {what}")
-        return cls(label, folder, read_metrics(file)[0])
+        try:
+            settings = read_settings(folder)
+        except SettingsError as exc:
+            raise RunError(f"{exc}; mend or remove it") from None
+        return cls(label, folder, read_metrics(file)[0], settings)
+
+    def setting(self) -> str:
+        """What the run trained with; each setting from its step where a resume changed it."""
+        if not self.settings:
+            return "not recorded (trained before runs kept it)"
+        kept = [{name: value for name, value in s.items() if name != "from step"} for s in self.settings]
+        if len(kept) == 1:
+            return describe(kept[0])
+        return "; then ".join(f"{describe(setting)} from step {s['from step']}" for setting, s in zip(kept, self.settings))
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token of the spec and sequence length the run trained."""
@@ -108,6 +123,14 @@ def table(runs: list[Run]) -> list[dict]:
     rows = [run.row() for run in runs]
     columns = dict.fromkeys(column for row in rows for column in row)
     return [{column: row.get(column) for column in columns} for row in rows]
+
+
+def trained_with(runs: list[Run]) -> list[str]:
+    """The setting the runs share, or each with its runs: speeds compare only within one."""
+    by_setting: dict[str, list[str]] = {}
+    for run in runs:
+        by_setting.setdefault(run.setting(), []).append(run.label)
+    return setting_lines(by_setting, "run")
 
 
 def _decimals(value: float | None) -> Decimals | None:

@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from archlab.cost import Cost, peak_flops
-from archlab.environment import environment
+from archlab.environment import SettingsError, environment, read_settings
 from archlab.ffn import MoEFFN
 from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
@@ -275,7 +275,10 @@ class Trainer:
     def _continue_record(self, step: int, steps: int) -> None:
         """Resuming at ``step`` (on the first process): drop what metrics.jsonl logged after it, and record
         what the resume changed. Read before anything is written: a damaged line stops the resume with the file as it was."""
-        settings = self._recorded_settings()
+        try:
+            settings = read_settings(self.run_dir)
+        except SettingsError as exc:
+            raise TrainError(f"{exc}; mend or remove it to resume") from None
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             try:
@@ -304,21 +307,6 @@ class Trainer:
     def _write_config(self, steps: int) -> None:
         config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said
         write_text_whole(self.run_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-
-    def _recorded_settings(self) -> list[dict]:
-        """The settings environment.yaml records the run trained in (none for a run from before runs
-        kept them); a damaged file stops the resume with it as it was."""
-        file = self.run_dir / "environment.yaml"
-        if not file.exists():
-            return []
-        try:
-            settings = yaml.safe_load(file.read_text(errors="backslashreplace"))
-        except yaml.YAMLError:
-            settings = None
-        if not (isinstance(settings, list) and all(isinstance(s, dict) and isinstance(s.get("from step"), int) for s in settings)):
-            raise TrainError(f"{file} is not a list of the settings the run trained in, each with the step it began at"
-                             " ('from step'); mend or remove it to resume")
-        return settings
 
     def _adopt_environment(self, step: int, recorded: list[dict]) -> None:
         """Resuming at ``step`` in another setting than the steps before it (another commit, PyTorch,

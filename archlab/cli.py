@@ -34,7 +34,7 @@ from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, 
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained
 from archlab.train.config import MAX_STEPS, SEED_LIMIT, load_config
-from archlab.train.curves import Axis
+from archlab.train.curves import Axis, labels
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -608,7 +608,7 @@ def curves(
 ) -> None:
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
     logged losses, the best evaluation and tokens/s; with --plot, their loss curves."""
-    from archlab.train.curves import Run, RunError, labels, plot, table, trained_with
+    from archlab.train.curves import Run, RunError, plot, table, trained_with
 
     if plot_path is not None:
         _check_plot_path(plot_path)
@@ -623,6 +623,44 @@ def curves(
     for line in trained_with(read):
         err.print(line, markup=False, highlight=False)
     if plot_path is not None:
+        err.print(f"plot written to {plot_path}", markup=False)
+
+
+@app.command()
+def evaluate(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 2K 4K 8K")] = ["2K", "4K", "8K"],  # noqa: B006
+    last: Annotated[int, typer.Option(min=1, help="tokens scored at the end of each window (not for recall tasks)")] = 512,
+    sequences: Annotated[int, typer.Option(min=1, help="windows per length")] = 16,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of loss against context length")] = None,
+) -> None:
+    """How well trained runs use longer contexts: the held-out loss of the same last tokens given
+    prefixes of each length (the paper's last-512-token perplexity); on a recall task, loss and
+    accuracy of the answers in fresh sequences of each length."""
+    from archlab.train.data import DataError
+    from archlab.train.evaluate import EvaluationError, plot
+    from archlab.train.evaluate import evaluate as scored
+
+    lengths = _lengths(seq_len)
+    if plot_path is not None:
+        _check_plot_path(plot_path)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    try:
+        for run, label in zip(runs, labels(runs)):
+            err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
+            with _fits_in_memory(f"{label}: a window of {max(lengths):,} tokens", "--seq-len", None):
+                rows += [result.row(label) for result in scored(run, lengths, last, sequences, device)]
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
+    except (CheckpointError, DataError, EvaluationError) as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from None
+    sys.stdout.write(render(rows, fmt))
+    if plot_path is not None:
+        plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
 
 
@@ -745,7 +783,7 @@ def study_report(
 
 
 LENGTH_OPTIONS = ("--seq-len",)
-LIST_COMMANDS = ("bench", "cost")  # where they take several values
+LIST_COMMANDS = ("bench", "cost", "evaluate")  # where they take several values
 
 
 def _expand_list_options(argv: list[str]) -> list[str]:

@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from rich.console import Console
 from safetensors.torch import load_file
@@ -1080,3 +1081,59 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
                            ([trained_on_text, "--plot", tmp_path], "is a folder; give a file such as")):
         refused(cli("curves", *args), fragment)
     assert not (tmp_path / "c.png").exists()
+
+
+def test_evaluate_scores_the_same_last_tokens_given_each_length_of_context(cli, trained_on_text, tmp_path):
+    from archlab.train.checkpoint import load_trained
+    from archlab.train.evaluate import evaluate, windows
+
+    held_out = np.load(trained_on_text / "data" / "val.npy")
+    batches = windows(held_out, [16, 64, 128], 5)
+    longest = batches[128]
+    assert torch.equal(longest.inputs[:, 1:], longest.targets[:, :-1]) and len(set(map(tuple, longest.inputs.tolist()))) == 5
+    assert all("".join(map(chr, row)) in "".join(map(chr, held_out.tolist())) for row in longest.targets.tolist())  # slices of the split
+    for n in (16, 64):  # the longest window's ends: the same tokens scored, with less context before them
+        assert torch.equal(batches[n].inputs, longest.inputs[:, -n:]) and torch.equal(batches[n].targets, longest.targets[:, -n:])
+
+    _, model, _, _ = load_trained(trained_on_text)
+    results = evaluate(trained_on_text, [16, 64, 128], 16, 5, torch.device("cpu"))
+    for result in results:  # the whole logits of every window at once, against a sequence at a time without them
+        window = batches[result.length]
+        with torch.no_grad():
+            expected = F.cross_entropy(model(window.inputs)[:, -16:].flatten(0, 1), window.targets[:, -16:].flatten())
+        assert (result.sequences, result.scored, result.accuracy) == (5, 5 * 16, None)
+        assert result.loss == pytest.approx(expected.item(), rel=1e-5)
+
+    code, out, stderr = cli("evaluate", trained_on_text, "--seq-len", "16", "64", "128", "--last", "16", "--sequences", "5",
+                            "--format", "json", "--plot", tmp_path / "lengths.png")
+    assert code in (0, None), stderr
+    assert [(row["length"], row["loss"]) for row in json.loads(out)] == [(r.length, round(r.loss, 4)) for r in results]
+    assert (tmp_path / "lengths.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_evaluate_scores_a_recall_run_on_fresh_sequences_of_each_length(trained_on_mqar):
+    from archlab.train.checkpoint import load_trained
+    from archlab.train.evaluate import evaluate
+
+    _, model, _, _ = load_trained(trained_on_mqar)
+    for result in evaluate(trained_on_mqar, [32, 64], 512, 4, torch.device("cpu")):  # --last is not a recall task's
+        probes = RecallTask("mqar", model.spec.vocab_size, result.length, 0).batch("val", 0, 4)
+        with torch.no_grad():
+            logits = model(probes.inputs)[probes.mask]
+        answers = probes.targets[probes.mask]
+        assert result.scored == len(answers) > 0
+        assert result.loss == pytest.approx(F.cross_entropy(logits, answers).item(), rel=1e-5)
+        assert result.accuracy == (logits.argmax(-1) == answers).float().mean().item()
+
+
+def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
+    held_out = len(np.load(trained_on_text / "data" / "val.npy"))
+    configless = tmp_path / "configless"
+    shutil.copytree(trained_on_text, configless)
+    (configless / "config.yaml").unlink()
+    for args, fragment in (([trained_on_text, "--seq-len", held_out], f"the held-out split has {held_out:,} tokens, fewer than the"
+                                                                      f" {held_out + 1:,} a window of {held_out:,}"),
+                           ([trained_on_text, "--seq-len", "16", "64", "--last", "32"], "--last 32 is longer than the shortest length, 16"),
+                           ([tmp_path, "--seq-len", "64"], f"{tmp_path} is not a training run with a checkpoint"),
+                           ([configless, "--seq-len", "64"], "has no config.yaml, which says what data it held out")):
+        refused(cli("evaluate", *args), fragment)

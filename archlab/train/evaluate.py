@@ -1,0 +1,118 @@
+"""How well trained runs use longer contexts: the loss on the last tokens of held-out windows,
+given prefixes of several lengths (the paper's last-512-token perplexity over 2K to 8K prefixes;
+``archlab evaluate``).
+
+Each window ends at the same token whatever its length, so every length scores the same tokens and
+a lower loss at a longer length is the model's use of the context before them. A run on a recall
+task is scored on fresh sequences of each length instead, at the answer positions alone.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from archlab.loss import scores
+from archlab.table import Decimals
+from archlab.train.checkpoint import load_trained
+from archlab.train.config import SYNTHETIC, load_config
+from archlab.train.data import Batch, RecallTask, prepare
+
+
+class EvaluationError(Exception):
+    """What cannot be evaluated as asked, said in words."""
+
+
+def windows(tokens: np.ndarray, lengths: list[int], sequences: int) -> dict[int, Batch]:
+    """For each length L, ``sequences`` windows of L input tokens and their next tokens, ending at
+    the same positions for every length: evenly spread over ``tokens`` as far as the longest allows
+    (fewer where the split has fewer distinct places to end)."""
+    longest = max(lengths)
+    if len(tokens) < longest + 1:
+        raise EvaluationError(f"the held-out split has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
+                              f" {longest:,} and its next token need; give lengths up to {len(tokens) - 1:,}")
+    last = len(tokens) - 1  # the last position a window's next token may reach
+    ends = sorted({longest + i * (last - longest) // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
+    found = {}
+    for length in lengths:
+        rows = torch.from_numpy(np.stack([np.asarray(tokens[end - length : end + 1], dtype=np.int64) for end in ends]))
+        found[length] = Batch(rows[:, :-1], rows[:, 1:])
+    return found
+
+
+@dataclass
+class Evaluated:
+    length: int
+    sequences: int
+    scored: int  # tokens whose prediction counted, over all sequences
+    loss: float
+    accuracy: float | None  # of a recall task's answers
+
+    def row(self, run: str) -> dict:
+        row = {"run": run, "length": self.length, "sequences": self.sequences, "tokens scored": self.scored,
+               "loss": Decimals(self.loss, 4), "ppl": math.exp(min(self.loss, 50.0))}
+        if self.accuracy is not None:
+            row["acc"] = Decimals(self.accuracy, 4)
+        return row
+
+
+def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device) -> list[Evaluated]:
+    """The run's latest checkpoint scored at each length: on its held-out split, the loss of the
+    last ``last`` tokens of each window; on a recall task, the loss and accuracy of the answers."""
+    spec, model, _, _ = load_trained(run)
+    cfg = load_config(str(run / "config.yaml")) if (run / "config.yaml").is_file() else None
+    if cfg is None:
+        raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
+    if cfg.data.source in SYNTHETIC:
+        batches = {n: RecallTask(cfg.data.source, spec.vocab_size, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
+    else:
+        if last > min(lengths):
+            raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
+                                  " last tokens")
+        data = prepare(cfg.data, spec.vocab_size, 1, cfg.seed, Path(cfg.data.cache or run), resume=True)
+        batches = {n: _last_only(batch, last) for n, batch in windows(data.splits["val"], lengths, sequences).items()}
+    model = model.to(device).eval()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # as it trained
+    found = []
+    with torch.no_grad(), autocast:
+        for length, batch in batches.items():
+            totals = sum(scores(model.hidden(batch.inputs[i : i + 1].to(device))[0], model.head.weight,
+                                batch.counted_targets()[i].to(device)) for i in range(len(batch.inputs)))  # a sequence at a time
+            lost, correct, counted = totals.tolist()
+            found.append(Evaluated(length, len(batch.inputs), int(counted), lost / counted,
+                                   correct / counted if cfg.data.source in SYNTHETIC else None))
+    return found
+
+
+def _last_only(batch: Batch, last: int) -> Batch:
+    """The batch with only its last ``last`` positions counted."""
+    mask = torch.zeros_like(batch.targets, dtype=torch.bool)
+    mask[:, -last:] = True
+    return Batch(batch.inputs, batch.targets, mask)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Loss against context length, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in dict.fromkeys(row["run"] for row in rows):
+        mine = [row for row in rows if row["run"] == run]
+        ax.plot([row["length"] for row in mine], [row["loss"] for row in mine], marker="o", label=run)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("loss of the scored tokens")
+    ax.set_title("held-out loss against context length")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

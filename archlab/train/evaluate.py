@@ -65,9 +65,9 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     """The run's latest checkpoint scored at each length: on its held-out split, the loss of the
     last ``last`` tokens of each window; on a recall task, the loss and accuracy of the answers."""
     spec, model, _, _ = load_trained(run)
-    cfg = load_config(str(run / "config.yaml")) if (run / "config.yaml").is_file() else None
-    if cfg is None:
+    if not (run / "config.yaml").is_file():
         raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
+    cfg = load_config(str(run / "config.yaml"))
     if cfg.data.source in SYNTHETIC:
         batches = {n: RecallTask(cfg.data.source, spec.vocab_size, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
     else:

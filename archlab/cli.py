@@ -632,6 +632,7 @@ def evaluate(
     seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 2K 4K 8K")] = ["2K", "4K", "8K"],  # noqa: B006
     last: Annotated[int, typer.Option(min=1, help="tokens scored at the end of each window (not for recall tasks)")] = 512,
     sequences: Annotated[int, typer.Option(min=1, help="windows per length")] = 16,
+    data: Annotated[str | None, typer.Option(help="score on all of this corpus instead of the held-out split: a text file or folder, stdlib, hf:NAME (read with each run's tokenizer), a token file, mqar or copy")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of loss against context length")] = None,
 ) -> None:
@@ -651,7 +652,7 @@ def evaluate(
         for run, label in zip(runs, labels(runs)):
             err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
             with _fits_in_memory(f"{label}: a window of {max(lengths):,} tokens", "--seq-len", None):
-                rows += [result.row(label) for result in scored(run, lengths, last, sequences, device)]
+                rows += [result.row(label) for result in scored(run, lengths, last, sequences, device, data)]
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None

@@ -1137,3 +1137,26 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                            ([tmp_path, "--seq-len", "64"], f"{tmp_path} is not a training run with a checkpoint"),
                            ([configless, "--seq-len", "64"], "has no config.yaml, which says what data it held out")):
         refused(cli("evaluate", *args), fragment)
+
+
+def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, trained_on_text, trained_on_mqar, tmp_path):
+    from tokenizers import Tokenizer
+
+    from archlab.train.checkpoint import load_trained
+    from archlab.train.evaluate import evaluate, windows
+
+    corpus = tmp_path / "other.txt"
+    corpus.write_text((ROOT / "README.md").read_text()[:6000])
+    ids = np.asarray(Tokenizer.from_file(str(trained_on_text / "tokenizer.json")).encode(corpus.read_text()).ids, dtype=np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    _, model, _, _ = load_trained(trained_on_text)
+    window = windows(ids, [64], 3)[64]
+    with torch.no_grad():
+        expected = F.cross_entropy(model(window.inputs)[:, -16:].flatten(0, 1), window.targets[:, -16:].flatten()).item()
+    (text,) = evaluate(trained_on_text, [64], 16, 3, torch.device("cpu"), data=str(corpus))
+    (token_file,) = evaluate(trained_on_text, [64], 16, 3, torch.device("cpu"), data=str(tmp_path / "ids.npy"))
+    assert text.loss == pytest.approx(expected, rel=1e-5) and token_file.loss == text.loss
+    refused(cli("evaluate", trained_on_mqar, "--seq-len", "64", "--last", "16", "--data", corpus),
+            "is text, and the run has no tokenizer to read it with")
+    refused(cli("evaluate", trained_on_text, "--seq-len", "64K", "--last", "16", "--data", corpus),
+            f"data source {str(corpus)!r} has {len(ids):,} tokens, fewer than")

@@ -356,6 +356,25 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
 DataSource = TokenSource | RecallTask  # what a trainer draws batches from
 
 
+def _encoded(source: str, texts: list[str], tokenizer) -> np.ndarray:
+    ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts)])
+    if len(ids) == 0:
+        raise DataError(f"data source {source!r} tokenized to nothing")
+    return ids
+
+
+def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> np.ndarray:
+    """Every token of ``cfg.source``, split off nothing and written nowhere (a corpus to evaluate
+    on): a token file's ids, or text tokenized with ``tokenizer`` (a run's own)."""
+    path = Path(cfg.source)
+    if path.suffix in TOKEN_FILES and path.is_file():
+        return _token_file(path, cfg, vocab_size)
+    if tokenizer is None:
+        raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
+                        " token ids or a recall task); give a token file")
+    return _encoded(cfg.source, read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field), load_tokenizer(str(tokenizer), vocab_size))
+
+
 def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False, resume: bool = False) -> DataSource:
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
@@ -378,9 +397,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
             tokenizer = load_tokenizer(cfg.tokenizer or str(own), vocab_size)
         else:
             tokenizer = train_tokenizer(texts, vocab_size)
-        ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts)])
-        if len(ids) == 0:
-            raise DataError(f"data source {cfg.source!r} tokenized to nothing")
+        ids = _encoded(cfg.source, texts, tokenizer)
         cut = int(len(ids) * (1 - cfg.val_fraction))
         cache.mkdir(parents=True, exist_ok=True)
         # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote

@@ -1,6 +1,6 @@
-"""How well trained runs use longer contexts: the loss on the last tokens of held-out windows,
-given prefixes of several lengths (the paper's last-512-token perplexity over 2K to 8K prefixes;
-``archlab evaluate``).
+"""How well trained runs use longer contexts: the loss on the last tokens of windows of the
+held-out split (or of another corpus), given prefixes of several lengths (the paper's
+last-512-token perplexity over 2K to 8K prefixes; ``archlab evaluate``).
 
 Each window ends at the same token whatever its length, so every length scores the same tokens and
 a lower loss at a longer length is the model's use of the context before them. A run on a recall
@@ -21,20 +21,20 @@ from archlab.loss import scores
 from archlab.table import Decimals
 from archlab.train.checkpoint import load_trained
 from archlab.train.config import SYNTHETIC, load_config
-from archlab.train.data import Batch, RecallTask, prepare
+from archlab.train.data import Batch, RecallTask, prepare, tokens_of
 
 
 class EvaluationError(Exception):
     """What cannot be evaluated as asked, said in words."""
 
 
-def windows(tokens: np.ndarray, lengths: list[int], sequences: int) -> dict[int, Batch]:
+def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = "the held-out split") -> dict[int, Batch]:
     """For each length L, ``sequences`` windows of L input tokens and their next tokens, ending at
     the same positions for every length: evenly spread over ``tokens`` as far as the longest allows
     (fewer where the split has fewer distinct places to end)."""
     longest = max(lengths)
     if len(tokens) < longest + 1:
-        raise EvaluationError(f"the held-out split has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
+        raise EvaluationError(f"{what} has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
                               f" {longest:,} and its next token need; give lengths up to {len(tokens) - 1:,}")
     last = len(tokens) - 1  # the last position a window's next token may reach
     ends = sorted({longest + i * (last - longest) // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
@@ -61,21 +61,28 @@ class Evaluated:
         return row
 
 
-def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device) -> list[Evaluated]:
-    """The run's latest checkpoint scored at each length: on its held-out split, the loss of the
-    last ``last`` tokens of each window; on a recall task, the loss and accuracy of the answers."""
-    spec, model, _, _ = load_trained(run)
+def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device,
+             data: str | None = None) -> list[Evaluated]:
+    """The run's latest checkpoint scored at each length: on its held-out split (or all of ``data``,
+    read with the run's tokenizer), the loss of the last ``last`` tokens of each window; on a
+    recall task, the loss and accuracy of the answers."""
+    spec, model, _, tokenizer = load_trained(run)
     if not (run / "config.yaml").is_file():
         raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
     cfg = load_config(str(run / "config.yaml"))
-    if cfg.data.source in SYNTHETIC:
-        batches = {n: RecallTask(cfg.data.source, spec.vocab_size, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
+    source = data or cfg.data.source
+    if source in SYNTHETIC:
+        batches = {n: RecallTask(source, spec.vocab_size, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
     else:
         if last > min(lengths):
             raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
                                   " last tokens")
-        data = prepare(cfg.data, spec.vocab_size, 1, cfg.seed, Path(cfg.data.cache or run), resume=True)
-        batches = {n: _last_only(batch, last) for n, batch in windows(data.splits["val"], lengths, sequences).items()}
+        if data is None:
+            held_out = prepare(cfg.data, spec.vocab_size, 1, cfg.seed, Path(cfg.data.cache or run), resume=True)
+            tokens, what = held_out.splits["val"], "the held-out split"
+        else:
+            tokens, what = tokens_of(cfg.data.model_copy(update={"source": data}), spec.vocab_size, tokenizer), f"data source {data!r}"
+        batches = {n: _last_only(batch, last) for n, batch in windows(tokens, lengths, sequences, what).items()}
     model = model.to(device).eval()
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # as it trained
     found = []
@@ -85,7 +92,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
                                 batch.counted_targets()[i].to(device)) for i in range(len(batch.inputs)))  # a sequence at a time
             lost, correct, counted = totals.tolist()
             found.append(Evaluated(length, len(batch.inputs), int(counted), lost / counted,
-                                   correct / counted if cfg.data.source in SYNTHETIC else None))
+                                   correct / counted if source in SYNTHETIC else None))
     return found
 
 

@@ -644,6 +644,8 @@ def evaluate(
     from archlab.train.evaluate import evaluate as scored
 
     lengths = _lengths(seq_len)
+    if data is not None and not data.strip():  # it would read as the current folder
+        raise typer.BadParameter("--data is empty; give a corpus, or leave it out for each run's held-out split")
     if plot_path is not None:
         _check_plot_path(plot_path)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

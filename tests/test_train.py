@@ -1160,3 +1160,4 @@ def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, traine
             "is text, and the run has no tokenizer to read it with")
     refused(cli("evaluate", trained_on_text, "--seq-len", "64K", "--last", "16", "--data", corpus),
             f"data source {str(corpus)!r} has {len(ids):,} tokens, fewer than")
+    refused(cli("evaluate", trained_on_text, "--data", " "), "--data is empty")

@@ -608,7 +608,7 @@ def curves(
 ) -> None:
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
     logged losses, the best evaluation and tokens/s; with --plot, their loss curves."""
-    from archlab.train.curves import Run, RunError, plot, table, trained_with
+    from archlab.train.curves import Run, RunError, plot, trained_with
 
     if plot_path is not None:
         _check_plot_path(plot_path)
@@ -619,7 +619,7 @@ def curves(
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
-    sys.stdout.write(render(table(read), fmt))
+    sys.stdout.write(render([run.row() for run in read], fmt))
     for line in trained_with(read):
         err.print(line, markup=False, highlight=False)
     if plot_path is not None:

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from archlab.bench import device_name
+from archlab.files import write_text_whole
 from archlab.ops.dispatch import PACKAGES, installed
 
 
@@ -60,6 +61,9 @@ def environment(device: torch.device, processes: int = 1) -> dict[str, str]:
     return found
 
 
+SETTINGS_FILE = "environment.yaml"  # in a run folder: the settings it trained in, each with the step it began at
+
+
 class SettingsError(ValueError):
     """A run's environment.yaml that does not read as its settings, said in words."""
 
@@ -67,7 +71,7 @@ class SettingsError(ValueError):
 def read_settings(run_dir: Path) -> list[dict]:
     """The settings a run's environment.yaml records, each with the step it began at (``from step``);
     none for a run from before runs kept them."""
-    file = run_dir / "environment.yaml"
+    file = run_dir / SETTINGS_FILE
     if not file.exists():
         return []
     try:
@@ -77,6 +81,15 @@ def read_settings(run_dir: Path) -> list[dict]:
     if not (isinstance(settings, list) and all(isinstance(s, dict) and isinstance(s.get("from step"), int) for s in settings)):
         raise SettingsError(f"{file} is not a list of the settings the run trained in, each with the step it began at ('from step')")
     return settings
+
+
+def write_settings(run_dir: Path, settings: list[dict]) -> None:
+    write_text_whole(run_dir / SETTINGS_FILE, yaml.safe_dump(settings, sort_keys=False))
+
+
+def setting_of(recorded: dict) -> dict:
+    """A recorded setting without the step it began at, as ``environment`` gives it."""
+    return {name: value for name, value in recorded.items() if name != "from step"}
 
 
 def describe(setting: dict) -> str:

@@ -45,9 +45,12 @@ def _cell(value) -> str:
 
 
 def render(rows: list[dict], fmt: Format) -> str:
+    """Rows that may differ in their columns (a recall run's accuracy beside a text run's none) as
+    one table: every column any row has, empty where a row lacks it."""
+    columns = list(dict.fromkeys(column for row in rows for column in row))
+    rows = [{column: row.get(column) for column in columns} for row in rows]
     if fmt is Format.json:
         return json.dumps(rows, indent=2) + "\n"
-    columns = list(rows[0]) if rows else []
     if fmt is Format.csv:
         out = io.StringIO()
         writer = csv.DictWriter(out, columns, lineterminator="\n")

@@ -1161,3 +1161,7 @@ def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, traine
     refused(cli("evaluate", trained_on_text, "--seq-len", "64K", "--last", "16", "--data", corpus),
             f"data source {str(corpus)!r} has {len(ids):,} tokens, fewer than")
     refused(cli("evaluate", trained_on_text, "--data", " "), "--data is empty")
+    # a text run beside a recall run: one table, the text run's accuracy empty
+    code, out, stderr = cli("evaluate", trained_on_text, trained_on_mqar, "--seq-len", "32", "--last", "16", "--sequences", "2",
+                            "--format", "csv")
+    assert code in (0, None) and out.splitlines()[0].endswith(",ppl,acc") and out.splitlines()[1].endswith(","), stderr

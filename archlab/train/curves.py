@@ -3,6 +3,7 @@ steps, tokens or training FLOPs (``archlab curves``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from enum import Enum
 from pathlib import Path
 
 from archlab.cost import Cost
-from archlab.environment import SettingsError, describe, read_settings, setting_lines
+from archlab.environment import SettingsError, describe, read_settings, setting_lines, setting_of
 from archlab.table import Decimals
 from archlab.train.checkpoint import RUN_SPEC
 
@@ -70,11 +71,11 @@ class Run:
         """What the run trained with; each setting from its step where a resume changed it."""
         if not self.settings:
             return "not recorded (trained before runs kept it)"
-        kept = [{name: value for name, value in s.items() if name != "from step"} for s in self.settings]
-        if len(kept) == 1:
-            return describe(kept[0])
-        return "; then ".join(f"{describe(setting)} from step {s['from step']}" for setting, s in zip(kept, self.settings))
+        if len(self.settings) == 1:
+            return describe(setting_of(self.settings[0]))
+        return "; then ".join(f"{describe(setting_of(s))} from step {s['from step']}" for s in self.settings)
 
+    @functools.cached_property  # read from the run's files once, for both panels of a plot
     def flops_per_token(self) -> float:
         """Training FLOPs per token of the spec and sequence length the run trained."""
         from archlab.spec import SpecError, load_spec
@@ -94,7 +95,7 @@ class Run:
             return [r["step"] for r in records]
         if (untold := next((r["step"] for r in records if "tokens" not in r), None)) is not None:
             raise RunError(f"{self.folder / 'metrics.jsonl'} logs no tokens at step {untold}; plot it against steps")
-        per_token = self.flops_per_token() if axis is Axis.flops else 1
+        per_token = self.flops_per_token if axis is Axis.flops else 1
         return [r["tokens"] * per_token for r in records]
 
     def row(self) -> dict:
@@ -116,13 +117,6 @@ class Run:
         if any("eval_acc" in r for r in evals):
             row["eval acc"] = _decimals(evals[-1].get("eval_acc"))
         return row
-
-
-def table(runs: list[Run]) -> list[dict]:
-    """A row per run, each with every column any of them has (eval acc where a run on text has none)."""
-    rows = [run.row() for run in runs]
-    columns = dict.fromkeys(column for row in rows for column in row)
-    return [{column: row.get(column) for column in columns} for row in rows]
 
 
 def trained_with(runs: list[Run]) -> list[str]:

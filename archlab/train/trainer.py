@@ -26,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from archlab.cost import Cost, peak_flops
-from archlab.environment import SettingsError, environment, read_settings
+from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
 from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
@@ -42,7 +42,7 @@ from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
 T = TypeVar("T")
 
 # what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
-START_FILES = {checkpoint.RUN_SPEC, "config.yaml", "environment.yaml", "tokenizer.json", "data", "checkpoints"}
+START_FILES = {checkpoint.RUN_SPEC, "config.yaml", SETTINGS_FILE, "tokenizer.json", "data", "checkpoints"}
 
 
 class TrainError(Exception):
@@ -226,7 +226,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
         self._write_config(steps)
-        self._write_environment([{"from step": 0, **self.environment}])
+        write_settings(self.run_dir, [{"from step": 0, **self.environment}])
 
     def _resume(self, steps: int) -> int:
         """Load the latest checkpoint's weights, optimizer and RNG state; the step to go on from.
@@ -313,17 +313,14 @@ class Trainer:
         device...): say so, since the run may not repeat to the bit what an uninterrupted one gives,
         and record from which step it holds. Settings of steps the resume trains again are dropped."""
         before = [s for s in recorded if s["from step"] < step]
-        last = {name: value for name, value in before[-1].items() if name != "from step"} if before else None
+        last = setting_of(before[-1]) if before else None
         if last is not None and (differ := describe_differences(last, self.environment)):
             self._say(f"[yellow]notice[/]: the steps before this resume trained in another setting ({escape('; '.join(differ))});"
                       " its numbers may not repeat to the bit those of a run in a single setting. environment.yaml records each, from"
                       " the step it began at")
         kept = before if last == self.environment else [*before, {"from step": step, **self.environment}]
         if kept != recorded:
-            self._write_environment(kept)
-
-    def _write_environment(self, settings: list[dict]) -> None:
-        write_text_whole(self.run_dir / "environment.yaml", yaml.safe_dump(settings, sort_keys=False))
+            write_settings(self.run_dir, kept)
 
     def _say(self, text: str) -> None:
         """A line on the console, from the first process only."""

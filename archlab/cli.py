@@ -639,31 +639,72 @@ def evaluate(
     """How well trained runs use longer contexts: the held-out loss of the same last tokens given
     prefixes of each length (the paper's last-512-token perplexity); on a recall task, loss and
     accuracy of the answers in fresh sequences of each length."""
-    from archlab.train.data import DataError
-    from archlab.train.evaluate import EvaluationError, plot
     from archlab.train.evaluate import evaluate as scored
+    from archlab.train.evaluate import plot
 
     lengths = _lengths(seq_len)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def score(run: Path, label: str) -> list[dict]:
+        err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
+        with _fits_in_memory(f"{label}: a window of {max(lengths):,} tokens", "--seq-len", None):
+            return [result.row(label) for result in scored(run, lengths, last, sequences, device, data)]
+
+    rows = [row for found in _each_trained_run(runs, data, plot_path, score).values() for row in found]
+    sys.stdout.write(render(rows, fmt))
+    if plot_path is not None:
+        plot(rows, plot_path)
+        err.print(f"plot written to {plot_path}", markup=False)
+
+
+def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list]) -> dict[str, list]:
+    """``score(run, label)`` of each run, by its label; ``--data`` and ``--plot`` are checked first,
+    and a run that cannot be scored ends the command in one line."""
+    from archlab.train.data import DataError
+    from archlab.train.evaluate import EvaluationError
+
     if data is not None and not data.strip():  # it would read as the current folder
         raise typer.BadParameter("--data is empty; give a corpus, or leave it out for each run's held-out split")
     if plot_path is not None:
         _check_plot_path(plot_path)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = []
     try:
-        for run, label in zip(runs, labels(runs)):
-            err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
-            with _fits_in_memory(f"{label}: a window of {max(lengths):,} tokens", "--seq-len", None):
-                rows += [result.row(label) for result in scored(run, lengths, last, sequences, device, data)]
+        return {label: score(run, label) for run, label in zip(runs, labels(runs))}
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None
     except (CheckpointError, DataError, EvaluationError) as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
-    sys.stdout.write(render(rows, fmt))
+
+
+@app.command()
+def layers(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    seq_len: Annotated[str | None, typer.Option(help="tokens per window (default: the length each run trained on)")] = None,
+    sequences: Annotated[int, typer.Option(min=1, help="windows measured")] = 16,
+    data: Annotated[str | None, typer.Option(help="measure on this corpus instead of the held-out split (as evaluate's --data)")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of distance against depth")] = None,
+) -> None:
+    """How far each layer application turns the hidden state, loop iterations unrolled: the angular
+    distance between its input and output, averaged over held-out tokens (the paper's Figure 8)."""
+    from archlab.train.representations import measure, plot, summary
+
+    length = _lengths([seq_len])[0] if seq_len is not None else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def score(run: Path, label: str) -> list:
+        window = f"a window of {length:,} tokens" if length else "a window of the length it trained on"
+        with _fits_in_memory(f"{label}: {window}", "--seq-len", None):
+            return measure(run, length, sequences, device, data)
+
+    measured = _each_trained_run(runs, data, plot_path, score)
+    sys.stdout.write(render([m.row(label) for label, found in measured.items() for m in found], fmt))
+    for label, found in measured.items():
+        for line in summary(label, found):
+            err.print(line, markup=False, highlight=False)
     if plot_path is not None:
-        plot(rows, plot_path)
+        plot(measured, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
 
 

@@ -1165,3 +1165,76 @@ def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, traine
     code, out, stderr = cli("evaluate", trained_on_text, trained_on_mqar, "--seq-len", "32", "--last", "16", "--sequences", "2",
                             "--format", "csv")
     assert code in (0, None) and out.splitlines()[0].endswith(",ppl,acc") and out.splitlines()[1].endswith(","), stderr
+
+
+def angle(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The mean over tokens of arccos(cos(a, b)) / pi, in float64 numpy: the definition, written out."""
+    a, b = a.double().flatten(0, -2).numpy(), b.double().flatten(0, -2).numpy()
+    cosine = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+    return float(np.mean(np.arccos(np.clip(cosine, -1, 1))) / np.pi)
+
+
+@pytest.mark.parametrize("loop", ["lower", "upper"])
+def test_layers_measure_each_application_of_a_loop_as_the_walk_step_by_step_gives(loop):
+    """One layer per half, so each step of the plan is one layer application: the hidden state
+    after each prefix of the plan's steps is then each application's output."""
+    from archlab.model import build_model
+    from archlab.train.representations import angular_distances, applications, summary
+
+    spec = load_spec(ROOT / "specs" / "tiny" / f"{'yoco-u' if loop == 'lower' else 'upper-loop'}.yaml",
+                     ["layout.self_decoder.n_layers=1", "layout.cross_decoder.n_layers=1"])
+    model = build_model(spec).eval()
+    inputs = torch.randint(0, spec.vocab_size, (3, 24))
+    self_times, cross_times = (3, 1) if loop == "lower" else (1, 3)
+    expected = ([("self_decoder", t, 0) for t in range(1, self_times + 1)] + [("cross_decoder", t, 1) for t in range(1, cross_times + 1)])
+    assert [(a.half, a.iteration, a.layer) for a in applications(model)] == expected
+
+    steps = model.plan.steps
+    ends = [k + 1 for k, step in enumerate(steps) if not step.project]  # the prefixes ending at each layer application
+    positions = torch.arange(inputs.shape[1])[None]
+    with torch.no_grad():
+        walked = [torch.stack([model.run(model.embed(row[None]), positions, steps[:end], causal=True)[0] for row in inputs])
+                  for end in [0, *ends]]
+    walked[0] = model.embed(inputs).detach()
+    distances = angular_distances(model, inputs)
+    assert distances == pytest.approx([angle(a, b) for a, b in zip(walked, walked[1:])], rel=1e-5)
+    assert all(0 < d < 0.5 for d in distances)
+
+    looped, entering = summary("run", [*zip_measured(model, distances)])
+    loop_distances = distances[:3] if loop == "lower" else distances[1:]
+    assert looped.endswith("mean distance by iteration: " + ", ".join(f"{d:.4f}" for d in loop_distances))
+    assert entering == f"run: entering the cross_decoder, the distance goes from {distances[-cross_times - 1]:.4f} to {distances[-cross_times]:.4f}"
+
+
+def zip_measured(model, distances):
+    from archlab.train.representations import Measured, applications
+
+    return (Measured(a, d) for a, d in zip(applications(model), distances))
+
+
+def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_text, trained_on_mqar, tmp_path):
+    from archlab.train.checkpoint import load_trained
+    from archlab.train.evaluate import windows
+    from archlab.train.representations import angular_distances
+
+    _, model, _, _ = load_trained(trained_on_text)
+    window = windows(np.load(trained_on_text / "data" / "val.npy"), [32], 3)[32]
+    code, out, stderr = cli("layers", trained_on_text, trained_on_mqar, "--seq-len", "32", "--sequences", "3", "--format", "json",
+                            "--plot", tmp_path / "layers.png")
+    assert code in (0, None), stderr
+    rows = json.loads(out)
+    text = [row for row in rows if row["run"] == str(trained_on_text)]  # both folders are named run: each by its path
+    assert [row["layer"] for row in text] == list(range(model.spec.n_layers))
+    assert [row["distance"] for row in text] == [round(d, 4) for d in angular_distances(model.eval(), window.inputs)]
+    assert {row["run"] for row in rows} == {str(trained_on_text), str(trained_on_mqar)}  # a recall run's fresh sequences too
+    assert (tmp_path / "layers.png").read_bytes().startswith(b"\x89PNG")
+    assert "looped" not in stderr and "entering" not in stderr  # a plain stack has neither
+
+    code, out, stderr = cli("layers", trained_on_mqar, "--format", "csv")  # the length it trained on
+    assert code in (0, None) and len(out.splitlines()) == 1 + model.spec.n_layers, stderr
+
+    held_out = len(np.load(trained_on_text / "data" / "val.npy"))
+    refused(cli("layers", trained_on_text, "--seq-len", held_out), f"the held-out split has {held_out:,} tokens, fewer than")
+    refused(cli("layers", tmp_path, "--seq-len", "64"), f"{tmp_path} is not a training run with a checkpoint")
+    refused(cli("layers", trained_on_text, "--data", ""), "--data is empty")
+    refused(cli("layers", trained_on_text, "--plot", tmp_path), "is a folder")

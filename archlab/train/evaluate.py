@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from archlab.loss import scores
+from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import load_trained
-from archlab.train.config import SYNTHETIC, load_config
+from archlab.train.config import SYNTHETIC, TrainConfig, load_config
 from archlab.train.data import Batch, RecallTask, prepare, tokens_of
 
 
@@ -61,30 +62,66 @@ class Evaluated:
         return row
 
 
+@dataclass
+class Loaded:
+    """A trained run ready to be scored: its latest model, the config it trained with, and the
+    corpus to score it on (``data``, or None for its held-out split)."""
+
+    run: Path
+    model: Model
+    config: TrainConfig
+    tokenizer: Path | None
+    data: str | None
+
+    @classmethod
+    def of(cls, run: Path, data: str | None = None) -> Loaded:
+        _, model, _, tokenizer = load_trained(run)
+        if not (run / "config.yaml").is_file():
+            raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
+        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data)
+
+    @property
+    def source(self) -> str:
+        return self.data or self.config.data.source
+
+    @property
+    def recall(self) -> bool:
+        """Whether the sequences are a recall task's, scored at the answers alone."""
+        return self.source in SYNTHETIC
+
+    def sequences(self, lengths: list[int], sequences: int) -> dict[int, Batch]:
+        """For each length, ``sequences`` windows of the held-out split (or of all of ``data``, read
+        with the run's tokenizer) ending at the same tokens; on a recall task, fresh sequences."""
+        cfg, vocab = self.config, self.model.spec.vocab_size
+        if self.recall:
+            return {n: RecallTask(self.source, vocab, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
+        if self.data is None:
+            held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
+            tokens, what = held_out.splits["val"], "the held-out split"
+        else:
+            tokens = tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer)
+            what = f"data source {self.data!r}"
+        return windows(tokens, lengths, sequences, what)
+
+    def on(self, device: torch.device):
+        """The model on ``device`` in eval mode, and the precision to score in (bf16 on CUDA, as it trained)."""
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        return self.model.to(device).eval(), autocast
+
+
 def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device,
              data: str | None = None) -> list[Evaluated]:
     """The run's latest checkpoint scored at each length: on its held-out split (or all of ``data``,
     read with the run's tokenizer), the loss of the last ``last`` tokens of each window; on a
     recall task, the loss and accuracy of the answers."""
-    spec, model, _, tokenizer = load_trained(run)
-    if not (run / "config.yaml").is_file():
-        raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
-    cfg = load_config(str(run / "config.yaml"))
-    source = data or cfg.data.source
-    if source in SYNTHETIC:
-        batches = {n: RecallTask(source, spec.vocab_size, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
-    else:
-        if last > min(lengths):
-            raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
-                                  " last tokens")
-        if data is None:
-            held_out = prepare(cfg.data, spec.vocab_size, 1, cfg.seed, Path(cfg.data.cache or run), resume=True)
-            tokens, what = held_out.splits["val"], "the held-out split"
-        else:
-            tokens, what = tokens_of(cfg.data.model_copy(update={"source": data}), spec.vocab_size, tokenizer), f"data source {data!r}"
-        batches = {n: _last_only(batch, last) for n, batch in windows(tokens, lengths, sequences, what).items()}
-    model = model.to(device).eval()
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()  # as it trained
+    loaded = Loaded.of(run, data)
+    if not loaded.recall and last > min(lengths):
+        raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
+                              " last tokens")
+    batches = loaded.sequences(lengths, sequences)
+    if not loaded.recall:
+        batches = {n: _last_only(batch, last) for n, batch in batches.items()}
+    model, autocast = loaded.on(device)
     found = []
     with torch.no_grad(), autocast:
         for length, batch in batches.items():
@@ -92,7 +129,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
                                 batch.counted_targets()[i].to(device)) for i in range(len(batch.inputs)))  # a sequence at a time
             lost, correct, counted = totals.tolist()
             found.append(Evaluated(length, len(batch.inputs), int(counted), lost / counted,
-                                   correct / counted if source in SYNTHETIC else None))
+                                   correct / counted if loaded.recall else None))
     return found
 
 

@@ -378,19 +378,20 @@ def generate(
     )
 
 
-def _check_device(name: str) -> None:
-    """Refuse a device the benchmark cannot run on before any spec is built for it."""
+def _check_device(name: str) -> torch.device:
+    """The device named, refused before any model is built for it if it cannot be used."""
     try:
         device = torch.device(name)
     except RuntimeError:
         raise typer.BadParameter(f"--device {name!r} is not a device; give cpu, cuda or cuda:N") from None
     if device.type not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"--device {name}: the benchmark runs on cpu or cuda")
+        raise typer.BadParameter(f"--device {name}: archlab runs on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
         raise typer.BadParameter(f"--device {name}: {why}")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise typer.BadParameter(f"--device {name}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _check_plot_path(path: Path) -> None:
@@ -599,6 +600,10 @@ def train(
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False, markup=False)
 
 
+ScoringBatch = Annotated[int, typer.Option(min=1, help="windows run through the model at once")]
+ScoringDevice = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: cuda where there is one)")]
+
+
 @app.command()
 def curves(
     runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
@@ -632,6 +637,8 @@ def evaluate(
     seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 2K 4K 8K")] = ["2K", "4K", "8K"],  # noqa: B006
     last: Annotated[int, typer.Option(min=1, help="tokens scored at the end of each window (not for recall tasks)")] = 512,
     sequences: Annotated[int, typer.Option(min=1, help="windows per length")] = 16,
+    batch: ScoringBatch = 8,
+    device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="score on all of this corpus instead of the held-out split: a text file or folder, stdlib, hf:NAME (read with each run's tokenizer), a token file, mqar or copy")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of loss against context length")] = None,
@@ -643,18 +650,22 @@ def evaluate(
     from archlab.train.evaluate import plot
 
     lengths = _lengths(seq_len)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list[dict]:
         err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
-        with _fits_in_memory(f"{label}: a window of {max(lengths):,} tokens", "--seq-len", None):
-            return [result.row(label) for result in scored(run, lengths, last, sequences, device, data)]
+        with _fits_in_memory(f"{label}: {batch} windows of {max(lengths):,} tokens", "--seq-len or --batch", None):
+            return [result.row(label) for result in scored(run, lengths, last, sequences, on, data, batch)]
 
     rows = [row for found in _each_trained_run(runs, data, plot_path, score).values() for row in found]
     sys.stdout.write(render(rows, fmt))
     if plot_path is not None:
         plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
+
+
+def _scoring_device(name: str | None) -> torch.device:
+    return _check_device(name) if name is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list]) -> dict[str, list]:
@@ -682,6 +693,8 @@ def layers(
     runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
     seq_len: Annotated[str | None, typer.Option(help="tokens per window (default: the length each run trained on)")] = None,
     sequences: Annotated[int, typer.Option(min=1, help="windows measured")] = 16,
+    batch: ScoringBatch = 8,
+    device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="measure on this corpus instead of the held-out split (as evaluate's --data)")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of distance against depth")] = None,
@@ -691,12 +704,12 @@ def layers(
     from archlab.train.representations import measure, plot, summary
 
     length = _lengths([seq_len])[0] if seq_len is not None else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list:
-        window = f"a window of {length:,} tokens" if length else "a window of the length it trained on"
-        with _fits_in_memory(f"{label}: {window}", "--seq-len", None):
-            return measure(run, length, sequences, device, data)
+        windows = f"{batch} windows of {f'{length:,} tokens' if length else 'the length it trained on'}"
+        with _fits_in_memory(f"{label}: {windows}", "--seq-len or --batch", None):
+            return measure(run, length, sequences, on, data, batch)
 
     measured = _each_trained_run(runs, data, plot_path, score)
     sys.stdout.write(render([m.row(label) for label, found in measured.items() for m in found], fmt))

@@ -516,7 +516,7 @@ BAD_OPTIONS = [
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["train", SPEC, "--out", "{tmp}/run", "--data", ""], "--data is empty; give stdlib, a path"),
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
-    (["bench", SPEC, "--device", "meta"], "--device meta: the benchmark runs on cpu or cuda"),
+    (["bench", SPEC, "--device", "meta"], "--device meta: archlab runs on cpu or cuda"),
     (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices
 ]
 

@@ -1096,7 +1096,9 @@ def test_evaluate_scores_the_same_last_tokens_given_each_length_of_context(cli, 
         assert torch.equal(batches[n].inputs, longest.inputs[:, -n:]) and torch.equal(batches[n].targets, longest.targets[:, -n:])
 
     _, model, _, _ = load_trained(trained_on_text)
-    results = evaluate(trained_on_text, [16, 64, 128], 16, 5, torch.device("cpu"))
+    results = evaluate(trained_on_text, [16, 64, 128], 16, 5, torch.device("cpu"), batch=2)  # batches of 2, 2 and 1
+    one_at_a_time = evaluate(trained_on_text, [16, 64, 128], 16, 5, torch.device("cpu"), batch=1)
+    assert [r.loss for r in results] == pytest.approx([r.loss for r in one_at_a_time], rel=1e-6)
     for result in results:  # the whole logits of every window at once, against a sequence at a time without them
         window = batches[result.length]
         with torch.no_grad():
@@ -1196,7 +1198,7 @@ def test_layers_measure_each_application_of_a_loop_as_the_walk_step_by_step_give
         walked = [torch.stack([model.run(model.embed(row[None]), positions, steps[:end], causal=True)[0] for row in inputs])
                   for end in [0, *ends]]
     walked[0] = model.embed(inputs).detach()
-    distances = angular_distances(model, inputs)
+    distances = angular_distances(model, inputs, batch=2)  # batches of 2 and 1
     assert distances == pytest.approx([angle(a, b) for a, b in zip(walked, walked[1:])], rel=1e-5)
     assert all(0 < d < 0.5 for d in distances)
 
@@ -1238,3 +1240,7 @@ def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_tex
     refused(cli("layers", tmp_path, "--seq-len", "64"), f"{tmp_path} is not a training run with a checkpoint")
     refused(cli("layers", trained_on_text, "--data", ""), "--data is empty")
     refused(cli("layers", trained_on_text, "--plot", tmp_path), "is a folder")
+    for command in ("layers", "evaluate"):
+        refused(cli(command, trained_on_text, "--device", "tpu"), "--device 'tpu' is not a device")
+        if not torch.cuda.is_available():
+            refused(cli(command, trained_on_text, "--device", "cuda"), "--device cuda: ")

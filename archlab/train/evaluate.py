@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.loss import scores
+from archlab.loss import IGNORE, scores
 from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import load_trained
@@ -110,27 +110,34 @@ class Loaded:
 
 
 def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device,
-             data: str | None = None) -> list[Evaluated]:
-    """The run's latest checkpoint scored at each length: on its held-out split (or all of ``data``,
-    read with the run's tokenizer), the loss of the last ``last`` tokens of each window; on a
-    recall task, the loss and accuracy of the answers."""
+             data: str | None = None, batch: int = 8) -> list[Evaluated]:
+    """The run's latest checkpoint scored at each length, ``batch`` windows at a time: on its
+    held-out split (or all of ``data``, read with the run's tokenizer), the loss of the last
+    ``last`` tokens of each window; on a recall task, the loss and accuracy of the answers."""
     loaded = Loaded.of(run, data)
     if not loaded.recall and last > min(lengths):
         raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
                               " last tokens")
     batches = loaded.sequences(lengths, sequences)
     if not loaded.recall:
-        batches = {n: _last_only(batch, last) for n, batch in batches.items()}
+        batches = {n: _last_only(windows, last) for n, windows in batches.items()}
     model, autocast = loaded.on(device)
     found = []
     with torch.no_grad(), autocast:
-        for length, batch in batches.items():
-            totals = sum(scores(model.hidden(batch.inputs[i : i + 1].to(device))[0], model.head.weight,
-                                batch.counted_targets()[i].to(device)) for i in range(len(batch.inputs)))  # a sequence at a time
+        for length, windows in batches.items():
+            totals = sum(_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
+                         for i in range(0, len(windows.inputs), batch))
             lost, correct, counted = totals.tolist()
-            found.append(Evaluated(length, len(batch.inputs), int(counted), lost / counted,
+            found.append(Evaluated(length, len(windows.inputs), int(counted), lost / counted,
                                    correct / counted if loaded.recall else None))
     return found
+
+
+def _scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss.scores`` of the positions counted alone: the head runs on the last tokens of a long
+    window, not on all of it."""
+    counted = targets != IGNORE
+    return scores(model.hidden(inputs)[counted], model.head.weight, targets[counted])
 
 
 def _last_only(batch: Batch, last: int) -> Batch:

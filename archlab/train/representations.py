@@ -46,10 +46,10 @@ def applications(model: Model) -> list[Application]:
             for depth, (step, i) in enumerate(order, 1)]
 
 
-def angular_distances(model: Model, inputs: torch.Tensor, autocast=nullcontext()) -> list[float]:
+def angular_distances(model: Model, inputs: torch.Tensor, autocast=nullcontext(), batch: int = 8) -> list[float]:
     """For each layer application in forward order, the angular distance between its input and
-    output hidden states, averaged over every token of ``inputs`` [sequences, length] (run a
-    sequence at a time, on the model's device)."""
+    output hidden states, averaged over every token of ``inputs`` [sequences, length] (``batch``
+    sequences at a time, on the model's device)."""
     order = applications(model)
     device = next(model.parameters()).device
     turned, tokens = torch.zeros(len(order), dtype=torch.float64), torch.zeros(len(order), dtype=torch.float64)
@@ -62,9 +62,9 @@ def angular_distances(model: Model, inputs: torch.Tensor, autocast=nullcontext()
     hooks = [layer.register_forward_hook(measure) for layer in model.layers]
     try:
         with torch.no_grad(), autocast:
-            for sequence in inputs:
+            for rows in inputs.split(batch):
                 seen.clear()
-                model.hidden(sequence[None].to(device))
+                model.hidden(rows.to(device))
                 if len(seen) != len(order):
                     raise RuntimeError(f"the forward pass applied {len(seen)} layers where its plan has {len(order)}")
                 turned += torch.stack([angle for angle, _ in seen]).cpu()
@@ -86,15 +86,16 @@ class Measured:
                 "distance": Decimals(self.distance, 4)}
 
 
-def measure(run: Path, seq_len: int | None, sequences: int, device: torch.device, data: str | None = None) -> list[Measured]:
+def measure(run: Path, seq_len: int | None, sequences: int, device: torch.device, data: str | None = None,
+            batch: int = 8) -> list[Measured]:
     """Each layer application of the run's latest checkpoint, measured on ``sequences`` windows of
     ``seq_len`` tokens (the length it trained on if None) of its held-out split (or of all of
-    ``data``; fresh sequences on a recall task)."""
+    ``data``; fresh sequences on a recall task), ``batch`` at a time."""
     loaded = Loaded.of(run, data)
     length = seq_len or loaded.config.seq_len
-    batch = loaded.sequences([length], sequences)[length]
+    windows = loaded.sequences([length], sequences)[length]
     model, autocast = loaded.on(device)
-    return [Measured(a, d) for a, d in zip(applications(model), angular_distances(model, batch.inputs, autocast))]
+    return [Measured(a, d) for a, d in zip(applications(model), angular_distances(model, windows.inputs, autocast, batch))]
 
 
 def summary(run: str, measured: list[Measured]) -> list[str]:

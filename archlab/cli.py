@@ -721,6 +721,51 @@ def layers(
         err.print(f"plot written to {plot_path}", markup=False)
 
 
+class HaystackKind(str, Enum):
+    noise = "noise"
+    text = "text"
+
+
+@app.command()
+def niah(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders (trained on text)")],
+    seq_len: Annotated[list[str], typer.Option(help="prompt lengths with the tokens generated, e.g. 2K 4K 8K")] = ["1K", "2K", "4K"],  # noqa: B006
+    depths: Annotated[int, typer.Option(min=1, help="needle depths, spread evenly through the haystack")] = 5,
+    sequences: Annotated[int, typer.Option(min=1, help="probes per length and depth")] = 4,
+    haystack: Annotated[HaystackKind, typer.Option(help="noise: a line repeated (RULER's S-NIAH-1); text: the held-out split or --data (as S-NIAH-2)")] = HaystackKind.noise,
+    new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated after each prompt")] = 16,
+    seed: Annotated[int, typer.Option(help="draws the keys, numbers and places in the text")] = 0,
+    batch: ScoringBatch = 8,
+    device: ScoringDevice = None,
+    data: Annotated[str | None, typer.Option(help="the text haystack: a text file or folder, stdlib or hf:NAME")] = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG heat map of the share found by length and depth")] = None,
+) -> None:
+    """Needle in a haystack (the paper's Table 4, RULER's single-needle tasks): the share of probes
+    whose greedy answer holds the number hidden in a long prompt, by length and depth, and the
+    loss of the number's tokens."""
+    from archlab.train.needle import niah as probed
+    from archlab.train.needle import plot, rows, summary
+
+    lengths = _lengths(seq_len)
+    if data is not None and haystack is HaystackKind.noise:
+        raise typer.BadParameter("--data is the text haystack; give --haystack text with it")
+    on = _scoring_device(device)
+
+    def score(run: Path, label: str) -> list:
+        err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
+        with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch", None):
+            return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed)
+
+    found = _each_trained_run(runs, data, plot_path, score)
+    sys.stdout.write(render([row for label, some in found.items() for row in rows(label, some)], fmt))
+    for label, some in found.items():
+        err.print(summary(label, some), highlight=False, markup=False)
+    if plot_path is not None:
+        plot(found, plot_path)
+        err.print(f"plot written to {plot_path}", markup=False)
+
+
 def _kept_of(out: Path, memory: bool = False) -> str:
     """What a training stopped midway leaves to resume from (stopped for memory: with what a
     resume may lower)."""
@@ -840,7 +885,7 @@ def study_report(
 
 
 LENGTH_OPTIONS = ("--seq-len",)
-LIST_COMMANDS = ("bench", "cost", "evaluate")  # where they take several values
+LIST_COMMANDS = ("bench", "cost", "evaluate", "niah")  # where they take several values
 
 
 def _expand_list_options(argv: list[str]) -> list[str]:

@@ -1244,3 +1244,69 @@ def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_tex
         refused(cli(command, trained_on_text, "--device", "tpu"), "--device 'tpu' is not a device")
         if not torch.cuda.is_available():
             refused(cli(command, trained_on_text, "--device", "cuda"), "--device cuda: ")
+
+
+def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(trained_on_text):
+    from tokenizers import Tokenizer
+
+    from archlab.train.needle import NEEDLE, PROMPT, Haystack, Probes, depths
+
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    text = Haystack.text((ROOT / "README.md").read_text(), "the README")
+    for haystack in (Haystack.noise(), text):
+        drawn = Probes(haystack, tokenizer, 12, seed=3)
+        for length in (512, 900):
+            for depth in depths(4):
+                probe = drawn.draw(length, depth)
+                prompt = tokenizer.decode(probe.prompt)
+                needle = NEEDLE.format(key=probe.key, value=probe.value)
+                head, _, question = PROMPT.partition("{context}")
+                assert prompt.startswith(head) and prompt.endswith(question.format(key=probe.key)), prompt
+                lines = prompt[len(head) : -len(question.format(key=probe.key))].split("\n")
+                assert lines.count(needle) == 1 and prompt.count(probe.value) == 1
+                haystack_lines = [line for line in lines if line != needle]
+                assert lines.index(needle) == int(len(haystack_lines) * depth / 100)
+                assert len(probe.prompt) + 12 <= length  # the prompt and what is generated fit
+                start = haystack.lines.index(haystack_lines[0])
+                longer = PROMPT.format(context=haystack.context(len(haystack_lines) + 1, start, needle, depth), key=probe.key)
+                assert len(tokenizer.encode(longer).ids) + 12 > length  # and one more line would not
+                control = tokenizer.decode(probe.control)
+                assert probe.value not in control and control.replace(re.search(r"is: (\d+)\.", control)[1], probe.value) == prompt
+                assert tokenizer.decode(probe.answer) == f" {probe.value}"
+
+
+def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli, trained_on_text, trained_on_mqar, tmp_path):
+    from tokenizers import Tokenizer
+
+    from archlab.train.checkpoint import load_trained
+    from archlab.train.needle import Found, niah
+
+    found = niah(trained_on_text, [512, 600], 2, 2, torch.device("cpu"), haystack="text", new_tokens=6, batch=3)
+    assert [(f.probe.length, round(f.probe.depth)) for f in found] == [(n, d) for n in (512, 600) for d in (25, 75) for _ in range(2)]
+    _, model, _, _ = load_trained(trained_on_text)
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    with torch.no_grad():
+        for f in found:
+            sequence = torch.tensor(f.probe.prompt)
+            for _ in range(6):  # greedy decoding by the whole forward pass, no cache
+                sequence = torch.cat([sequence, model(sequence[None])[0, -1].argmax()[None]])
+            assert f.continuation == tokenizer.decode(sequence[len(f.probe.prompt) :].tolist())
+            for prompt, loss in ((f.probe.prompt, f.answer_loss), (f.probe.control, f.control_loss)):
+                whole = torch.tensor(prompt + f.probe.answer)
+                expected = F.cross_entropy(model(whole[None, :-1])[0, -len(f.probe.answer) :], whole[-len(f.probe.answer) :], reduction="sum")
+                assert loss == pytest.approx(expected.item(), rel=1e-5)
+            assert f.loss_per_digit == f.answer_loss / 7 and f.gain_per_digit == (f.control_loss - f.answer_loss) / 7
+    probe = found[0].probe  # a continuation holding the number is found, whatever surrounds it
+    assert Found(probe, f" is it? It is {probe.value}.", 0.0, 0.0).hit and not Found(probe, f" {probe.value[:-1]}", 0.0, 0.0).hit
+
+    code, out, stderr = cli("niah", trained_on_text, "--seq-len", "512", "600", "--depths", "2", "--sequences", "2", "--haystack", "text",
+                            "--new-tokens", "6", "--format", "json", "--plot", tmp_path / "niah.png")
+    assert code in (0, None), stderr
+    rows = json.loads(out)
+    assert [(row["length"], row["depth %"], row["probes"]) for row in rows] == [(n, d, 2) for n in (512, 600) for d in (25.0, 75.0)]
+    assert rows[0]["loss/digit"] == round(statistics.fmean(f.loss_per_digit for f in found[:2]), 4)
+    assert f"{sum(f.hit for f in found)} of 8 probes found" in stderr
+    assert (tmp_path / "niah.png").read_bytes().startswith(b"\x89PNG")
+    refused(cli("niah", trained_on_mqar, "--seq-len", "512"), "trained on a recall task and has no tokenizer")
+    refused(cli("niah", trained_on_text, "--seq-len", "300"), "--seq-len 300: the question and the needle alone take")
+    refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")

@@ -92,16 +92,20 @@ class Loaded:
     def sequences(self, lengths: list[int], sequences: int) -> dict[int, Batch]:
         """For each length, ``sequences`` windows of the held-out split (or of all of ``data``, read
         with the run's tokenizer) ending at the same tokens; on a recall task, fresh sequences."""
-        cfg, vocab = self.config, self.model.spec.vocab_size
         if self.recall:
-            return {n: RecallTask(self.source, vocab, n, cfg.seed).batch("val", 0, sequences) for n in lengths}
+            vocab, seed = self.model.spec.vocab_size, self.config.seed
+            return {n: RecallTask(self.source, vocab, n, seed).batch("val", 0, sequences) for n in lengths}
+        tokens, what = self.tokens()
+        return windows(tokens, lengths, sequences, what)
+
+    def tokens(self) -> tuple[np.ndarray, str]:
+        """The held-out split's tokens (or all of ``data``'s, read with the run's tokenizer), and
+        what they are, in words."""
+        cfg, vocab = self.config, self.model.spec.vocab_size
         if self.data is None:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
-            tokens, what = held_out.splits["val"], "the held-out split"
-        else:
-            tokens = tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer)
-            what = f"data source {self.data!r}"
-        return windows(tokens, lengths, sequences, what)
+            return held_out.splits["val"], "the held-out split"
+        return tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 
     def on(self, device: torch.device):
         """The model on ``device`` in eval mode, and the precision to score in (bf16 on CUDA, as it trained)."""
@@ -125,7 +129,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     found = []
     with torch.no_grad(), autocast:
         for length, windows in batches.items():
-            totals = sum(_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
+            totals = sum(position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
                          for i in range(0, len(windows.inputs), batch))
             lost, correct, counted = totals.tolist()
             found.append(Evaluated(length, len(windows.inputs), int(counted), lost / counted,
@@ -133,9 +137,9 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     return found
 
 
-def _scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``loss.scores`` of the positions counted alone: the head runs on the last tokens of a long
-    window, not on all of it."""
+def position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``loss.scores`` of the positions counted (targets not ``IGNORE``) alone: the head runs on
+    the last tokens of a long window, not on all of it."""
     counted = targets != IGNORE
     return scores(model.hidden(inputs)[counted], model.head.weight, targets[counted])
 

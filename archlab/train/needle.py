@@ -1,0 +1,234 @@
+"""Needle in a haystack: can a trained run find one fact in a long prompt (the paper's Table 4,
+which reports RULER's single-needle tasks; ``archlab niah``)?
+
+A probe hides "One of the special magic numbers for {key} is: {value}." at a depth of a haystack,
+then asks for the key's number in RULER's words, ending on the answer's prefix so a base model can
+complete it. The haystack is RULER's: a line of noise repeated (S-NIAH-1), or text, the run's
+held-out split or another corpus (as S-NIAH-2 uses essays). It is as long as fits in the length
+with the tokens to generate. A probe is found if the greedy continuation contains the value
+(RULER's string match). The answer's tokens after the prompt (a space and the value) are also
+scored, for a graded measure where a small model finds nothing: their summed loss over the value's
+digits (comparable across tokenizers; a uniform guess at each digit is ln(10) = 2.30), and how
+much lower it is than after the same prompt whose needle holds another number. That gain is what
+reading the needle is worth; 0 is a model that does not use it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+
+import torch
+
+from archlab.engine import Engine
+from archlab.loss import IGNORE
+from archlab.table import Decimals
+from archlab.train.data import load_tokenizer
+from archlab.train.evaluate import EvaluationError, Loaded, position_scores
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = "One of the special magic numbers for {key} is: {value}."
+PROMPT = ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz you about the"
+          " number afterwards.\n{context}\nWhat is the special magic number for {key} mentioned in the provided text? The special"
+          " magic number for {key} mentioned in the provided text is")
+ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen", "lively", "mellow",
+              "narrow", "odd", "plain", "quiet", "rapid", "shy", "tidy")
+NOUNS = ("anchor", "basket", "candle", "donkey", "engine", "feather", "garden", "harbor", "island", "jacket", "kettle", "ladder",
+         "meadow", "needle", "orchard", "pepper", "quarry", "ribbon", "saddle", "tunnel")
+DIGITS = 7
+
+
+def depths(count: int) -> list[float]:
+    """``count`` depths in percent, the centres of equal parts of the haystack (as RULER places them)."""
+    return [100 * (i + 0.5) / count for i in range(count)]
+
+
+@dataclass(frozen=True)
+class Probe:
+    length: int  # the budget: prompt and generated tokens
+    depth: float  # percent of the haystack before the needle
+    key: str
+    value: str
+    prompt: list[int]
+    control: list[int]  # the prompt with another number in the needle
+    answer: list[int]  # the value's tokens, encoded on their own after a space: what the prompt should go on with
+
+
+class Haystack:
+    """Lines to hide the needle among: RULER's noise repeated, or the lines of a text."""
+
+    def __init__(self, lines: list[str], what: str):
+        self.lines, self.what = lines, what
+
+    @classmethod
+    def noise(cls) -> Haystack:
+        return cls([NOISE], "noise")
+
+    @classmethod
+    def text(cls, text: str, what: str) -> Haystack:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise EvaluationError(f"{what} has no text to hide a needle in")
+        return cls(lines, what)
+
+    def context(self, count: int, start: int, needle: str, depth: float) -> str:
+        """``count`` lines from line ``start`` on (round again from the first where they run out),
+        the needle among them after ``depth`` percent of them."""
+        lines = [self.lines[(start + i) % len(self.lines)] for i in range(count)]
+        lines.insert(int(count * depth / 100), needle)
+        return "\n".join(lines)
+
+
+class Probes:
+    """Probes of a length and depth, each the longest haystack that fits, drawn from ``seed``."""
+
+    def __init__(self, haystack: Haystack, tokenizer, new_tokens: int, seed: int):
+        self.haystack, self.tokenizer, self.new_tokens, self.rng = haystack, tokenizer, new_tokens, random.Random(seed)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def draw(self, length: int, depth: float) -> Probe:
+        key = f"{self.rng.choice(ADJECTIVES)}-{self.rng.choice(NOUNS)}"
+        value = self._number()
+        start = self.rng.randrange(len(self.haystack.lines))
+
+        def prompt(count: int, hidden: str = value) -> list[int]:
+            context = self.haystack.context(count, start, NEEDLE.format(key=key, value=hidden), depth)
+            return self.encode(PROMPT.format(context=context, key=key))
+
+        budget = length - self.new_tokens
+        if len(prompt(0)) > budget:
+            raise EvaluationError(f"--seq-len {length:,}: the question and the needle alone take {len(prompt(0)):,} tokens, and"
+                                  f" {self.new_tokens} more are generated; give a longer length")
+        fits, over = 0, 1
+        while len(prompt(over)) <= budget:  # double until past the budget, then halve the gap
+            fits, over = over, over * 2
+        while over - fits > 1:
+            middle = (fits + over) // 2
+            fits, over = (middle, over) if len(prompt(middle)) <= budget else (fits, middle)
+        other = value
+        while other == value:
+            other = self._number()
+        return Probe(length, depth, key, value, prompt(fits), prompt(fits, other), self.encode(f" {value}"))
+
+    def _number(self) -> str:
+        return str(self.rng.randint(10 ** (DIGITS - 1), 10**DIGITS - 1))
+
+
+@dataclass
+class Found:
+    probe: Probe
+    continuation: str
+    answer_loss: float  # summed over the answer's tokens
+    control_loss: float  # the same, after the control prompt
+
+    @property
+    def loss_per_digit(self) -> float:
+        return self.answer_loss / len(self.probe.value)
+
+    @property
+    def gain_per_digit(self) -> float:
+        return (self.control_loss - self.answer_loss) / len(self.probe.value)
+
+    @property
+    def hit(self) -> bool:
+        return self.probe.value in self.continuation
+
+
+def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batch: int, device: torch.device) -> list[Found]:
+    """Each probe's greedy continuation (through the engine, with its cache) and the loss of its
+    answer's tokens after the prompt (a forward pass of both), ``batch`` probes at a time."""
+    model, autocast = loaded.on(device)
+    engine = Engine(model)
+    found = []
+    with torch.no_grad(), autocast:
+        for first in range(0, len(probes), batch):
+            some = probes[first : first + batch]
+            generated = engine.generate([torch.tensor(p.prompt, device=device) for p in some], new_tokens).tokens
+            for probe, tokens in zip(some, generated):
+                found.append(Found(probe, tokenizer.decode(tokens), _answer_loss(model, probe.prompt, probe.answer, device),
+                                   _answer_loss(model, probe.control, probe.answer, device)))
+    return found
+
+
+def _answer_loss(model, prompt: list[int], answer: list[int], device: torch.device) -> float:
+    """The summed cross-entropy of the answer's tokens, each given the prompt and the answer before it."""
+    sequence = torch.tensor(prompt + answer, device=device)
+    targets = torch.full_like(sequence[1:], IGNORE)
+    targets[-len(answer) :] = sequence[-len(answer) :]
+    return position_scores(model, sequence[None, :-1], targets[None])[0].item()
+
+
+def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device: torch.device, haystack: str = "noise",
+         data: str | None = None, batch: int = 8, new_tokens: int = 16, seed: int = 0) -> list[Found]:
+    """``sequences`` probes of the run's latest checkpoint at each length and each of
+    ``depth_count`` depths, in a haystack of ``noise`` or of ``text`` (its held-out split, or all
+    of ``data``)."""
+    loaded = Loaded.of(run, data)
+    if loaded.tokenizer is None:
+        raise EvaluationError(f"{run} trained on {'a recall task' if loaded.recall else 'token ids'} and has no tokenizer: a"
+                              " needle in a haystack is text")
+    tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
+    if haystack == "noise":
+        hay = Haystack.noise()
+    else:
+        tokens, what = loaded.tokens()
+        hay = Haystack.text(tokenizer.decode(tokens.tolist()), what)
+    drawn = Probes(hay, tokenizer, new_tokens, seed)
+    probes = [drawn.draw(n, d) for n in lengths for d in depths(depth_count) for _ in range(sequences)]
+    return search(loaded, tokenizer, probes, new_tokens, batch, device)
+
+
+def rows(run: str, found: list[Found]) -> list[dict]:
+    """A row per length and depth: the share of probes found, and their answer's loss a digit."""
+    cells: dict[tuple[int, float], list[Found]] = {}
+    for f in found:
+        cells.setdefault((f.probe.length, f.probe.depth), []).append(f)
+    return [{"run": run, "length": length, "depth %": Decimals(depth, 1), "probes": len(some),
+             "found": Decimals(fmean(f.hit for f in some), 4), "loss/digit": Decimals(fmean(f.loss_per_digit for f in some), 4),
+             "gain/digit": Decimals(fmean(f.gain_per_digit for f in some), 4)}
+            for (length, depth), some in cells.items()]
+
+
+def summary(run: str, found: list[Found]) -> str:
+    loss, gain = fmean(f.loss_per_digit for f in found), fmean(f.gain_per_digit for f in found)
+    return (f"{run}: {sum(f.hit for f in found)} of {len(found)} probes found; the answer's loss {loss:.4f} a digit (a uniform"
+            f" guess at each is {math.log(10):.4f}); reading the needle gains {gain:+.4f} a digit")
+
+
+def plot(runs: dict[str, list[Found]], path: Path) -> None:
+    """A heat map per run of the share of probes found at each length (across) and depth (down),
+    each cell also giving the answer's loss a digit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(runs))
+    rows = math.ceil(len(runs) / columns)
+    fig, panels = plt.subplots(rows, columns, figsize=(1.5 + 4.5 * columns, 0.5 + 3.7 * rows), squeeze=False, layout="constrained")
+    for ax in panels.flat[len(runs) :]:
+        ax.set_visible(False)
+    for ax, (run, found) in zip(panels.flat, runs.items()):
+        lengths = sorted({f.probe.length for f in found})
+        depth_list = sorted({f.probe.depth for f in found})
+        cells = [[[f for f in found if f.probe.length == n and f.probe.depth == d] for n in lengths] for d in depth_list]
+        image = ax.imshow([[fmean(f.hit for f in cell) for cell in line] for line in cells], vmin=0, vmax=1, cmap="RdYlGn",
+                          aspect="auto")
+        for i, line in enumerate(cells):
+            for j, cell in enumerate(line):
+                ax.text(j, i, f"{fmean(f.hit for f in cell):.2f}\ngain {fmean(f.gain_per_digit for f in cell):.2f}/digit",
+                        ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
+        ax.set_yticks(range(len(depth_list)), [f"{d:.0f}%" for d in depth_list])
+        ax.set_xlabel("length (tokens)")
+        ax.set_title(run, fontsize=9)
+    for ax in panels[:, 0]:
+        ax.set_ylabel("needle depth")
+    fig.colorbar(image, ax=panels.flat[: len(runs)], label="share of probes found")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -60,19 +60,19 @@ class Probe:
 class Haystack:
     """Lines to hide the needle among: RULER's noise repeated, or the lines of a text."""
 
-    def __init__(self, lines: list[str], what: str):
-        self.lines, self.what = lines, what
+    def __init__(self, lines: list[str]):
+        self.lines = lines
 
     @classmethod
     def noise(cls) -> Haystack:
-        return cls([NOISE], "noise")
+        return cls([NOISE])
 
     @classmethod
     def text(cls, text: str, what: str) -> Haystack:
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise EvaluationError(f"{what} has no text to hide a needle in")
-        return cls(lines, what)
+        return cls(lines)
 
     def context(self, count: int, start: int, needle: str, depth: float) -> str:
         """``count`` lines from line ``start`` on (round again from the first where they run out),
@@ -195,6 +195,7 @@ def rows(run: str, found: list[Found]) -> list[dict]:
 
 
 def summary(run: str, found: list[Found]) -> str:
+    """A run's probes found, the answer's loss and the gain from the needle, over all its probes."""
     loss, gain = fmean(f.loss_per_digit for f in found), fmean(f.gain_per_digit for f in found)
     return (f"{run}: {sum(f.hit for f in found)} of {len(found)} probes found; the answer's loss {loss:.4f} a digit (a uniform"
             f" guess at each is {math.log(10):.4f}); reading the needle gains {gain:+.4f} a digit")
@@ -202,15 +203,16 @@ def summary(run: str, found: list[Found]) -> str:
 
 def plot(runs: dict[str, list[Found]], path: Path) -> None:
     """A heat map per run of the share of probes found at each length (across) and depth (down),
-    each cell also giving the answer's loss a digit."""
+    each cell also giving the gain from reading the needle, a digit."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     columns = min(3, len(runs))
-    rows = math.ceil(len(runs) / columns)
-    fig, panels = plt.subplots(rows, columns, figsize=(1.5 + 4.5 * columns, 0.5 + 3.7 * rows), squeeze=False, layout="constrained")
+    lines_of_panels = math.ceil(len(runs) / columns)
+    fig, panels = plt.subplots(lines_of_panels, columns, figsize=(1.5 + 4.5 * columns, 0.5 + 3.7 * lines_of_panels), squeeze=False,
+                               layout="constrained")
     for ax in panels.flat[len(runs) :]:
         ax.set_visible(False)
     for ax, (run, found) in zip(panels.flat, runs.items()):

@@ -608,23 +608,28 @@ ScoringDevice = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (de
 def curves(
     runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
     x: Annotated[Axis, typer.Option(help="what the plot's curves run against")] = Axis.step,
+    baseline: Annotated[Path | None, typer.Option(help="a run to compare each with, as the paper's Figure 2: tokens to its loss, loss at its FLOPs")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of training and evaluation loss")] = None,
 ) -> None:
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
-    logged losses, the best evaluation and tokens/s; with --plot, their loss curves."""
+    logged losses, the best evaluation and tokens/s; against a --baseline, the tokens each takes
+    to reach its loss and the loss each has at its FLOPs; with --plot, their loss curves."""
     from archlab.train.curves import Run, RunError, plot, trained_with
 
     if plot_path is not None:
         _check_plot_path(plot_path)
+    folders = runs if baseline is None or baseline in runs else [baseline, *runs]
     try:
-        read = [Run.read(folder, label) for folder, label in zip(runs, labels(runs))]
+        read = [Run.read(folder, label) for folder, label in zip(folders, labels(folders))]
+        against = read[folders.index(baseline)] if baseline is not None else None
+        rows = [run.row() | (run.against(against) if against else {}) for run in read]
         if plot_path is not None:
-            plot(read, x, plot_path)
+            plot(read, x, plot_path, against)
     except RunError as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
-    sys.stdout.write(render([run.row() for run in read], fmt))
+    sys.stdout.write(render(rows, fmt))
     for line in trained_with(read):
         err.print(line, markup=False, highlight=False)
     if plot_path is not None:

@@ -1310,3 +1310,44 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     refused(cli("niah", trained_on_mqar, "--seq-len", "512"), "trained on a recall task and has no tokenizer")
     refused(cli("niah", trained_on_text, "--seq-len", "300"), "--seq-len 300: the question and the needle alone take")
     refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")
+
+
+def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, trained_on_text, tmp_path):
+    """Hand-written logs of two specs, so that equal FLOPs are unequal tokens."""
+    from archlab.cost import Cost
+    from archlab.spec import spec_to_yaml
+
+    def logged(name, spec, evals):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "spec.yaml").write_text(spec_to_yaml(load_spec(spec)))  # resolved, as a run keeps it
+        shutil.copy(trained_on_text / "config.yaml", folder / "config.yaml")
+        records = [{"step": i + 1, "loss": loss + 0.5, "tokens": tokens, "eval_loss": loss} for i, (tokens, loss) in enumerate(evals)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return folder
+
+    baseline = logged("baseline", trained_on_text / "spec.yaml", [(100, 3.0), (200, 2.0), (300, 1.5)])
+    looped = logged("looped", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(100, 2.6), (200, 1.4), (300, 1.8), (400, 1.0)])
+    never = logged("never", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(100, 2.6), (150, 2.0)])
+    code, out, stderr = cli("curves", looped, never, "--baseline", baseline, "--format", "json", "--plot", tmp_path / "vs.png")
+    assert code in (0, None), stderr
+    rows = {row["run"]: row for row in json.loads(out)}
+    assert list(rows) == ["baseline", "looped", "never"]  # the baseline first, though not among the runs
+
+    seq_len = TrainConfig.model_validate(yaml.safe_load((trained_on_text / "config.yaml").read_text())).seq_len
+    per_token = {name: Cost(load_spec(folder / "spec.yaml")).train_flops_per_token(seq_len) for name, folder in
+                 (("baseline", baseline), ("looped", looped))}
+    at_their_flops = 300 * per_token["baseline"] / per_token["looped"]  # the looped run's tokens at the baseline's last FLOPs
+    assert 100 < at_their_flops < 400
+    first = 100 + 100 * (2.6 - 1.5) / (2.6 - 1.4)  # first down to 1.5 between its first two evaluations, not after the third
+    expected = np.interp(at_their_flops, [100, 200, 300, 400], [2.6, 1.4, 1.8, 1.0])
+    assert rows["looped"]["tokens to baseline loss"] == round(first) and rows["looped"]["share of baseline tokens"] == round(first / 300, 3)
+    assert rows["looped"]["loss at baseline FLOPs"] == round(expected, 4) and rows["looped"]["vs baseline"] == round(expected - 1.5, 4)
+    assert [rows["baseline"][k] for k in ("tokens to baseline loss", "share of baseline tokens", "loss at baseline FLOPs", "vs baseline")] == [
+        300, 1.0, 1.5, 0.0]
+    assert rows["never"]["tokens to baseline loss"] is None and rows["never"]["loss at baseline FLOPs"] is None  # not that low, nor that far
+    assert (tmp_path / "vs.png").read_bytes().startswith(b"\x89PNG")
+
+    (tmp_path / "unevaluated").mkdir()
+    (tmp_path / "unevaluated" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "tokens": 64}) + "\n")
+    refused(cli("curves", looped, "--baseline", tmp_path / "unevaluated"), "has logged no evaluation to compare with")

@@ -101,7 +101,7 @@ class Run:
     def row(self) -> dict:
         """The last logged step's losses, the best evaluation and the training speed."""
         last = self.records[-1] if self.records else {}
-        evals = [r for r in self.records if "eval_loss" in r]
+        evals = self.evaluations
         best = min(evals, key=lambda r: r["eval_loss"]) if evals else {}
         speeds = [r["tok_s"] for r in self.records if "tok_s" in r]
         row = {
@@ -117,6 +117,51 @@ class Run:
         if any("eval_acc" in r for r in evals):
             row["eval acc"] = _decimals(evals[-1].get("eval_acc"))
         return row
+
+
+    @property
+    def evaluations(self) -> list[dict]:
+        return [r for r in self.records if "eval_loss" in r]
+
+    def against(self, baseline: Run) -> dict:
+        """Columns comparing the run with ``baseline`` as the paper's Figure 2 does, on their
+        evaluation losses joined by straight lines: the tokens at which the run first reaches the
+        baseline's last evaluation loss (and their share of the baseline's tokens then), and the
+        run's evaluation loss at the training FLOPs the baseline had spent by then (and how much
+        lower it is). Empty where the run does not reach it, or did not evaluate that far."""
+        theirs = baseline.evaluations
+        if not theirs:
+            raise RunError(f"the baseline {baseline.folder} has logged no evaluation to compare with")
+        mine = self.evaluations
+        losses = [r["eval_loss"] for r in mine]
+        target, their_tokens = theirs[-1]["eval_loss"], baseline.x(theirs[-1:], Axis.tokens)[0]
+        tokens = crossing(self.x(mine, Axis.tokens), losses, target) if mine else None
+        at = value_at(self.x(mine, Axis.flops), losses, baseline.x(theirs[-1:], Axis.flops)[0]) if mine else None
+        return {
+            "tokens to baseline loss": None if tokens is None else round(tokens),
+            "share of baseline tokens": None if tokens is None else Decimals(tokens / their_tokens, 3),
+            "loss at baseline FLOPs": _decimals(at),
+            "vs baseline": None if at is None else _decimals(at - target),
+        }
+
+
+def crossing(xs: list[float], ys: list[float], target: float) -> float | None:
+    """The first x at which the line through the points (xs, ys) comes down to ``target``: the
+    first point's x if it is there already, None if it never gets there."""
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if y <= target:
+            if i == 0:
+                return x
+            return xs[i - 1] + (x - xs[i - 1]) * (ys[i - 1] - target) / (ys[i - 1] - y)
+    return None
+
+
+def value_at(xs: list[float], ys: list[float], x: float) -> float | None:
+    """The line through the points (xs, ys) at ``x``; None outside them."""
+    for i in range(1, len(xs)):
+        if xs[i - 1] <= x <= xs[i]:
+            return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return ys[0] if len(xs) == 1 and x == xs[0] else None
 
 
 def trained_with(runs: list[Run]) -> list[str]:
@@ -137,8 +182,9 @@ def labels(folders: list[Path]) -> list[str]:
     return [name if names.count(name) == 1 else str(folder) for name, folder in zip(names, folders)]
 
 
-def plot(runs: list[Run], axis: Axis, path: Path) -> None:
-    """Training and evaluation loss against ``axis``, a line per run."""
+def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -> None:
+    """Training and evaluation loss against ``axis``, a line per run; with a baseline, a dotted
+    line at its last evaluation loss."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,6 +197,9 @@ def plot(runs: list[Run], axis: Axis, path: Path) -> None:
             if logged:
                 ax.plot(run.x(logged, axis), [r[key] for r in logged], marker="o" if key == "eval_loss" else None,
                         markersize=3, label=run.label)
+        if key == "eval_loss" and baseline is not None and baseline.evaluations:
+            ax.axhline(baseline.evaluations[-1]["eval_loss"], color="grey", linestyle=":", linewidth=1,
+                       label=f"{baseline.label}'s last")
         ax.set_xlabel({Axis.step: "step", Axis.tokens: "tokens", Axis.flops: "training FLOPs"}[axis])
         ax.set_title(title)
         ax.grid(True, alpha=0.3)

@@ -771,6 +771,56 @@ def niah(
         err.print(f"plot written to {plot_path}", markup=False)
 
 
+@app.command()
+def downstream(
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders (trained on text)")],
+    tasks: Annotated[str, typer.Option(help="lm-evaluation-harness task or group names, comma-separated, e.g. arc_easy,hellaswag")],
+    num_fewshot: Annotated[int | None, typer.Option(min=0, help="examples before each question (default: each task's own)")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="score only the first N documents of each task")] = None,
+    include_path: Annotated[Path | None, typer.Option(exists=True, help="a folder of task YAML files of your own")] = None,
+    max_length: Annotated[int | None, typer.Option(min=2, help="tokens the model reads (default: the length each run trained on)")] = None,
+    batch: ScoringBatch = 8,
+    device: ScoringDevice = None,
+    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+) -> None:
+    """Downstream tasks through lm-evaluation-harness (the paper's Table 2): each run's scores by
+    task and metric, with their standard errors."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        from archlab.train.downstream import ArchlabLM, metrics
+    except ImportError:
+        _error("downstream tasks need lm-evaluation-harness: pip install 'archlab[eval]'")
+        raise typer.Exit(1) from None
+    from archlab.train.evaluate import EvaluationError, Loaded
+
+    names = [name.strip() for name in tasks.split(",") if name.strip()]
+    own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
+    if own is None or any(name not in own.all_tasks for name in names):  # indexing the harness's own tasks takes seconds
+        manager = TaskManager(include_path=str(include_path) if include_path else None)
+    else:
+        manager = own
+    if unknown := [name for name in names if name not in manager.all_tasks]:
+        raise typer.BadParameter(f"--tasks: no task {', '.join(map(repr, unknown))} in lm-evaluation-harness"
+                                 f"{' or ' + str(include_path) if include_path else ''}")
+    on = _scoring_device(device)
+
+    def score(run: Path, label: str) -> list:
+        err.print(f"{label}: {', '.join(names)}", highlight=False, markup=False)
+        model = ArchlabLM(Loaded.of(run), on, batch, max_length)
+        with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch", None):
+            try:
+                results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                                  task_manager=manager, verbosity="ERROR")
+            except (OSError, ValueError) as exc:  # a dataset that cannot be fetched or read
+                raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
+        return metrics(label, results)
+
+    rows = [row for found in _each_trained_run(runs, None, None, score).values() for row in found]
+    sys.stdout.write(render(rows, fmt))
+
+
 def _kept_of(out: Path, memory: bool = False) -> str:
     """What a training stopped midway leaves to resume from (stopped for memory: with what a
     resume may lower)."""

@@ -1351,3 +1351,93 @@ def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, t
     (tmp_path / "unevaluated").mkdir()
     (tmp_path / "unevaluated" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "tokens": 64}) + "\n")
     refused(cli("curves", looped, "--baseline", tmp_path / "unevaluated"), "has logged no evaluation to compare with")
+
+
+def own_logprob(model, whole: list[int], scored: int) -> tuple[float, bool]:
+    """The log-probability of the last ``scored`` tokens of ``whole`` from the whole logits."""
+    with torch.no_grad():
+        logits = model(torch.tensor(whole[:-1])[None])[0, -scored:]
+    targets = torch.tensor(whole[-scored:])
+    return F.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().item(), bool((logits.argmax(-1) == targets).all())
+
+
+def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
+    """lm-evaluation-harness's three kinds of request, against the model's whole logits."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from tokenizers import Tokenizer
+
+    from archlab.train.downstream import ArchlabLM
+    from archlab.train.evaluate import Loaded
+
+    lm = ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=2, max_length=40)
+    model, tokenizer = lm.model, Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    pairs = [("def add(a, b):\n    return a", " + b"), ("import", " os"), ("x = 1\n" * 20, "y = 2"), ("", "import sys")]
+    found = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)], disable_tqdm=True)
+    for (context, continuation), (logprob, greedy) in zip(pairs, found, strict=True):
+        whole = encode(context + continuation) if context else [encode("\n")[0], *encode(continuation)]  # a newline before an empty context
+        scored = len(whole) - len(encode(context.rstrip())) if context else len(whole) - 1  # the harness scores a context's trailing space
+        expected, expected_greedy = own_logprob(model, whole[-41:], scored)  # a long context keeps its last 40 tokens
+        assert logprob == pytest.approx(expected, rel=1e-5) and greedy == expected_greedy
+
+    text = "import os\nimport sys\n\ndef main():\n    print(os.getcwd())\n" * 3
+    (total,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    ids = [encode("\n")[0], *encode(text)]
+    assert len(ids) > 2 * 40 + 1  # three windows
+    expected, ends = 0.0, list(range(41, len(ids), 40)) + [len(ids)]
+    for previous, end in zip([1, *ends], ends):  # each window predicts its own tokens from the 40 before each
+        expected += own_logprob(model, ids[max(0, end - 41) : end], end - previous)[0]
+    assert total == pytest.approx(expected, rel=1e-5)
+
+    prompts = ["def main():\n", "import"]
+    whole = lm.generate_until([Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 6}), i) for i, p in enumerate(prompts)],
+                              disable_tqdm=True)
+    for prompt, text in zip(prompts, whole, strict=True):
+        sequence = encode(prompt)
+        with torch.no_grad():
+            for _ in range(6):  # greedy by the whole forward pass, no cache
+                sequence.append(model(torch.tensor(sequence)[None])[0, -1].argmax().item())
+        assert text == tokenizer.decode(sequence[len(encode(prompt)) :]) and len(text) >= 4
+    stops = [text[2:4] for text in whole]  # each cut where its own text has a stop string
+    cut = lm.generate_until([Instance("generate_until", {}, (p, {"until": [stop, "never"], "max_gen_toks": 6}), i)
+                             for i, (p, stop) in enumerate(zip(prompts, stops))], disable_tqdm=True)
+    assert cut == [text.split(stop)[0] for text, stop in zip(whole, stops)]
+
+
+def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from tokenizers import Tokenizer
+
+    from archlab.train.checkpoint import load_trained
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    items = [{"question": "def add(a, b):\n    return a", "choices": [" + b", " * 7", " and not"], "answer": 0},
+             {"question": "import os\nimport", "choices": [" sys", " 123"], "answer": 1},
+             {"question": "for i in range(10):\n   ", "choices": [" print(i)", " ]]]", " 9"], "answer": 2}]
+    (tmp_path / "pick.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (tmp_path / "pick.yaml").write_text(yaml.safe_dump({
+        "task": "archlab_pick", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "pick.jsonl")}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}", "target_delimiter": "", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}))
+    code, out, stderr = cli("downstream", trained_on_text, "--tasks", "archlab_pick", "--include-path", tmp_path, "--format", "json")
+    assert code in (0, None), stderr
+    scores = {row["metric"]: row["value"] for row in json.loads(out)}
+
+    _, model, _, _ = load_trained(trained_on_text)
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    picked, picked_norm = [], []
+    for item in items:  # the harness's context (its trailing space scored), truncated to the 64 tokens the run trained on
+        context = tokenizer.encode(item["question"].rstrip()).ids
+        logprobs = [own_logprob(model, tokenizer.encode(item["question"] + c).ids[-65:],
+                                len(tokenizer.encode(item["question"] + c).ids) - len(context))[0] for c in item["choices"]]
+        picked.append(int(np.argmax(logprobs)) == item["answer"])
+        picked_norm.append(int(np.argmax([lp / len(c) for lp, c in zip(logprobs, item["choices"])])) == item["answer"])
+    assert (scores["acc"], scores["acc_norm"]) == (round(np.mean(picked), 4), round(np.mean(picked_norm), 4))
+
+    refused(cli("downstream", trained_on_text, "--tasks", "archlab_pick,no_such_task", "--include-path", tmp_path),
+            "--tasks: no task 'no_such_task' in lm-evaluation-harness or")
+    refused(cli("downstream", trained_on_mqar, "--tasks", "archlab_pick", "--include-path", tmp_path),
+            "trained on a recall task and has no tokenizer")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed
+    refused(cli("downstream", trained_on_text, "--tasks", "arc_easy"), "pip install 'archlab[eval]'")

@@ -118,7 +118,6 @@ class Run:
             row["eval acc"] = _decimals(evals[-1].get("eval_acc"))
         return row
 
-
     @property
     def evaluations(self) -> list[dict]:
         return [r for r in self.records if "eval_loss" in r]
@@ -127,8 +126,8 @@ class Run:
         """Columns comparing the run with ``baseline`` as the paper's Figure 2 does, on their
         evaluation losses joined by straight lines: the tokens at which the run first reaches the
         baseline's last evaluation loss (and their share of the baseline's tokens then), and the
-        run's evaluation loss at the training FLOPs the baseline had spent by then (and how much
-        lower it is). Empty where the run does not reach it, or did not evaluate that far."""
+        run's evaluation loss at the training FLOPs the baseline had spent by then (and that less
+        the baseline's). Empty where the run does not reach it, or did not evaluate that far."""
         theirs = baseline.evaluations
         if not theirs:
             raise RunError(f"the baseline {baseline.folder} has logged no evaluation to compare with")

@@ -796,6 +796,8 @@ def downstream(
     from archlab.train.evaluate import EvaluationError, Loaded
 
     names = [name.strip() for name in tasks.split(",") if name.strip()]
+    if not names:
+        raise typer.BadParameter(f"--tasks {tasks!r} names no task; give names such as arc_easy,hellaswag")
     own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
     if own is None or any(name not in own.all_tasks for name in names):  # indexing the harness's own tasks takes seconds
         manager = TaskManager(include_path=str(include_path) if include_path else None)

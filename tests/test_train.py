@@ -1438,6 +1438,7 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
 
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_pick,no_such_task", "--include-path", tmp_path),
             "--tasks: no task 'no_such_task' in lm-evaluation-harness or")
+    refused(cli("downstream", trained_on_text, "--tasks", " , "), "--tasks ' , ' names no task")
     refused(cli("downstream", trained_on_mqar, "--tasks", "archlab_pick", "--include-path", tmp_path),
             "trained on a recall task and has no tokenizer")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed

@@ -600,13 +600,14 @@ def train(
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False, markup=False)
 
 
+TrainedRuns = Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")]
 ScoringBatch = Annotated[int, typer.Option(min=1, help="windows run through the model at once")]
 ScoringDevice = Annotated[str | None, typer.Option(help="cpu, cuda or cuda:N (default: cuda where there is one)")]
 
 
 @app.command()
 def curves(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    runs: TrainedRuns,
     x: Annotated[Axis, typer.Option(help="what the plot's curves run against")] = Axis.step,
     baseline: Annotated[Path | None, typer.Option(help="a run to compare each with, as the paper's Figure 2: tokens to its loss, loss at its FLOPs")] = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
@@ -638,7 +639,7 @@ def curves(
 
 @app.command()
 def evaluate(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    runs: TrainedRuns,
     seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 2K 4K 8K")] = ["2K", "4K", "8K"],  # noqa: B006
     last: Annotated[int, typer.Option(min=1, help="tokens scored at the end of each window (not for recall tasks)")] = 512,
     sequences: Annotated[int, typer.Option(min=1, help="windows per length")] = 16,
@@ -695,7 +696,7 @@ def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None
 
 @app.command()
 def layers(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders")],
+    runs: TrainedRuns,
     seq_len: Annotated[str | None, typer.Option(help="tokens per window (default: the length each run trained on)")] = None,
     sequences: Annotated[int, typer.Option(min=1, help="windows measured")] = 16,
     batch: ScoringBatch = 8,
@@ -733,7 +734,7 @@ class HaystackKind(str, Enum):
 
 @app.command()
 def niah(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders (trained on text)")],
+    runs: TrainedRuns,
     seq_len: Annotated[list[str], typer.Option(help="prompt lengths with the tokens generated, e.g. 2K 4K 8K")] = ["1K", "2K", "4K"],  # noqa: B006
     depths: Annotated[int, typer.Option(min=1, help="needle depths, spread evenly through the haystack")] = 5,
     sequences: Annotated[int, typer.Option(min=1, help="probes per length and depth")] = 4,
@@ -746,9 +747,9 @@ def niah(
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG heat map of the share found by length and depth")] = None,
 ) -> None:
-    """Needle in a haystack (the paper's Table 4, RULER's single-needle tasks): the share of probes
-    whose greedy answer holds the number hidden in a long prompt, by length and depth, and the
-    loss of the number's tokens."""
+    """Needle in a haystack (the paper's Table 4, RULER's single-needle tasks) for runs trained on
+    text: the share of probes whose greedy answer holds the number hidden in a long prompt, by
+    length and depth, and the loss of the number's tokens with its gain from the needle."""
     from archlab.train.needle import niah as probed
     from archlab.train.needle import plot, rows, summary
 
@@ -773,7 +774,7 @@ def niah(
 
 @app.command()
 def downstream(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN", help="training run folders (trained on text)")],
+    runs: TrainedRuns,
     tasks: Annotated[str, typer.Option(help="lm-evaluation-harness task or group names, comma-separated, e.g. arc_easy,hellaswag")],
     num_fewshot: Annotated[int | None, typer.Option(min=0, help="examples before each question (default: each task's own)")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="score only the first N documents of each task")] = None,
@@ -783,8 +784,8 @@ def downstream(
     device: ScoringDevice = None,
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
 ) -> None:
-    """Downstream tasks through lm-evaluation-harness (the paper's Table 2): each run's scores by
-    task and metric, with their standard errors."""
+    """Downstream tasks through lm-evaluation-harness (the paper's Table 2) for runs trained on
+    text: each run's scores by task and metric, with their standard errors."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager

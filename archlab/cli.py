@@ -816,8 +816,10 @@ def downstream(
             try:
                 results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
                                                   task_manager=manager, verbosity="ERROR")
-            except (OSError, ValueError) as exc:  # a dataset that cannot be fetched or read
+            except OSError as exc:  # a dataset that cannot be fetched or read
                 raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
+            except ValueError as exc:  # the harness's word on a task's configuration
+                raise EvaluationError(f"lm-evaluation-harness stopped: {exc}") from None
         return metrics(label, results)
 
     rows = [row for found in _each_trained_run(runs, None, None, score).values() for row in found]

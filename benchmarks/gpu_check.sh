@@ -25,5 +25,5 @@ else
     PY=.venv-gpu/bin/python
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
-$PY -c "import torch; from archlab.environment import environment; print(' | '.join(f'{k} {v}' for k, v in environment(torch.device('cuda')).items()))"
+$PY -c "import torch; from archlab.environment import describe, environment; print(describe(environment(torch.device('cuda'))))"
 PYTHONUNBUFFERED=1 $PY benchmarks/gpu_check.py --out "$OUT" "$@"

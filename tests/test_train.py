@@ -1404,6 +1404,12 @@ def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
     cut = lm.generate_until([Instance("generate_until", {}, (p, {"until": [stop, "never"], "max_gen_toks": 6}), i)
                              for i, (p, stop) in enumerate(zip(prompts, stops))], disable_tqdm=True)
     assert cut == [text.split(stop)[0] for text, stop in zip(whole, stops)]
+    (empty,) = lm.generate_until([Instance("generate_until", {}, ("", {"until": [], "max_gen_toks": 3}), 0)], disable_tqdm=True)
+    sequence = encode("\n")  # an empty context starts from the end-of-text newline
+    with torch.no_grad():
+        for _ in range(3):
+            sequence.append(model(torch.tensor(sequence)[None])[0, -1].argmax().item())
+    assert empty == tokenizer.decode(sequence[1:])
 
 
 def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch):

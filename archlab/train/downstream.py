@@ -14,11 +14,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from archlab.engine import Engine
+from archlab.loss import scores
 from archlab.table import Decimals
 from archlab.train.data import load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded
@@ -65,10 +65,9 @@ class ArchlabLM(TemplateLM):
                 for row, (i, whole) in enumerate(zip(some, wholes)):
                     ends = len(whole) - 1
                     n = min(len(pairs[i][1]), ends)  # a continuation longer than the model reads: its last tokens
-                    logits = self.model.head(hidden[row, ends - n : ends]).float()
-                    targets = torch.tensor(whole[-n:], device=logits.device)
-                    logprob = F.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).sum().item()
-                    found[i] = (logprob, bool((logits.argmax(-1) == targets).all()))
+                    targets = torch.tensor(whole[-n:], device=hidden.device)
+                    lost, correct, counted = scores(hidden[row, ends - n : ends], self.model.head.weight, targets).tolist()
+                    found[i] = (-lost, correct == counted)
         return [found[i] for i in range(len(pairs))]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
@@ -90,8 +89,8 @@ class ArchlabLM(TemplateLM):
             for first in range(0, len(requests), self.batch):
                 some = [request.args for request in requests[first : first + self.batch]]
                 new = max(kwargs.get("max_gen_toks", 256) for _, kwargs in some)
-                prompts = [torch.tensor(self.tok_encode(context)[-max(1, self.max_length - new) :], device=self._device)
-                           for context, _ in some]
+                prompts = [torch.tensor((self.tok_encode(context) or [self.newline])[-max(1, self.max_length - new) :],
+                                        device=self._device) for context, _ in some]  # an empty context: the end-of-text newline
                 for (_, kwargs), tokens in zip(some, engine.generate(prompts, new).tokens):
                     text = self.tokenizer.decode(tokens[: kwargs.get("max_gen_toks", 256)])
                     stops = kwargs.get("until") or []
@@ -106,10 +105,10 @@ def metrics(run: str, results: dict) -> list[dict]:
     rows = []
     for task, found in results["results"].items():
         for key, value in found.items():
-            metric, filtered, _ = key.partition(",")  # "acc,none": a metric and its filter; "alias", "sample_len": no metric
-            if not filtered or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            metric, comma, filtered = key.partition(",")  # "acc,none": a metric and its filter; "alias", "sample_len": no metric
+            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
-            stderr = found.get(f"{metric}_stderr,{key.partition(',')[2]}")
+            stderr = found.get(f"{metric}_stderr,{filtered}")
             rows.append({"run": run, "task": task, "metric": metric, "value": Decimals(value, 4),
                          "stderr": Decimals(stderr, 4) if isinstance(stderr, (int, float)) else None})
     return rows

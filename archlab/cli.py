@@ -544,15 +544,17 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
 def train(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec (or a run's folder, for its spec)")],
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
-    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens) | hf:NAME[:split] | mqar | copy")] = None,
+    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens, .jsonl examples) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3 (on --resume, the optimizer, schedule and intervals only)")] = None,
     steps: Annotated[int | None, typer.Option(min=1, max=MAX_STEPS, help="optimizer steps")] = None,
     tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B, T = 1e3, 1e6, 1e9, 1e12)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out from its last checkpoint")] = False,
+    init: Annotated[Path | None, typer.Option(help="fine-tune: start from a training run's weights (its latest checkpoint, or a checkpoint folder)")] = None,
 ) -> None:
-    """Train a spec. Exactly resumable after a crash; distributed under torchrun."""
+    """Train a spec. Exactly resumable after a crash; distributed under torchrun. With --init,
+    fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples."""
     from archlab.train.data import DataError
     from archlab.train.trainer import Relayed, Trainer, TrainError
 
@@ -567,9 +569,9 @@ def train(
         spec = load_spec(_spec_file(spec_path))
         if resume:
             saved = out / "config.yaml"
-            if config or data:
-                raise TrainError("a resumed run keeps the config and data it started with; drop --config and --data"
-                                 " (--set may change what a resume can, such as optimizer.lr)")
+            if config or data or init:
+                raise TrainError("a resumed run keeps the config, data and starting weights it started with; drop --config,"
+                                 " --data and --init (--set may change what a resume can, such as optimizer.lr)")
             if not saved.is_file():
                 held = "it holds checkpoints but its config.yaml is gone; restore that file to resume" if checkpoints(out) else "no config.yaml"
                 raise TrainError(f"nothing to resume in {out}: {held}")
@@ -580,7 +582,8 @@ def train(
                                  f"{'; ...' if len(changed) > 5 else ''}")
             cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
         else:
-            cfg = load_config(str(config) if config else None, [*(set_ or []), *([f"data.source={data}"] if data else [])])
+            given = [*([f"data.source={data}"] if data else []), *([f"init={init}"] if init else [])]
+            cfg = load_config(str(config) if config else None, [*(set_ or []), *given])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",

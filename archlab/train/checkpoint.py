@@ -133,30 +133,42 @@ def non_finite(model: torch.nn.Module) -> list[str]:
     return [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 
 
+def resolve(path: str | Path) -> tuple[Path, Path]:
+    """(run folder, checkpoint folder) of a run directory (its latest checkpoint) or of one of its
+    checkpoint folders."""
+    path = Path(path)
+    run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
+    found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
+    if not (run_dir / RUN_SPEC).is_file() or not found or not found[-1].is_dir():
+        raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
+    return run_dir, found[-1]
+
+
+def load_weights(path: Path, model: torch.nn.Module) -> None:
+    """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape."""
+    try:
+        _load_weights(path, model)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None
+    broken = non_finite(model)
+    if broken:  # generating from it would print garbage and succeed
+        raise CheckpointError(f"checkpoint {path} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
+
+
 def load_trained(path: str | Path):
     """(spec, model with the latest weights, the checkpoint used, tokenizer.json or None) of a
     run directory or one of its checkpoint folders."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 
-    path = Path(path)
-    run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
-    found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
-    if not (run_dir / RUN_SPEC).is_file() or not found:
-        raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
+    run_dir, used = resolve(path)
     spec = load_spec(run_dir / RUN_SPEC)
     model = build_model(spec)
-    try:
-        _load_weights(found[-1], model)
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise CheckpointError(f"checkpoint {found[-1]} is damaged ({type(exc).__name__}: {exc})") from None
-    broken = non_finite(model)
-    if broken:  # generating from it would print garbage and succeed
-        raise CheckpointError(f"checkpoint {found[-1]} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
-    return spec, model, found[-1], _tokenizer(run_dir)
+    load_weights(used, model)
+    return spec, model, used, tokenizer_of(run_dir)
 
 
-def _tokenizer(run_dir: Path) -> Path | None:
+def tokenizer_of(run_dir: Path) -> Path | None:
     """A run's tokenizer.json: in its config's ``data.cache``, or in the run itself. A run on token
     ids or on a recall task has none; one on text that cannot be found is an error, since byte
     tokens in its place would print garbage. A config that does not validate is a SpecError."""

@@ -18,6 +18,7 @@ Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
 SYNTHETIC = ("mqar", "copy")  # recall tasks, generated rather than read
 NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor hf:NAME)
 TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
+EXAMPLES = ".jsonl"  # a data source of prompt/response examples, trained on their responses alone
 MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started
 
 
@@ -42,7 +43,9 @@ class Data(Strict):
 
     ``source``: ``stdlib`` (the Python standard library's source, on every machine), a text file
     or folder of text files, a token file (``.bin`` of uint16/uint32 or ``.npy``), ``hf:NAME``
-    (a Hugging Face dataset, streamed; needs network), or a synthetic task ``mqar`` / ``copy``.
+    (a Hugging Face dataset, streamed; needs network), a synthetic task ``mqar`` / ``copy``, or a
+    ``.jsonl`` file of ``{"prompt": ..., "response": ...}`` examples for supervised fine-tuning,
+    where only the responses' tokens are trained on and scored.
     """
 
     source: str = "stdlib"
@@ -93,6 +96,7 @@ class TrainConfig(Strict):
     checkpoint_interval: PositiveInt = 100
     keep_checkpoints: PositiveInt = 3
     data: Data = Data()
+    init: str | None = None  # a training run (its latest checkpoint) or checkpoint folder to start from: fine-tuning
 
     def problems(self) -> list[Problem]:
         root = Problems()
@@ -103,6 +107,9 @@ class TrainConfig(Strict):
                 f"{self.micro_batch_size}{default} does not divide batch_size={self.batch_size}; the gradient is"
                 f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as {fits}"
             )
+        if self.data.cache and Path(self.data.source).suffix == EXAMPLES:
+            root.at("data").at("cache").add(f"{self.data.cache!r}: a {EXAMPLES} file's examples are tokenized at each start,"
+                                            " into no cache; drop data.cache")
         return root.found
 
 

@@ -1,4 +1,5 @@
-"""Training data: a real corpus tokenized once into the run directory, or a synthetic recall task.
+"""Training data: a real corpus tokenized once into the run directory, prompt/response examples
+for fine-tuning, or a synthetic recall task.
 
 Every batch is a pure function of (seed, split, step): sampling needs no state, so resuming at
 step s replays exactly the batches an uninterrupted run would have drawn, and the processes of a
@@ -20,7 +21,7 @@ import torch
 
 from archlab.files import write_text_whole, write_whole
 from archlab.loss import IGNORE
-from archlab.train.config import SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source
+from archlab.train.config import EXAMPLES, SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -49,11 +50,12 @@ def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) 
 
 
 class TokenSource:
-    """Train and validation token arrays, sampled at random offsets."""
+    """Train and validation token arrays, sampled at random offsets; with ``masks`` (a bool array
+    beside each split's tokens), only the tokens marked count: the responses of fine-tuning
+    examples, whose accuracy is then reported too."""
 
-    reports_accuracy = False  # every next token counts: loss says it all
-
-    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, describe: str):
+    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, describe: str,
+                 masks: dict[str, np.ndarray] | None = None):
         for name, tokens in (("training", train), ("validation", val)):
             if len(tokens) < seq_len + 1:
                 raise DataError(
@@ -61,14 +63,17 @@ class TokenSource:
                     f" {describe} has {len(tokens)}; use a shorter seq_len or more data"
                 )
         self.splits, self.seq_len, self.seed, self.describe = {"train": train, "val": val}, seq_len, seed, describe
+        self.masks = masks
+        self.reports_accuracy = masks is not None  # of the counted tokens; where every next token counts, loss says it all
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """The splits' lengths and a hash of 64 evenly spaced pieces of each: what a checkpoint
-        records and a resume compares, so that a corpus cut short or replaced is not trained on in
-        silence (hashing every token would take minutes at every start of a large run)."""
+        """The splits' lengths and a hash of 64 evenly spaced pieces of each (and of their masks):
+        what a checkpoint records and a resume compares, so that a corpus cut short or replaced is
+        not trained on in silence (hashing every token would take minutes at every start of a
+        large run)."""
         digest = hashlib.blake2b(digest_size=16)
-        for tokens in self.splits.values():
+        for tokens in [*self.splits.values(), *(self.masks or {}).values()]:
             piece = max(1, min(1024, len(tokens) // 64))
             for i in range(64):  # from the first piece to the last, in whole numbers
                 start = i * (len(tokens) - piece) // 63
@@ -81,7 +86,10 @@ class TokenSource:
         starts = rng.integers(0, len(tokens) - self.seq_len, size=batch)
         mine = starts[rank * batch // world : (rank + 1) * batch // world]
         rows = torch.from_numpy(np.stack([np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in mine]))
-        return Batch(rows[:, :-1], rows[:, 1:])
+        if self.masks is None:
+            return Batch(rows[:, :-1], rows[:, 1:])
+        counted = torch.from_numpy(np.stack([self.masks[split][s + 1 : s + self.seq_len + 1] for s in mine]))
+        return Batch(rows[:, :-1], rows[:, 1:], counted)
 
 
 class RecallTask:
@@ -241,6 +249,73 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
     return texts
 
 
+def read_examples(source: str, max_bytes: int) -> list[tuple[str, str]]:
+    """The (prompt, response) pairs of a ``.jsonl`` file, one JSON object a line, in order, up to
+    ``max_bytes`` characters of their text; blank lines are skipped, anything else wrong is named
+    by its line."""
+    if not Path(source).is_file():
+        raise DataError(f"data source {source!r}: no such file")
+    try:
+        lines = Path(source).open(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(f"data source {source!r}: {exc.strerror or exc}") from None
+    examples, total = [], 0
+    with lines:
+        try:
+            for number, line in enumerate(lines, 1):
+                if total >= max_bytes:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    example = json.loads(line)
+                except ValueError as exc:
+                    raise DataError(f"line {number} of {source!r} is not JSON ({exc})") from None
+                if not (isinstance(example, dict) and all(isinstance(example.get(key), str) for key in ("prompt", "response"))):
+                    raise DataError(f'line {number} of {source!r} is not an example: each line is a JSON object with'
+                                    f' "prompt" and "response" strings, it has {line.strip()[:80]}')
+                examples.append((example["prompt"], example["response"]))
+                total += len(example["prompt"]) + len(example["response"])
+        except UnicodeDecodeError as exc:
+            raise DataError(f"data source {source!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
+    if len(examples) < 2:
+        raise DataError(f"data source {source!r} holds {len(examples)} example(s); training and validation need at least one each")
+    return examples
+
+
+def _example_tokens(examples: list[tuple[str, str]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each example's tokens (its prompt, its response, the end-of-text newline) and which of them
+    count (the response's and the newline)."""
+    end = tokenizer.encode("\n").ids
+    prompts = tokenizer.encode_batch([prompt for prompt, _ in examples])
+    responses = tokenizer.encode_batch([response for _, response in examples])
+    ids = [np.asarray(p.ids + r.ids + end, dtype=np.uint32) for p, r in zip(prompts, responses)]
+    return ids, [np.arange(len(i)) >= len(p.ids) for i, p in zip(ids, prompts)]
+
+
+def _examples(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, resume: bool) -> TokenSource:
+    """Fine-tuning examples as a token stream: each example's prompt, its response and the
+    end-of-text newline, packed one after another; the response and the newline count. The last
+    ``val_fraction`` of the examples are held out. Tokenized at every start (examples are few),
+    with ``cfg.tokenizer``, the run's own on a resume, or a BPE trained on them, which is written
+    into ``data_dir`` for ``generate``."""
+    examples = read_examples(cfg.source, cfg.max_bytes)
+    own = data_dir / "tokenizer.json"
+    kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
+    if kept or cfg.tokenizer:
+        tokenizer = load_tokenizer(str(own) if kept else cfg.tokenizer, vocab_size)
+    else:
+        tokenizer = train_tokenizer([prompt + response for prompt, response in examples], vocab_size)
+    ids, counted = _example_tokens(examples, tokenizer)
+    cut = len(examples) - max(1, round(len(examples) * cfg.val_fraction))
+    if not kept:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        write_text_whole(own, tokenizer.to_str(pretty=True))
+    return TokenSource(np.concatenate(ids[:cut]), np.concatenate(ids[cut:]), seq_len, seed,
+                       f"{len(examples):,} examples of {cfg.source!r}",
+                       masks={"train": np.concatenate(counted[:cut]), "val": np.concatenate(counted[cut:])})
+
+
 def train_tokenizer(texts: list[str], vocab_size: int):
     """A byte-level BPE of ``vocab_size`` tokens (the 256 bytes, then learned merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -365,13 +440,16 @@ def _encoded(source: str, texts: list[str], tokenizer) -> np.ndarray:
 
 def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> np.ndarray:
     """Every token of ``cfg.source``, split off nothing and written nowhere (a corpus to evaluate
-    on): a token file's ids, or text tokenized with ``tokenizer`` (a run's own)."""
+    on): a token file's ids, or text (or examples) tokenized with ``tokenizer`` (a run's own)."""
     path = Path(cfg.source)
     if path.suffix in TOKEN_FILES and path.is_file():
         return _token_file(path, cfg, vocab_size)
     if tokenizer is None:
         raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
                         " token ids or a recall task); give a token file")
+    if path.suffix == EXAMPLES:  # the examples as a run trained on them reads them
+        ids, _ = _example_tokens(read_examples(cfg.source, cfg.max_bytes), load_tokenizer(str(tokenizer), vocab_size))
+        return np.concatenate(ids)
     return _encoded(cfg.source, read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field), load_tokenizer(str(tokenizer), vocab_size))
 
 
@@ -384,6 +462,8 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
+    if path.suffix == EXAMPLES:
+        return _examples(cfg, vocab_size, seq_len, seed, data_dir, resume)
     if path.suffix in TOKEN_FILES and path.is_file():
         tokens = _token_file(path, cfg, vocab_size)
         cut = int(len(tokens) * (1 - cfg.val_fraction))

@@ -32,11 +32,11 @@ from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, describe_differences, spec_to_yaml
+from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
 from archlab.train import checkpoint
-from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, changes, load_config
+from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, load_config, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import CORPUS_FILES, Batch, DataSource, prepare
+from archlab.train.data import CORPUS_FILES, Batch, DataSource, load_tokenizer, prepare
 
 
 T = TypeVar("T")
@@ -165,7 +165,7 @@ def _kept(last_saved: Path | None, steps_done: int | None = None) -> str:
 class Trainer:
     def __init__(self, spec: ModelSpec, cfg: TrainConfig, run_dir: Path, console: Console):
         self.spec, self.run_dir, self.console = spec, run_dir, console
-        self.cfg = cfg.model_copy(update={"data": cfg.data.anchored()})  # as config.yaml records it
+        self.cfg = cfg.model_copy(update={"data": cfg.data.anchored(), "init": absolute(cfg.init)})  # as config.yaml records it
         self.world = World.from_env()
         cuda = torch.cuda.is_available()
         self.device = torch.device(f"cuda:{self.world.local_rank}" if cuda else "cpu")
@@ -218,9 +218,36 @@ class Trainer:
             raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                              " over, or choose a new --out")
         self._refuse_foreign_files()
+        if self.cfg.init:
+            self._start_from(self.cfg.init)
         self.world.barrier()  # every process has looked before the first one writes
         self.world.from_main(lambda: self._write_start(steps))
         return 0
+
+    def _start_from(self, init: str) -> None:
+        """Fine-tuning: the weights of the checkpoint ``init`` names (a run's latest), which this
+        spec's model must fit; the optimizer and schedule start afresh. The config records the
+        checkpoint folder itself, and text is read with that run's tokenizer, the one its
+        embeddings learned."""
+        run_dir, used = checkpoint.resolve(init)
+        checkpoint.load_weights(used, self.model)
+        data = self.cfg.data
+        if tokenized(data.source):
+            theirs = checkpoint.tokenizer_of(run_dir)
+            if theirs is None:
+                if data.tokenizer is None:
+                    raise TrainError(f"{run_dir} trained on token ids or a recall task, with no tokenizer to read"
+                                     f" {data.source!r} as its ids meant; give data.tokenizer, the one its ids came from")
+            elif data.tokenizer is None:
+                data = data.model_copy(update={"tokenizer": absolute(str(theirs))})
+            elif load_tokenizer(data.tokenizer, self.spec.vocab_size).to_str() != load_tokenizer(str(theirs), self.spec.vocab_size).to_str():
+                raise TrainError(f"data.tokenizer {data.tokenizer} is not the tokenizer of {run_dir} ({theirs}), whose"
+                                 " weights this run starts from and which read its text; drop data.tokenizer to use that one")
+        self.cfg = self.cfg.model_copy(update={"init": str(used), "data": data})
+        differ = describe_differences(load_spec(run_dir / checkpoint.RUN_SPEC).model_dump(mode="json"), self.spec.model_dump(mode="json"))
+        spec = f"; its spec differs from this one, whose weights it fits ({escape('; '.join(differ))})" if differ else ""
+        self._say(f"starting from the weights of {escape(str(used))} (step {checkpoint.step_of(used)}); the optimizer and"
+                  f" learning-rate schedule start afresh{spec}")
 
     def _write_start(self, steps: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -365,7 +392,7 @@ class Trainer:
             return data
 
         data = self.world.from_main(first)
-        return data if self.world.main else prepare(*args)
+        return data if self.world.main else prepare(*args, resume=True)  # resume: with the tokenizer the first wrote
 
     # -- the loop -------------------------------------------------------------------------------
 

@@ -1,0 +1,215 @@
+"""Fine-tuning: a run that starts from another's weights (``--init``), and prompt/response
+examples (a ``.jsonl`` source) trained on their responses alone."""
+
+import importlib.util
+import inspect
+import json
+import shutil
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from archlab.train.checkpoint import load_trained
+from archlab.train.config import Data, load_config
+from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, tokens_of
+from conftest import ROOT
+from test_train import SMALL, finished_run
+
+
+def _functions_script():
+    spec = importlib.util.spec_from_file_location("stdlib_functions", ROOT / "docs/examples/stdlib_functions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_examples(path, examples):
+    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+    return path
+
+
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory):
+    """Real examples: the documented functions of textwrap, as the shipped script makes them."""
+    found = _functions_script().examples(inspect.getsource(textwrap), longest=600)
+    assert len(found) >= 8
+    return write_examples(tmp_path_factory.mktemp("examples") / "textwrap.jsonl", found)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A finished 4-step run on text, to fine-tune from."""
+    return finished_run(tmp_path_factory, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
+
+
+def test_the_script_splits_each_function_after_its_docstring():
+    source = textwrap.dedent('''
+        class A:
+            @staticmethod
+            def double(x):
+                """Twice x."""
+                y = x * 2
+                return y
+
+            def bare(self):
+                """Only a docstring."""
+
+        def outer():
+            return 1
+    ''')
+    found = _functions_script().examples(source, longest=600)
+    assert found == [{"prompt": 'def double(x):\n    """Twice x."""\n', "response": "    y = x * 2\n    return y\n"}]
+    assert _functions_script().examples(source, longest=10) == []  # the body is 29 characters
+
+
+def test_only_the_responses_and_their_ends_count(examples, tmp_path):
+    """The training split's tokens where they count decode to each example's response and the
+    newline that ends it, and where they do not, to its prompt; the last examples are held out."""
+    pairs = [json.loads(line) for line in examples.read_text().splitlines()]
+    cfg = Data(source=str(examples), val_fraction=0.2)
+    data = prepare(cfg, 512, 32, 0, tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"), 512)
+    held = round(len(pairs) * 0.2)
+    for split, wanted in (("train", pairs[:-held]), ("val", pairs[-held:])):
+        tokens, counted = data.splits[split], data.masks[split]
+        edges = np.flatnonzero(np.diff(counted.astype(int))) + 1
+        parts = np.split(np.arange(len(tokens)), edges)
+        assert not counted[0] and counted[-1] and len(parts) == 2 * len(wanted)
+        decoded = [tokenizer.decode(tokens[part].tolist()) for part in parts]
+        assert decoded[0::2] == [pair["prompt"] for pair in wanted]
+        assert decoded[1::2] == [pair["response"] + "\n" for pair in wanted]
+    assert data.reports_accuracy
+
+
+def test_a_window_counts_the_targets_its_mask_marks():
+    """Tokens that are their own positions show which stream positions each row took."""
+    tokens, counted = np.arange(1000), np.random.default_rng(0).random(1000) < 0.5
+    data = TokenSource(tokens, tokens, 16, 0, "numbers", masks={"train": counted, "val": counted})
+    batch = data.batch("train", 3, 8)
+    assert torch.equal(batch.targets, batch.inputs + 1)
+    assert torch.equal(batch.mask, torch.from_numpy(counted[batch.targets.numpy()]))
+    assert torch.equal(batch.counted_targets() == -100, torch.from_numpy(~counted[batch.targets.numpy()]))
+
+
+def test_fine_tuning_starts_from_the_runs_weights_and_counts_the_responses(cli, pretrained, examples, tmp_path):
+    """The first step's loss is the pretrained model's cross-entropy on the responses of the
+    first batch, from the whole logits; the run records the checkpoint it started from and reads
+    text with that run's tokenizer."""
+    run = tmp_path / "tuned"
+    settings = ["--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4", "--set", "log_interval=1",
+                "--set", "eval_batches=1", "--set", "checkpoint_interval=2"]
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", examples,
+                          "--steps", "4", *settings)
+    assert code == 0, stderr
+    started = pretrained / "checkpoints/step-00000004"
+    assert f"starting from the weights of {started} (step 4)" in " ".join(stderr.split())
+    cfg = load_config(str(run / "config.yaml"))
+    assert cfg.init == str(started) and cfg.data.tokenizer == str(pretrained / "tokenizer.json")
+    assert (run / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()
+
+    _, model, _, _ = load_trained(pretrained)
+    data = prepare(cfg.data, 256, 64, cfg.seed, run, resume=True)
+    read_whole = tokens_of(cfg.data, 256, run / "tokenizer.json")  # as `evaluate --data` reads examples
+    assert np.array_equal(read_whole, np.concatenate([data.splits["train"], data.splits["val"]]))
+    batch = data.batch("train", 0, 4)
+    with torch.no_grad():
+        logits = model(batch.inputs)
+    wanted = F.cross_entropy(logits.flatten(0, 1), batch.counted_targets().flatten(), ignore_index=-100).item()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["loss"] == pytest.approx(wanted, rel=1e-5)
+    assert 0 <= records[-1]["eval_acc"] <= 1
+
+    resumed = tmp_path / "resumed"  # from its step-2 checkpoint, as after a crash: the same steps 3 and 4
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints/step-00000004")
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", resumed, "--resume", "--steps", "4")
+    assert code == 0, stderr
+    again = [json.loads(line) for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again] == [r["loss"] for r in records]
+
+    code, stdout, stderr = cli("generate", run, "--prompt", "def f(x):\n", "--max-new-tokens", "8")
+    assert code == 0, stderr
+
+
+def test_a_different_spec_whose_weights_fit_is_said(cli, pretrained, tmp_path):
+    spec = tmp_path / "wide-rope.yaml"
+    spec.write_text(yaml.safe_dump({"extends": str(ROOT / "specs/tiny/transformer.yaml"),
+                                    "layout": {"layers": {"position": {"theta": 500000}}}}))
+    code, _, stderr = cli("train", spec, "--out", tmp_path / "run", "--init", pretrained, "--steps", "1", *SMALL)
+    assert code == 0, stderr
+    assert "its spec differs from this one, whose weights it fits (layout.layers.position.theta 10000 -> 500000)" in " ".join(stderr.split())
+
+
+def refused(cli, out, args, *fragments):
+    """A training start refused with a message holding ``fragments``, before its first step."""
+    code, _, stderr = cli("train", *args, "--out", out, "--steps", "2", *SMALL)
+    said = " ".join(stderr.split())
+    assert code == 1 and all(fragment in said for fragment in fragments) and "Traceback" not in stderr, stderr
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+
+
+def refused_unwritten(cli, out, args, *fragments):
+    """Refused before the run folder is made: starting weights are checked before anything is written."""
+    refused(cli, out, args, *fragments)
+    assert not out.exists()
+
+
+def test_starting_weights_that_do_not_fit_are_refused(cli, pretrained, tmp_path):
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/yoco-u.yaml", "--init", pretrained], "does not fit this model")
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", tmp_path],
+                      f"{tmp_path} is not a training run with a checkpoint")
+
+
+def test_another_tokenizer_than_the_starting_runs_is_refused(cli, pretrained, examples, tmp_path):
+    from tokenizers import Tokenizer, models
+
+    other = tmp_path / "words.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "?": 2}, unk_token="?")).save(str(other))
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", pretrained, "--data", examples,
+                                              "--set", f"data.tokenizer={other}"],
+                      f"data.tokenizer {other} is not the tokenizer of {pretrained}")
+    same = tmp_path / "same.json"
+    shutil.copy(pretrained / "tokenizer.json", same)
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--init", pretrained, "--data", examples, "--set",
+                          f"data.tokenizer={same}", "--out", tmp_path / "run", "--steps", "1", *SMALL)
+    assert code == 0, stderr
+
+
+def test_a_run_on_token_ids_gives_no_tokenizer_to_fine_tune_on_text(cli, examples, tmp_path_factory, tmp_path):
+    on_mqar = finished_run(tmp_path_factory, "--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=4",
+                           "--set", "micro_batch_size=4", "--steps", "1")
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", on_mqar, "--data", examples],
+                      "trained on token ids or a recall task, with no tokenizer", "give data.tokenizer")
+
+
+def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--init", pretrained, "--steps", "1", *SMALL)
+    assert code == 0, stderr
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--resume", "--init", pretrained, "--steps", "2")
+    assert code == 1 and "drop --config, --data and --init" in " ".join(stderr.split())
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--resume", "--set", f"init={tmp_path}", "--steps", "2")
+    assert code == 1 and "a resumed run keeps its init" in " ".join(stderr.split()), stderr
+
+
+@pytest.mark.parametrize("lines, said", [
+    (['{"prompt": "a", "response": "b"}', "{not json", '{"prompt": "c", "response": "d"}'], "line 2 of {path!r} is not JSON"),
+    (['{"prompt": "a", "response": "b"}', '{"prompt": "c", "answer": "d"}'],
+     'line 2 of {path!r} is not an example: each line is a JSON object with "prompt" and "response" strings, it has {{"prompt": "c", "answer": "d"}}'),
+    (['{"prompt": "a", "response": "b"}', "", '["c", "d"]'], "line 3 of {path!r} is not an example"),
+    (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
+])
+def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines, said):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    refused(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", path], said.format(path=str(path)))
+
+
+def test_examples_are_not_cached(cli, examples, tmp_path):
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", examples, "--set", f"data.cache={tmp_path}"],
+                      "data.cache", "examples are tokenized at each start, into no cache; drop data.cache")
+    with pytest.raises(DataError, match="no such file"):
+        prepare(Data(source=str(tmp_path / "none.jsonl")), 256, 32, 0, tmp_path)

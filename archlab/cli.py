@@ -785,15 +785,17 @@ def downstream(
     max_length: Annotated[int | None, typer.Option(min=2, help="tokens the model reads (default: the length each run trained on)")] = None,
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
+    averaged: Annotated[str, typer.Option("--average", help="metrics the average takes, comma-separated: each task's first that it reports")] = "acc_norm,acc",
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
 ) -> None:
     """Downstream tasks through lm-evaluation-harness (the paper's Table 2) for runs trained on
-    text: each run's scores by task and metric, with their standard errors."""
+    text: each run's scores by task and metric, with their standard errors, and their average
+    over the tasks."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
 
-        from archlab.train.downstream import ArchlabLM, metrics
+        from archlab.train.downstream import ArchlabLM, average, metrics
     except ImportError:
         _error("downstream tasks need lm-evaluation-harness: pip install 'archlab[eval]'")
         raise typer.Exit(1) from None
@@ -802,6 +804,9 @@ def downstream(
     names = [name.strip() for name in tasks.split(",") if name.strip()]
     if not names:
         raise typer.BadParameter(f"--tasks {tasks!r} names no task; give names such as arc_easy,hellaswag")
+    preferred = [name.strip() for name in averaged.split(",") if name.strip()]
+    if not preferred:
+        raise typer.BadParameter(f"--average {averaged!r} names no metric; give names such as acc_norm,acc")
     own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
     if own is None or any(name not in own.all_tasks for name in names):  # indexing the harness's own tasks takes seconds
         manager = TaskManager(include_path=str(include_path) if include_path else None)
@@ -823,7 +828,11 @@ def downstream(
                 raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
             except ValueError as exc:  # the harness's word on a task's configuration
                 raise EvaluationError(f"lm-evaluation-harness stopped: {exc}") from None
-        return metrics(label, results)
+        mean, left_out = average(label, results, names, preferred)
+        if mean is not None and left_out:
+            err.print(f"{label}: the average leaves out {', '.join(left_out)}, which report none of {', '.join(preferred)}",
+                      highlight=False, markup=False)
+        return metrics(label, results) + ([mean] if mean else [])
 
     rows = [row for found in _each_trained_run(runs, None, None, score).values() for row in found]
     sys.stdout.write(render(rows, fmt))

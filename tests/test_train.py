@@ -1412,6 +1412,21 @@ def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
     assert empty == tokenizer.decode(sequence[1:])
 
 
+def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_it_reports():
+    from archlab.train.downstream import average
+
+    results = {"results": {
+        "suite": {"alias": "suite", "acc,none": 0.5, "acc_stderr,none": 0.1},  # a group's aggregate over its members
+        "suite_a": {"acc,none": 0.9, "acc_norm,none": 0.2}, "suite_b": {"acc,none": 0.1},
+        "piqa": {"acc,none": 0.6, "acc_norm,none": 0.7, "acc_norm_stderr,none": 0.01},
+        "gsm8k": {"exact_match,strict-match": 0.05}}}
+    row, left_out = average("r", results, ["suite", "piqa", "gsm8k"], ["acc_norm", "acc"])
+    assert row["value"] == round((0.5 + 0.7) / 2, 4) and row["task"] == "average of 2" and left_out == ["gsm8k"]
+    row, left_out = average("r", results, ["suite", "piqa", "gsm8k"], ["exact_match", "acc"])
+    assert row["value"] == round((0.5 + 0.6 + 0.05) / 3, 4) and left_out == []
+    assert average("r", results, ["piqa", "gsm8k"], ["acc"]) == (None, ["gsm8k"])  # one task: nothing to average
+
+
 def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch):
     pytest.importorskip("lm_eval")
     from tokenizers import Tokenizer
@@ -1427,9 +1442,13 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
         "task": "archlab_pick", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "pick.jsonl")}},
         "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{answer}}", "target_delimiter": "", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}))
-    code, out, stderr = cli("downstream", trained_on_text, "--tasks", "archlab_pick", "--include-path", tmp_path, "--format", "json")
+    only_acc = yaml.safe_load((tmp_path / "pick.yaml").read_text()) | {"task": "archlab_pick_acc", "metric_list": [{"metric": "acc"}]}
+    (tmp_path / "pick_acc.yaml").write_text(yaml.safe_dump(only_acc))
+    code, out, stderr = cli("downstream", trained_on_text, "--tasks", "archlab_pick,archlab_pick_acc", "--include-path", tmp_path,
+                            "--format", "json")
     assert code in (0, None), stderr
-    scores = {row["metric"]: row["value"] for row in json.loads(out)}
+    rows = json.loads(out)
+    scores = {row["metric"]: row["value"] for row in rows if row["task"] == "archlab_pick"}
 
     _, model, _, _ = load_trained(trained_on_text)
     tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
@@ -1441,6 +1460,9 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
         picked.append(int(np.argmax(logprobs)) == item["answer"])
         picked_norm.append(int(np.argmax([lp / len(c) for lp, c in zip(logprobs, item["choices"])])) == item["answer"])
     assert (scores["acc"], scores["acc_norm"]) == (round(np.mean(picked), 4), round(np.mean(picked_norm), 4))
+    assert [row for row in rows if row["task"] == "archlab_pick_acc"][0]["value"] == round(np.mean(picked), 4)
+    assert rows[-1] == {"run": rows[0]["run"], "task": "average of 2", "metric": "acc_norm, else acc",  # acc_norm where reported
+                        "value": round((np.mean(picked_norm) + np.mean(picked)) / 2, 4), "stderr": None}
 
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_pick,no_such_task", "--include-path", tmp_path),
             "--tasks: no task 'no_such_task' in lm-evaluation-harness or")

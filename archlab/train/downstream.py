@@ -18,10 +18,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from archlab.engine import Engine
-from archlab.loss import scores
 from archlab.table import Decimals
 from archlab.train.data import load_tokenizer
-from archlab.train.evaluate import EvaluationError, Loaded
+from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
 
 
 class ArchlabLM(TemplateLM):
@@ -57,16 +56,8 @@ class ArchlabLM(TemplateLM):
             for first in range(0, len(order), self.batch):
                 some = order[first : first + self.batch]
                 wholes = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in some]
-                longest = max(len(w) for w in wholes) - 1
-                inputs = torch.full((len(some), longest), self.newline, dtype=torch.long)
-                for row, whole in enumerate(wholes):
-                    inputs[row, : len(whole) - 1] = torch.tensor(whole[:-1])
-                hidden = self.model.hidden(inputs.to(self._device))
-                for row, (i, whole) in enumerate(zip(some, wholes)):
-                    ends = len(whole) - 1
-                    n = min(len(pairs[i][1]), ends)  # a continuation longer than the model reads: its last tokens
-                    targets = torch.tensor(whole[-n:], device=hidden.device)
-                    lost, correct, counted = scores(hidden[row, ends - n : ends], self.model.head.weight, targets).tolist()
+                scored = [min(len(pairs[i][1]), len(whole) - 1) for i, whole in zip(some, wholes)]  # a continuation longer than the model reads: its last tokens
+                for i, (lost, correct, counted) in zip(some, continuation_scores(self.model, wholes, scored, self._device)):
                     found[i] = (-lost, correct == counted)
         return [found[i] for i in range(len(pairs))]
 
@@ -100,15 +91,39 @@ class ArchlabLM(TemplateLM):
         return out
 
 
-def metrics(run: str, results: dict) -> list[dict]:
-    """A row per task and metric of lm-evaluation-harness's results, with its standard error."""
-    rows = []
-    for task, found in results["results"].items():
-        for key, value in found.items():
+AVERAGED = ("acc_norm", "acc")  # of a task's metrics, the one its average takes: the first of these it reports
+
+
+def _scores(results: dict) -> list[tuple[str, str, float, float | None]]:
+    """(task, metric, value, standard error) for each task and metric of lm-evaluation-harness's results."""
+    found = []
+    for task, reported in results["results"].items():
+        for key, value in reported.items():
             metric, comma, filtered = key.partition(",")  # "acc,none": a metric and its filter; "alias", "sample_len": no metric
             if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
-            stderr = found.get(f"{metric}_stderr,{filtered}")
-            rows.append({"run": run, "task": task, "metric": metric, "value": Decimals(value, 4),
-                         "stderr": Decimals(stderr, 4) if isinstance(stderr, (int, float)) else None})
-    return rows
+            stderr = reported.get(f"{metric}_stderr,{filtered}")
+            found.append((task, metric, value, stderr if isinstance(stderr, (int, float)) else None))
+    return found
+
+
+def metrics(run: str, results: dict) -> list[dict]:
+    """A row per task and metric of lm-evaluation-harness's results, with its standard error."""
+    return [{"run": run, "task": task, "metric": metric, "value": Decimals(value, 4),
+             "stderr": None if stderr is None else Decimals(stderr, 4)} for task, metric, value, stderr in _scores(results)]
+
+
+def average(run: str, results: dict, tasks: list[str], preferred: list[str]) -> tuple[dict | None, list[str]]:
+    """The run's ``tasks`` (the names asked for: a group by its own aggregate, not its members
+    again) averaged as the paper's Table 2 does, each by the first metric of ``preferred`` it
+    reports: a row, or None where fewer than two tasks report one; and the tasks left out."""
+    taken: dict[str, tuple[int, float]] = {}
+    for task, metric, value, _ in _scores(results):
+        if task in tasks and metric in preferred and preferred.index(metric) < taken.get(task, (len(preferred), 0.0))[0]:
+            taken[task] = (preferred.index(metric), value)
+    left_out = [task for task in tasks if task not in taken]
+    if len(taken) < 2:
+        return None, left_out
+    mean = sum(value for _, value in taken.values()) / len(taken)
+    return {"run": run, "task": f"average of {len(taken)}", "metric": ", else ".join(preferred), "value": Decimals(mean, 4),
+            "stderr": None}, left_out

@@ -144,6 +144,18 @@ def position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -
     return scores(model.hidden(inputs)[counted], model.head.weight, targets[counted])
 
 
+def continuation_scores(model: Model, sequences: list[list[int]], scored: list[int], device: torch.device) -> list[list[float]]:
+    """For each sequence of token ids, ``loss.scores`` of its last ``scored`` tokens, each given
+    the tokens before it: the sequences in one forward pass, padded on the right, which a causal
+    model's earlier positions do not see."""
+    inputs = torch.zeros((len(sequences), max(map(len, sequences)) - 1), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        inputs[row, : len(sequence) - 1] = torch.tensor(sequence[:-1])
+    hidden = model.hidden(inputs.to(device))
+    return [scores(hidden[row, len(sequence) - 1 - n : len(sequence) - 1], model.head.weight,
+                   torch.tensor(sequence[len(sequence) - n :], device=device)).tolist() for row, (sequence, n) in enumerate(zip(sequences, scored))]
+
+
 def _last_only(batch: Batch, last: int) -> Batch:
     """The batch with only its last ``last`` positions counted."""
     mask = torch.zeros_like(batch.targets, dtype=torch.bool)

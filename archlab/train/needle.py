@@ -24,10 +24,9 @@ from statistics import fmean
 import torch
 
 from archlab.engine import Engine
-from archlab.loss import IGNORE
 from archlab.table import Decimals
 from archlab.train.data import load_tokenizer
-from archlab.train.evaluate import EvaluationError, Loaded, position_scores
+from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -141,7 +140,7 @@ class Found:
 
 def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batch: int, device: torch.device) -> list[Found]:
     """Each probe's greedy continuation (through the engine, with its cache) and the loss of its
-    answer's tokens after the prompt (a forward pass of both), ``batch`` probes at a time."""
+    answer's tokens after the prompt and after the control prompt, ``batch`` probes at a time."""
     model, autocast = loaded.on(device)
     engine = Engine(model)
     found = []
@@ -149,18 +148,11 @@ def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batc
         for first in range(0, len(probes), batch):
             some = probes[first : first + batch]
             generated = engine.generate([torch.tensor(p.prompt, device=device) for p in some], new_tokens).tokens
-            for probe, tokens in zip(some, generated):
-                found.append(Found(probe, tokenizer.decode(tokens), _answer_loss(model, probe.prompt, probe.answer, device),
-                                   _answer_loss(model, probe.control, probe.answer, device)))
+            losses = [continuation_scores(model, [p.prompt + p.answer for p in some], [len(p.answer) for p in some], device),
+                      continuation_scores(model, [p.control + p.answer for p in some], [len(p.answer) for p in some], device)]
+            for probe, tokens, (answer, *_), (control, *_) in zip(some, generated, *losses, strict=True):
+                found.append(Found(probe, tokenizer.decode(tokens), answer, control))
     return found
-
-
-def _answer_loss(model, prompt: list[int], answer: list[int], device: torch.device) -> float:
-    """The summed cross-entropy of the answer's tokens, each given the prompt and the answer before it."""
-    sequence = torch.tensor(prompt + answer, device=device)
-    targets = torch.full_like(sequence[1:], IGNORE)
-    targets[-len(answer) :] = sequence[-len(answer) :]
-    return position_scores(model, sequence[None, :-1], targets[None])[0].item()
 
 
 def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device: torch.device, haystack: str = "noise",

@@ -139,9 +139,12 @@ def test_a_different_spec_whose_weights_fit_is_said(cli, pretrained, tmp_path):
     spec = tmp_path / "wide-rope.yaml"
     spec.write_text(yaml.safe_dump({"extends": str(ROOT / "specs/tiny/transformer.yaml"),
                                     "layout": {"layers": {"position": {"theta": 500000}}}}))
-    code, _, stderr = cli("train", spec, "--out", tmp_path / "run", "--init", pretrained, "--steps", "1", *SMALL)
+    earlier = pretrained / "checkpoints/step-00000002"  # a checkpoint folder of its own choosing, not the run's latest
+    code, _, stderr = cli("train", spec, "--out", tmp_path / "run", "--init", earlier, "--steps", "1", *SMALL)
     assert code == 0, stderr
-    assert "its spec differs from this one, whose weights it fits (layout.layers.position.theta 10000 -> 500000)" in " ".join(stderr.split())
+    said = " ".join(stderr.split())
+    assert f"starting from the weights of {earlier} (step 2)" in said and load_config(str(tmp_path / "run/config.yaml")).init == str(earlier)
+    assert "its spec differs from this one, whose weights it fits (layout.layers.position.theta 10000 -> 500000)" in said
 
 
 def refused(cli, out, args, *fragments):

@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 from rich.console import Console
 from sqlalchemy.engine import make_url
 
+from archlab.cost import Cost
 from archlab.environment import environment
 from archlab.spec import SpecError
 from archlab.table import Format, render
@@ -256,6 +257,19 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
                        "seed": optuna.distributions.CategoricalDistribution([0, 1]), "slot": optuna.distributions.IntDistribution(0, 1)}))
     with pytest.raises(StudyChanged, match=r"yoco seed 0 lr slot 1: lr 0\.004 -> 0\.008\n"):
         check_unchanged(edited, legacy)
+    # a training config field added to archlab since a trial ran trains as before it existed, at its default
+    older = optuna.create_study(study_name="edited-tiny")
+    now = edit(variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco.yaml"}})
+    setup = now.setup("yoco-u", 1)
+    before_init = {**setup, "train": {key: value for key, value in setup["train"].items() if key != "init"}}
+    older.add_trial(optuna.trial.create_trial(
+        params={"variant": "yoco-u", "seed": 0, "slot": 1}, value=2.0, user_attrs={"setup": before_init},
+        distributions={"variant": optuna.distributions.CategoricalDistribution(["yoco", "yoco-u"]),
+                       "seed": optuna.distributions.CategoricalDistribution([0, 1]), "slot": optuna.distributions.IntDistribution(0, 1)}))
+    check_unchanged(now, older)
+    tiny = yaml.safe_load(path.read_text())["scales"]["tiny"]
+    with pytest.raises(StudyChanged, match=r"train\.grad_clip 1 -> 0\.5"):
+        check_unchanged(edit(scales={"tiny": {**tiny, "train": {**tiny["train"], "grad_clip": 0.5}}}), older)
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
@@ -598,6 +612,29 @@ def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
     (yoco, _) = summarize(study, trials)
     assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned/failed"]) == (3.05, 2, "0.002", "0/1")
     assert "| yoco | " in (table := render(summarize(study, trials), Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
+
+
+def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its_flops(tmp_path):
+    """The paper's Figure 2, on mean curves worked out by hand: yoco-u (a loop, so more FLOPs a
+    step) comes down to yoco's last loss between its two evaluations, and at yoco's FLOPs it is
+    between them too."""
+    study = load_study(str(mini(tmp_path, "figure2", seeds=[0, 1])))
+    curves = {"yoco": ({2: 3.0, 4: 2.0}, {2: 3.2, 4: 2.2}), "yoco-u": ({2: 2.4, 4: 1.4}, {2: 2.6, 4: 1.6})}
+    trials = [finished(variant, seed, 0, curve[4], 0.002, curve=curve) for variant, pair in curves.items() for seed, curve in enumerate(pair)]
+    yoco, yoco_u = summarize(study, trials)
+    target = 2.1  # yoco's mean last loss; yoco-u's mean curve is 2.5 at step 2, 1.5 at step 4
+    assert yoco_u["share of baseline tokens"] == round((2 + 2 * (2.5 - target) / (2.5 - 1.5)) / 4, 3)  # 0.7
+    per_step = {v: Cost(spec).train_flops_per_token(32) * 4 * 32 for v, spec in study.specs.items()}
+    at = 4 * per_step["yoco"] / per_step["yoco-u"]  # the step at which yoco-u has spent yoco's FLOPs: between 2 and 4
+    assert 2 < at < 4 and yoco_u["vs baseline at its FLOPs"] == f"{2.5 + (1.5 - 2.5) * (at - 2) / 2 - target:+.4f}"
+    assert (yoco["share of baseline tokens"], yoco["vs baseline at its FLOPs"]) == (1.0, "+0.0000")
+    never = [finished("yoco-u", seed, 0, 2.5, 0.002, curve={2: 2.9, 4: 2.5}) for seed in (0, 1)]
+    (_, late) = summarize(study, trials[:2] + never)
+    assert late["share of baseline tokens"] == "-" and late["vs baseline at its FLOPs"].startswith("+")
+    from archlab.study.report import _against_baseline
+
+    accuracy = _against_baseline({"a": ([2, 4], [0.2, 0.6], 10.0), "b": ([2, 4], [0.5, 0.9], 20.0)}, "a", maximize=True)
+    assert accuracy["b"] == {"share of baseline tokens": 0.625, "vs baseline at its FLOPs": "-0.1000"}  # up to 0.6 at step 2.5
 
 
 def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):

@@ -50,6 +50,24 @@ class LearningRates(Strict):
         return [self.low * ratio**i for i in range(self.points)]
 
 
+def train_setup(config: TrainConfig) -> dict:
+    """The training config as a trial records it: without what the trial sets itself (steps, seed
+    and learning rate)."""
+    return config.model_dump(mode="json", exclude={"steps": True, "seed": True, "optimizer": {"lr"}})
+
+
+def as_recorded_now(setup: dict) -> dict:
+    """A trial's recorded setup with the training config fields added to archlab since then at
+    their defaults, which is how it trained before they existed (a setup that no longer validates
+    stays as it was, for the comparison to name what changed)."""
+    if "train" not in setup:
+        return setup
+    try:
+        return {**setup, "train": train_setup(TrainConfig.model_validate(setup["train"]))}
+    except ValueError:  # pydantic's ValidationError: a field since removed, or a value no longer allowed
+        return setup
+
+
 class StudySpec(Strict):
     schema_version: Literal[1]
     name: str = Field(min_length=1)
@@ -161,7 +179,7 @@ class Study:
         lr = self.definition.lr
         return {
             "spec": self.specs[variant].model_dump(mode="json", exclude={"name", "description"}),
-            "train": self.config.model_dump(mode="json", exclude={"steps": True, "seed": True, "optimizer": {"lr"}}),
+            "train": train_setup(self.config),
             "steps": self.steps(variant),
             "lr": lr.grid()[slot] if self.definition.sampler == "grid" else [lr.low, lr.high],
             "metric": self.definition.metric,

@@ -15,6 +15,7 @@ from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
 from archlab.study.runner import latest, planned_as, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
+from archlab.train.curves import crossing, value_at
 
 
 def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -56,20 +57,45 @@ def all_failed(study: Study, trials: list[optuna.trial.FrozenTrial]) -> bool:
     return len(done) == len(study.planned()) and all(t.state == TrialState.FAIL for t in done.values())
 
 
+def _curve(best: list[optuna.trial.FrozenTrial]) -> tuple[list[int], list[float]]:
+    """The steps every trial evaluated at, and the mean of their evaluations there."""
+    steps = sorted(set.intersection(*(set(t.intermediate_values) for t in best)))
+    return steps, [statistics.mean(t.intermediate_values[s] for t in best) for s in steps]
+
+
+def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], baseline: str, maximize: bool) -> dict[str, dict]:
+    """The paper's Figure 2 comparisons of each variant's mean curve (steps, values, training
+    FLOPs a step) with the baseline's, joined by straight lines: the share of the baseline's
+    tokens (all steps have as many) by which it first reaches the baseline's last value, and its
+    value at the training FLOPs the baseline spent, less the baseline's."""
+    if baseline not in curves:
+        return {}
+    their_steps, theirs, their_flops = curves[baseline]
+    sign = -1 if maximize else 1  # reaching a higher accuracy is coming down to its negative
+    found = {}
+    for variant, (steps, values, flops) in curves.items():
+        reached = crossing(steps, [sign * v for v in values], sign * theirs[-1])
+        at = value_at([s * flops for s in steps], values, their_steps[-1] * their_flops)
+        found[variant] = {"share of baseline tokens": "-" if reached is None else Decimals(reached / their_steps[-1], 3),
+                          "vs baseline at its FLOPs": "-" if at is None else f"{at - theirs[-1]:+.4f}"}
+    return found
+
+
 def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
     definition = study.definition
     maximize = definition.maximize
     done = _reported(study, trials)
-    rows, means, baseline = [], {}, None
+    rows, means, baseline, curves = [], {}, None, {}
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
         complete = [t for t in mine if t.state == TrialState.COMPLETE]
         cost = Cost(spec)
         steps = study.steps(variant)
+        flops_per_step = cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len
         row = {
             "variant": variant,
             "params": si(cost.params_total),
-            "train FLOPs": si(cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len * steps),
+            "train FLOPs": si(flops_per_step * steps),
             f"KV MiB @ {tokens_label(definition.report_seq_len)}": round(cost.cache_bytes(definition.report_seq_len).total / MIB, 2),
             "steps": steps,
         }
@@ -80,15 +106,18 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
             mean = means[variant] = statistics.mean(values)
             row.update({metric: Decimals(mean, 4), "spread (sd)": Decimals(statistics.stdev(values), 4) if len(values) > 1 else "-",
                         "seeds": len(values), "best lr": lr})
+            curves[variant] = (*_curve(best), flops_per_step)
             if variant == definition.baseline:
                 baseline = mean
         else:
             row.update({metric: "-", "spread (sd)": "-", "seeds": 0, "best lr": "-"})
         row["pruned/failed"] = f"{sum(t.state == TrialState.PRUNED for t in mine)}/{sum(t.state == TrialState.FAIL for t in mine)}"
         rows.append(row)
+    against = _against_baseline(curves, definition.baseline, maximize)
     for row in rows:
         mean = means.get(row["variant"])
         row["vs baseline"] = f"{mean - baseline:+.4f}" if baseline is not None and mean is not None else "-"
+        row.update(against.get(row["variant"], {"share of baseline tokens": "-", "vs baseline at its FLOPs": "-"}))
     return rows
 
 
@@ -161,8 +190,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         if not complete:
             continue
         _, best = _chosen(complete, maximize, study.definition.sampler)
-        steps = sorted(set.intersection(*(set(t.intermediate_values) for t in best)))
-        mean = [statistics.mean(t.intermediate_values[s] for t in best) for s in steps]
+        steps, mean = _curve(best)
         per_step = best[0].user_attrs["flops_per_step"]
         figures["curves"][1].plot(steps, mean, marker="o", label=variant)
         figures["loss_vs_flops"][1].plot([s * per_step for s in steps], mean, marker="o", label=variant)

@@ -36,7 +36,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.spec import describe_differences
-from archlab.study.definition import Study
+from archlab.study.definition import Study, as_recorded_now
+from archlab.train.config import EXAMPLES
 from archlab.train.data import prepare
 from archlab.train.trainer import Trainer
 
@@ -82,7 +83,7 @@ def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
         if trial.state is TrialState.WAITING or key not in planned:
             continue
         kept = trial.user_attrs
-        recorded = kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept})
+        recorded = as_recorded_now(kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept}))
         current = study.setup(key[0], key[2])
         if differences := describe_differences(recorded, {name: current.get(name) for name in recorded}):
             changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {'; '.join(differences[:3])}"
@@ -355,7 +356,8 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
         update={
             "seed": seed,
             "optimizer": cfg.optimizer.model_copy(update={"lr": lr}),
-            "data": cfg.data.model_copy(update={"cache": str(out.resolve())}),
+            # a corpus tokenized once for every trial; examples are tokenized at each start, into no cache
+            "data": cfg.data.model_copy(update={"cache": None if Path(cfg.data.source).suffix == EXAMPLES else str(out.resolve())}),
         }
     )
     trial.set_user_attr("steps", steps)

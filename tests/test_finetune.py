@@ -216,3 +216,36 @@ def test_examples_are_not_cached(cli, examples, tmp_path):
                       "data.cache", "examples are tokenized at each start, into no cache; drop data.cache")
     with pytest.raises(DataError, match="no such file"):
         prepare(Data(source=str(tmp_path / "none.jsonl")), 256, 32, 0, tmp_path)
+
+
+def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, tmp_path):
+    """A study whose training config names ``init`` and examples: every trial starts from that
+    run's weights and reads the examples with its tokenizer, in a folder of its own."""
+    import optuna
+
+    def study(source):
+        definition = {"schema_version": 1, "name": "tune", "baseline": "transformer", "variants": {"transformer": {"spec": "transformer.yaml"}},
+                      "seeds": [0], "lr": {"low": 0.001, "high": 0.002, "points": 2},
+                      "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
+                          "steps": 2, "batch_size": 4, "micro_batch_size": 4, "seq_len": 64, "eval_interval": 2, "eval_batches": 1,
+                          "log_interval": 1, "checkpoint_interval": 1000, "keep_checkpoints": 1, "init": str(pretrained),
+                          "data": {"source": str(source)}}}}}
+        path = tmp_path / "tune.yaml"
+        path.write_text(yaml.safe_dump(definition))
+        return path
+
+    bad = write_examples(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}])
+    code, _, stderr = cli("study", "run", study(bad), "--out", tmp_path / "bad")
+    assert code == 1 and "holds 1 example(s)" in stderr and "Traceback" not in stderr, stderr
+    out = tmp_path / "out"
+    code, stdout, stderr = cli("study", "run", study(examples), "--out", out)
+    assert code in (0, None), stderr
+    trials = optuna.load_study(study_name="tune-tiny", storage=f"sqlite:///{out / 'optuna.db'}").get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
+    folders = sorted((out / "trials").glob("*/*"))
+    assert len(folders) == 2 and not (out / "tokenizer.json").exists()
+    for folder in folders:
+        cfg = load_config(str(folder / "config.yaml"))
+        assert (cfg.init, cfg.data.cache) == (str(pretrained / "checkpoints/step-00000004"), None)
+        assert (folder / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()
+        assert "eval_acc" in (folder / "metrics.jsonl").read_text()

@@ -38,7 +38,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from archlab.spec import describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train.config import EXAMPLES
-from archlab.train.data import prepare
+from archlab.train.data import prepare, read_examples
 from archlab.train.trainer import Trainer
 
 
@@ -298,7 +298,10 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
         cfg = study.config
         vocab = next(iter(study.specs.values())).vocab_size
-        prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+        if Path(cfg.data.source).suffix == EXAMPLES:  # each trial tokenizes them (with its starting run's tokenizer)
+            read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
+        else:
+            prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
 

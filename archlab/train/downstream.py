@@ -91,9 +91,6 @@ class ArchlabLM(TemplateLM):
         return out
 
 
-AVERAGED = ("acc_norm", "acc")  # of a task's metrics, the one its average takes: the first of these it reports
-
-
 def _scores(results: dict) -> list[tuple[str, str, float, float | None]]:
     """(task, metric, value, standard error) for each task and metric of lm-evaluation-harness's results."""
     found = []

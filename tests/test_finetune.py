@@ -249,3 +249,51 @@ def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, t
         assert (cfg.init, cfg.data.cache) == (str(pretrained / "checkpoints/step-00000004"), None)
         assert (folder / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()
         assert "eval_acc" in (folder / "metrics.jsonl").read_text()
+
+
+def test_a_steps_loss_is_the_mean_over_the_responses_of_the_whole_batch(pretrained, examples, tmp_path):
+    """Windows of packed examples count unequal numbers of response tokens: however the batch is
+    split into passes, a step's loss is the mean over all of them, and so is its gradient."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from archlab.spec import load_spec
+    from archlab.train.config import TrainConfig
+    from archlab.train.trainer import Trainer
+
+    def first_step(micro: int):
+        cfg = TrainConfig.model_validate({"batch_size": 8, "micro_batch_size": micro, "seq_len": 32, "log_interval": 1, "eval_interval": 100,
+                                          "checkpoint_interval": 1, "init": str(pretrained), "data": {"source": str(examples)}})
+        run = tmp_path / f"micro{micro}"
+        (record,) = Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, run, Console(quiet=True)).fit(1)
+        return record["loss"], load_file(run / "checkpoints/step-00000001/model.safetensors"), run
+
+    whole, after, run = first_step(8)
+    split, after_split, _ = first_step(2)
+    _, model, _, _ = load_trained(pretrained)
+    batch = prepare(load_config(str(run / "config.yaml")).data, 256, 32, 0, run, resume=True).batch("train", 0, 8)
+    counted = [int(row.sum()) for row in batch.mask.view(4, -1)]
+    assert len(set(counted)) > 1  # the passes of two sequences count unequal numbers of tokens
+    with torch.no_grad():
+        wanted = F.cross_entropy(model(batch.inputs).flatten(0, 1), batch.counted_targets().flatten(), ignore_index=-100).item()
+    assert whole == pytest.approx(wanted, rel=1e-5) and split == pytest.approx(wanted, rel=1e-5)
+    assert all(torch.allclose(after[name], after_split[name], rtol=1e-4, atol=1e-6) for name in after)
+
+
+def test_two_processes_fine_tune_as_one_does(cli, pretrained, examples, tmp_path):
+    """Under torchrun each process counts the response tokens of its share: the step's loss and
+    gradient are still the mean over the whole batch's."""
+    import os
+    import subprocess
+    import sys
+
+    common = ["--init", str(pretrained), "--data", str(examples), "--set", "seq_len=32", "--set", "batch_size=8", "--set",
+              "micro_batch_size=2", "--set", "log_interval=1", "--set", "eval_interval=1000", "--steps", "3"]
+    one = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "one", *common)
+    assert one[0] == 0, one[2]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "archlab", "train",
+                          "specs/tiny/transformer.yaml", "--out", str(tmp_path / "two"), *common],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr
+    a, b = ([json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("one", "two"))
+    assert len(a) == 3 and b == pytest.approx(a, rel=1e-4)

@@ -75,10 +75,12 @@ class World:
         return self.rank == 0
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.total(value) / self.size if self.size > 1 else value
+
+    def total(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             value = value.clone()
             dist.all_reduce(value)
-            value /= self.size
         return value
 
     def barrier(self) -> None:
@@ -512,19 +514,33 @@ class Trainer:
                 progress.update(task, completed=done, status=status_line(record))
         return records
 
+    def _token_weights(self, parts: list[Batch]) -> list[float]:
+        """What each pass's mean loss is weighed by, so that a step's loss is the mean over every
+        counted token of the global batch, however it is split into passes and processes: its
+        share of those tokens times the number of passes. Where every pass counts as many tokens
+        (text, recall tasks) each is exactly 1.0, and the loss is computed as it always was;
+        examples' responses fill passes unevenly."""
+        if all(part.mask is None for part in parts):
+            return [1.0] * len(parts)
+        counted = [int(part.mask.sum()) for part in parts]
+        everywhere = int(self.world.total(torch.tensor(sum(counted), device=self.device)))
+        return [c * len(parts) * self.world.size / max(everywhere, 1) for c in counted]
+
     def _step(self, step: int, steps: int, data: DataSource, model: torch.nn.Module) -> dict:
         cfg = self.cfg
         lr = cfg.optimizer.lr * lr_factor(step, steps, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         batch = data.batch("train", step, cfg.batch_size, self.world.rank, self.world.size)
+        parts = micro_batches(batch, cfg.micro_batch_size)
+        weights = self._token_weights(parts)
         total = torch.zeros((), device=self.device)
-        for i, part in enumerate(micro_batches(batch, cfg.micro_batch_size)):
+        for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
             with sync, self.autocast:
                 loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
-                ((loss + aux) / self.accumulation).backward()
-            total += loss.detach() / self.accumulation
+                ((loss * weight + aux) / self.accumulation).backward()
+            total += loss.detach() * weight / self.accumulation
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf")).item()
         loss = self.world.mean(total).item()
         if math.isfinite(loss) and math.isfinite(grad_norm):  # clipping leaves a NaN gradient NaN

@@ -162,9 +162,16 @@ def refused_unwritten(cli, out, args, *fragments):
 
 
 def test_starting_weights_that_do_not_fit_are_refused(cli, pretrained, tmp_path):
-    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/yoco-u.yaml", "--init", pretrained], "does not fit this model")
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/yoco-u.yaml", "--init", pretrained], "does not fit this model",
+                      f"fine-tuning needs a spec whose weights are those of the run it starts from, shape for shape ({pretrained / 'spec.yaml'}")
     refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", tmp_path],
                       f"{tmp_path} is not a training run with a checkpoint")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(pretrained, damaged)
+    (damaged / "checkpoints/step-00000004/model.safetensors").write_bytes(b"\0" * 64)
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", damaged],
+                      f"checkpoint {damaged / 'checkpoints/step-00000004'} is damaged")
+    assert "fine-tuning needs" not in cli("train", "specs/tiny/transformer.yaml", "--init", damaged, "--out", tmp_path / "run")[2]
 
 
 def test_another_tokenizer_than_the_starting_runs_is_refused(cli, pretrained, examples, tmp_path):

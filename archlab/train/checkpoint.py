@@ -29,6 +29,10 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used, said in words."""
 
 
+class WeightsDoNotFit(CheckpointError):
+    """A checkpoint whose weights are another model's (other names, shapes or dtypes)."""
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first: folders named as ``save`` names them, and nothing else
     (a copy a user put beside them is neither resumed from nor removed)."""
@@ -90,10 +94,10 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
     for index, kind in enumerate(("dtype", "shape")):
         wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]
         if wrong:
-            raise CheckpointError(f"checkpoint {path} does not fit this model (weights of another {kind}: {sorted(wrong)[:3]})")
+            raise WeightsDoNotFit(f"checkpoint {path} does not fit this model (weights of another {kind}: {sorted(wrong)[:3]})")
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if missing or unexpected:
-        raise CheckpointError(
+        raise WeightsDoNotFit(
             f"checkpoint {path} does not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})"
         )
 

@@ -232,7 +232,11 @@ class Trainer:
         checkpoint folder itself, and text is read with that run's tokenizer, the one its
         embeddings learned."""
         run_dir, used = checkpoint.resolve(init)
-        checkpoint.load_weights(used, self.model)
+        try:
+            checkpoint.load_weights(used, self.model)
+        except checkpoint.WeightsDoNotFit as exc:
+            raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
+                                             f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None
         data = self.cfg.data
         if tokenized(data.source):
             theirs = checkpoint.tokenizer_of(run_dir)

@@ -150,7 +150,8 @@ class RecallTask:
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_files() -> list[Path]:
+def stdlib_files() -> list[Path]:
+    """The files of the ``stdlib`` corpus, in the order it reads them."""
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
     return sorted(p for p in STDLIB.rglob("*.py") if not skip & set(p.relative_to(STDLIB).parts))
 
@@ -163,7 +164,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
     looked_for = ""  # which files of a folder are read, said when none held text
     root = None  # a folder's files are named from it
     if source == "stdlib":
-        files, root = _stdlib_files(), STDLIB
+        files, root = stdlib_files(), STDLIB
     elif source.startswith("hf:"):
         return _hf_texts(source[3:], max_bytes, text_field)
     else:

@@ -16,7 +16,7 @@ import ast
 import json
 import textwrap
 
-from archlab.train.data import _stdlib_files
+from archlab.train.data import stdlib_files
 
 
 def examples(source: str, longest: int) -> list[dict]:
@@ -43,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     read, written = 0, 0
     with open(args.out, "w", encoding="utf-8") as out:
-        for file in _stdlib_files():
+        for file in stdlib_files():
             try:
                 source = file.read_text(encoding="utf-8")
             except (UnicodeDecodeError, OSError):

@@ -113,8 +113,9 @@ def test_fine_tuning_starts_from_the_runs_weights_and_counts_the_responses(cli, 
 
     _, model, _, _ = load_trained(pretrained)
     data = prepare(cfg.data, 256, 64, cfg.seed, run, resume=True)
-    read_whole = tokens_of(cfg.data, 256, run / "tokenizer.json")  # as `evaluate --data` reads examples
+    read_whole, counted = tokens_of(cfg.data, 256, run / "tokenizer.json")  # as `evaluate --data` reads examples
     assert np.array_equal(read_whole, np.concatenate([data.splits["train"], data.splits["val"]]))
+    assert np.array_equal(counted, np.concatenate([data.masks["train"], data.masks["val"]]))
     batch = data.batch("train", 0, 4)
     with torch.no_grad():
         logits = model(batch.inputs)
@@ -304,3 +305,46 @@ def test_two_processes_fine_tune_as_one_does(cli, pretrained, examples, tmp_path
     assert two.returncode == 0, two.stderr
     a, b = ([json.loads(line)["loss"] for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("one", "two"))
     assert len(a) == 3 and b == pytest.approx(a, rel=1e-4)
+
+
+def test_evaluate_scores_the_responses_among_the_last_tokens_of_examples(cli, pretrained, examples, tmp_path):
+    """An examples run's windows count their responses only, among the last tokens, as training does."""
+    from archlab.train.evaluate import Loaded, evaluate, windows
+
+    positions, counted = np.arange(500), np.random.default_rng(1).random(500) < 0.4
+    (window,) = windows(positions, [40], 6, counted=counted).values()  # tokens that are their own positions
+    assert torch.equal(window.mask, torch.from_numpy(counted[window.targets.numpy()]))
+
+    run = tmp_path / "tuned"
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", examples, "--steps", "1",
+                          "--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4", "--set", "data.val_fraction=0.3")
+    assert code == 0, stderr
+    found = evaluate(run, [32, 64], 16, 4, torch.device("cpu"))
+    _, model, _, _ = load_trained(run)
+    for result, (length, batch) in zip(found, Loaded.of(run).sequences([32, 64], 4).items(), strict=True):
+        targets = batch.targets.masked_fill(~batch.mask, -100)
+        targets[:, :-16] = -100
+        with torch.no_grad():
+            wanted = F.cross_entropy(model(batch.inputs).flatten(0, 1), targets.flatten(), ignore_index=-100)
+        assert result.length == length and result.scored == int((targets != -100).sum()) < 4 * 16
+        assert result.loss == pytest.approx(wanted.item(), rel=1e-5)
+
+    short, long = {"prompt": "a", "response": "b" * 10}, {"prompt": "x = 1\n" * 10, "response": "y"}
+    prompts = write_examples(tmp_path / "prompts.jsonl", [short] * 6 + [long] + [short] * 3)  # held out: the last 4
+    run = tmp_path / "prompts"
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", prompts, "--steps", "1",
+                          "--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4", "--set", "data.val_fraction=0.4")
+    assert code == 0, stderr
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "1", "--sequences", "1")  # its window ends in the prompt
+    assert code == 1 and "no response token is among the last 1 of the 32-token windows" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_an_evaluation_with_no_response_token_says_so(cli, tmp_path):
+    """Two examples whose prompts are long and responses empty: the held-out windows drawn miss its one counted token."""
+    sparse = write_examples(tmp_path / "sparse.jsonl", [{"prompt": "x = 1\n" * 40, "response": ""}] * 2)
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", sparse, "--steps", "2", *SMALL,
+                          "--set", "data.val_fraction=0.4")
+    said = " ".join(stderr.split())
+    assert code == 1 and "Traceback" not in stderr and "nan" not in said, stderr
+    assert "the evaluation's 2 batches held no token that counts (the responses of 2 examples of" in said
+    assert "hold out more (data.val_fraction) or raise eval_batches" in said

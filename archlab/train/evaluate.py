@@ -29,10 +29,12 @@ class EvaluationError(Exception):
     """What cannot be evaluated as asked, said in words."""
 
 
-def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = "the held-out split") -> dict[int, Batch]:
+def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = "the held-out split",
+            counted: np.ndarray | None = None) -> dict[int, Batch]:
     """For each length L, ``sequences`` windows of L input tokens and their next tokens, ending at
     the same positions for every length: evenly spread over ``tokens`` as far as the longest allows
-    (fewer where the split has fewer distinct places to end)."""
+    (fewer where the split has fewer distinct places to end). With ``counted`` (beside the tokens:
+    the responses of examples), the windows' targets count where it says."""
     longest = max(lengths)
     if len(tokens) < longest + 1:
         raise EvaluationError(f"{what} has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
@@ -42,7 +44,8 @@ def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = 
     found = {}
     for length in lengths:
         rows = torch.from_numpy(np.stack([np.asarray(tokens[end - length : end + 1], dtype=np.int64) for end in ends]))
-        found[length] = Batch(rows[:, :-1], rows[:, 1:])
+        mask = None if counted is None else torch.from_numpy(np.stack([counted[end - length + 1 : end + 1] for end in ends]))
+        found[length] = Batch(rows[:, :-1], rows[:, 1:], mask)
     return found
 
 
@@ -95,17 +98,22 @@ class Loaded:
         if self.recall:
             vocab, seed = self.model.spec.vocab_size, self.config.seed
             return {n: RecallTask(self.source, vocab, n, seed).batch("val", 0, sequences) for n in lengths}
-        tokens, what = self.tokens()
-        return windows(tokens, lengths, sequences, what)
+        tokens, counted, what = self.stream()
+        return windows(tokens, lengths, sequences, what, counted)
 
     def tokens(self) -> tuple[np.ndarray, str]:
         """The held-out split's tokens (or all of ``data``'s, read with the run's tokenizer), and
         what they are, in words."""
+        tokens, _, what = self.stream()
+        return tokens, what
+
+    def stream(self) -> tuple[np.ndarray, np.ndarray | None, str]:
+        """``tokens``, with which of them count (of examples, their responses; None: every one)."""
         cfg, vocab = self.config, self.model.spec.vocab_size
         if self.data is None:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
-            return held_out.splits["val"], "the held-out split"
-        return tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
+            return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
+        return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 
     def on(self, device: torch.device):
         """The model on ``device`` in eval mode, and the precision to score in (bf16 on CUDA, as it trained)."""
@@ -132,6 +140,9 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
             totals = sum(position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
                          for i in range(0, len(windows.inputs), batch))
             lost, correct, counted = totals.tolist()
+            if not counted:
+                raise EvaluationError(f"no response token is among the last {last:,} of the {length:,}-token windows; give a longer"
+                                      " --last (or more --sequences)")
             found.append(Evaluated(length, len(windows.inputs), int(counted), lost / counted,
                                    correct / counted if loaded.recall else None))
     return found
@@ -157,10 +168,10 @@ def continuation_scores(model: Model, sequences: list[list[int]], scored: list[i
 
 
 def _last_only(batch: Batch, last: int) -> Batch:
-    """The batch with only its last ``last`` positions counted."""
+    """The batch with only its last ``last`` positions counted (of those it counts)."""
     mask = torch.zeros_like(batch.targets, dtype=torch.bool)
     mask[:, -last:] = True
-    return Batch(batch.inputs, batch.targets, mask)
+    return Batch(batch.inputs, batch.targets, mask if batch.mask is None else mask & batch.mask)
 
 
 def plot(rows: list[dict], path: Path) -> None:

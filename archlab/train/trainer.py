@@ -414,6 +414,9 @@ class Trainer:
                     totals += scores(hidden, self.model.head.weight, part.counted_targets().flatten().to(self.device))
         totals = self.world.mean(totals)
         self.model.train()
+        if not totals[2]:  # a loss of 0/0 would read as a diverged run
+            raise TrainError(f"the evaluation's {self.cfg.eval_batches} batches held no token that counts (the responses of"
+                             f" {data.describe}); hold out more (data.val_fraction) or raise eval_batches")
         loss = (totals[0] / totals[2]).item()
         record = {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
         if data.reports_accuracy:

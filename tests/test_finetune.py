@@ -231,17 +231,20 @@ def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, t
     run's weights and reads the examples with its tokenizer, in a folder of its own."""
     import optuna
 
-    def study(source):
+    def study(source, init=pretrained):
         definition = {"schema_version": 1, "name": "tune", "baseline": "transformer", "variants": {"transformer": {"spec": "transformer.yaml"}},
                       "seeds": [0], "lr": {"low": 0.001, "high": 0.002, "points": 2},
                       "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
                           "steps": 2, "batch_size": 4, "micro_batch_size": 4, "seq_len": 64, "eval_interval": 2, "eval_batches": 1,
-                          "log_interval": 1, "checkpoint_interval": 1000, "keep_checkpoints": 1, "init": str(pretrained),
+                          "log_interval": 1, "checkpoint_interval": 1000, "keep_checkpoints": 1, "init": str(init),
                           "data": {"source": str(source)}}}}}
         path = tmp_path / "tune.yaml"
         path.write_text(yaml.safe_dump(definition))
         return path
 
+    code, _, stderr = cli("study", "run", study(examples, init=tmp_path / "nowhere"), "--out", tmp_path / "lost")
+    said = " ".join(stderr.split())
+    assert code == 1 and "scales.tiny.train.init" in said and f"{tmp_path / 'nowhere'} is not a training run" in said, stderr
     bad = write_examples(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}])
     code, _, stderr = cli("study", "run", study(bad), "--out", tmp_path / "bad")
     assert code == 1 and "holds 1 example(s)" in stderr and "Traceback" not in stderr, stderr

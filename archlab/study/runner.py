@@ -35,8 +35,10 @@ from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from archlab.spec import describe_differences
+from archlab.block import Problem
+from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
+from archlab.train import checkpoint
 from archlab.train.config import EXAMPLES
 from archlab.train.data import prepare, read_examples
 from archlab.train.trainer import Trainer
@@ -298,6 +300,11 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
         cfg = study.config
         vocab = next(iter(study.specs.values())).vocab_size
+        if cfg.init:  # every trial starts from it: a run that is not there fails them all
+            try:
+                checkpoint.resolve(cfg.init)
+            except checkpoint.CheckpointError as exc:
+                raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
         if Path(cfg.data.source).suffix == EXAMPLES:  # each trial tokenizes them (with its starting run's tokenizer)
             read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
         else:

@@ -619,7 +619,7 @@ def curves(
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
     logged losses, the best evaluation and tokens/s; against a --baseline, the tokens each takes
     to reach its loss and the loss each has at its FLOPs; with --plot, their loss curves."""
-    from archlab.train.curves import Run, RunError, plot, trained_with
+    from archlab.train.curves import Run, RunError, plot, started_from, trained_with
 
     if plot_path is not None:
         _check_plot_path(plot_path)
@@ -634,7 +634,7 @@ def curves(
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(render(rows, fmt))
-    for line in trained_with(read):
+    for line in trained_with(read) + started_from(read):
         err.print(line, markup=False, highlight=False)
     if plot_path is not None:
         err.print(f"plot written to {plot_path}", markup=False)

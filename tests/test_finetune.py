@@ -134,6 +134,10 @@ def test_fine_tuning_starts_from_the_runs_weights_and_counts_the_responses(cli, 
 
     code, stdout, stderr = cli("generate", run, "--prompt", "def f(x):\n", "--max-new-tokens", "8")
     assert code == 0, stderr
+    code, _, stderr = cli("curves", pretrained, run)
+    said = " ".join(stderr.split())
+    assert code in (0, None) and f"- tuned was fine-tuned from {started}: its steps, tokens and FLOPs count from there" in said, stderr
+    assert "- run was fine-tuned" not in said  # the starting run itself was not
 
 
 def test_a_different_spec_whose_weights_fit_is_said(cli, pretrained, tmp_path):

@@ -171,6 +171,23 @@ def trained_with(runs: list[Run]) -> list[str]:
     return setting_lines(by_setting, "run")
 
 
+def started_from(runs: list[Run]) -> list[str]:
+    """A line for each run fine-tuned from another (``init``): its steps, tokens and FLOPs count
+    from its own start, not the starting run's."""
+    from archlab.spec import SpecError
+    from archlab.train.config import load_config
+
+    lines = []
+    for run in runs:
+        try:
+            init = load_config(str(run.folder / "config.yaml")).init if (run.folder / "config.yaml").is_file() else None
+        except SpecError:  # a config that does not read says nothing of where the run started
+            init = None
+        if init:
+            lines.append(f"- {run.label} was fine-tuned from {init}: its steps, tokens and FLOPs count from there")
+    return lines
+
+
 def _decimals(value: float | None) -> Decimals | None:
     return None if value is None else Decimals(value, 4)
 

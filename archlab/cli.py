@@ -801,12 +801,8 @@ def downstream(
         raise typer.Exit(1) from None
     from archlab.train.evaluate import EvaluationError, Loaded
 
-    names = [name.strip() for name in tasks.split(",") if name.strip()]
-    if not names:
-        raise typer.BadParameter(f"--tasks {tasks!r} names no task; give names such as arc_easy,hellaswag")
-    preferred = [name.strip() for name in averaged.split(",") if name.strip()]
-    if not preferred:
-        raise typer.BadParameter(f"--average {averaged!r} names no metric; give names such as acc_norm,acc")
+    names = _named("--tasks", tasks, "task", "arc_easy,hellaswag")
+    preferred = _named("--average", averaged, "metric", "acc_norm,acc")
     own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
     if own is None or any(name not in own.all_tasks for name in names):  # indexing the harness's own tasks takes seconds
         manager = TaskManager(include_path=str(include_path) if include_path else None)
@@ -836,6 +832,14 @@ def downstream(
 
     rows = [row for found in _each_trained_run(runs, None, None, score).values() for row in found]
     sys.stdout.write(render(rows, fmt))
+
+
+def _named(option: str, given: str, what: str, example: str) -> list[str]:
+    """The names a comma-separated option gives; none is refused before any work."""
+    names = [name.strip() for name in given.split(",") if name.strip()]
+    if not names:
+        raise typer.BadParameter(f"{option} {given!r} names no {what}; give names such as {example}")
+    return names
 
 
 def _kept_of(out: Path, memory: bool = False) -> str:

@@ -15,7 +15,7 @@ from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
 from archlab.study.runner import latest, planned_as, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
-from archlab.train.curves import crossing, value_at
+from archlab.train.curves import compared
 
 
 def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
@@ -71,11 +71,9 @@ def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], b
     if baseline not in curves:
         return {}
     their_steps, theirs, their_flops = curves[baseline]
-    sign = -1 if maximize else 1  # reaching a higher accuracy is coming down to its negative
     found = {}
-    for variant, (steps, values, flops) in curves.items():
-        reached = crossing(steps, [sign * v for v in values], sign * theirs[-1])
-        at = value_at([s * flops for s in steps], values, their_steps[-1] * their_flops)
+    for variant, (steps, values, flops) in curves.items():  # steps stand for tokens: every step has as many
+        reached, at = compared(steps, [s * flops for s in steps], values, theirs[-1], their_steps[-1] * their_flops, maximize)
         found[variant] = {"share of baseline tokens": "-" if reached is None else Decimals(reached / their_steps[-1], 3),
                           "vs baseline at its FLOPs": "-" if at is None else f"{at - theirs[-1]:+.4f}"}
     return found

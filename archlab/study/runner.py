@@ -39,7 +39,7 @@ from archlab.block import Problem
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
-from archlab.train.config import EXAMPLES
+from archlab.train.config import holds_examples
 from archlab.train.data import prepare, read_examples
 from archlab.train.trainer import Trainer
 
@@ -305,7 +305,7 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 checkpoint.resolve(cfg.init)
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
-        if Path(cfg.data.source).suffix == EXAMPLES:  # each trial tokenizes them (with its starting run's tokenizer)
+        if holds_examples(cfg.data.source):  # each trial tokenizes them (with its starting run's tokenizer)
             read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
         else:
             prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
@@ -367,7 +367,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
             "seed": seed,
             "optimizer": cfg.optimizer.model_copy(update={"lr": lr}),
             # a corpus tokenized once for every trial; examples are tokenized at each start, into no cache
-            "data": cfg.data.model_copy(update={"cache": None if Path(cfg.data.source).suffix == EXAMPLES else str(out.resolve())}),
+            "data": cfg.data.model_copy(update={"cache": None if holds_examples(cfg.data.source) else str(out.resolve())}),
         }
     )
     trial.set_user_attr("steps", steps)

@@ -73,6 +73,11 @@ def tokenized(source: str) -> bool:
     return source not in SYNTHETIC and Path(source).suffix not in TOKEN_FILES
 
 
+def holds_examples(source: str) -> bool:
+    """Whether a data source is a file of prompt/response examples."""
+    return Path(source).suffix == EXAMPLES
+
+
 def anchored_source(source: str) -> str:
     """A data source as a run records it: a path made absolute, a named source (or hf:NAME) as it is."""
     return source if source in NAMED_SOURCES or source.startswith("hf:") else os.path.abspath(source)
@@ -107,7 +112,7 @@ class TrainConfig(Strict):
                 f"{self.micro_batch_size}{default} does not divide batch_size={self.batch_size}; the gradient is"
                 f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as {fits}"
             )
-        if self.data.cache and Path(self.data.source).suffix == EXAMPLES:
+        if self.data.cache and holds_examples(self.data.source):
             root.at("data").at("cache").add(f"{self.data.cache!r}: a {EXAMPLES} file's examples are tokenized at each start,"
                                             " into no cache; drop data.cache")
         return root.found

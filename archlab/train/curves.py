@@ -134,14 +134,23 @@ class Run:
         mine = self.evaluations
         losses = [r["eval_loss"] for r in mine]
         target, their_tokens = theirs[-1]["eval_loss"], baseline.x(theirs[-1:], Axis.tokens)[0]
-        tokens = crossing(self.x(mine, Axis.tokens), losses, target) if mine else None
-        at = value_at(self.x(mine, Axis.flops), losses, baseline.x(theirs[-1:], Axis.flops)[0]) if mine else None
+        their_flops = baseline.x(theirs[-1:], Axis.flops)[0]
+        tokens, at = compared(self.x(mine, Axis.tokens), self.x(mine, Axis.flops), losses, target, their_flops) if mine else (None, None)
         return {
             "tokens to baseline loss": None if tokens is None else round(tokens),
             "share of baseline tokens": None if tokens is None else Decimals(tokens / their_tokens, 3),
             "loss at baseline FLOPs": _decimals(at),
             "vs baseline": None if at is None else _decimals(at - target),
         }
+
+
+def compared(tokens: list[float], flops: list[float], values: list[float], target: float, their_flops: float,
+             higher_is_better: bool = False) -> tuple[float | None, float | None]:
+    """The paper's Figure 2 comparisons of a curve (its values at these tokens and training FLOPs,
+    joined by straight lines) with a baseline's last value ``target``: the tokens at which it
+    first reaches it, and its value at the training FLOPs the baseline spent."""
+    sign = -1 if higher_is_better else 1  # reaching a higher accuracy is coming down to its negative
+    return crossing(tokens, [sign * v for v in values], sign * target), value_at(flops, values, their_flops)
 
 
 def crossing(xs: list[float], ys: list[float], target: float) -> float | None:

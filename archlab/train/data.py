@@ -21,7 +21,7 @@ import torch
 
 from archlab.files import write_text_whole, write_whole
 from archlab.loss import IGNORE
-from archlab.train.config import EXAMPLES, SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source
+from archlab.train.config import SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source, holds_examples
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -449,7 +449,7 @@ def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> tuple[np.nd
     if tokenizer is None:
         raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
                         " token ids or a recall task); give a token file")
-    if path.suffix == EXAMPLES:  # the examples as a run trained on them reads them
+    if holds_examples(cfg.source):  # the examples as a run trained on them reads them
         ids, counted = _example_tokens(read_examples(cfg.source, cfg.max_bytes), load_tokenizer(str(tokenizer), vocab_size))
         return np.concatenate(ids), np.concatenate(counted)
     return _encoded(cfg.source, read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field), load_tokenizer(str(tokenizer), vocab_size)), None
@@ -464,7 +464,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
-    if path.suffix == EXAMPLES:
+    if holds_examples(cfg.source):
         return _examples(cfg, vocab_size, seq_len, seed, data_dir, resume)
     if path.suffix in TOKEN_FILES and path.is_file():
         tokens = _token_file(path, cfg, vocab_size)

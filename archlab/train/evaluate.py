@@ -137,7 +137,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     found = []
     with torch.no_grad(), autocast:
         for length, windows in batches.items():
-            totals = sum(position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
+            totals = sum(_position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
                          for i in range(0, len(windows.inputs), batch))
             lost, correct, counted = totals.tolist()
             if not counted:
@@ -148,7 +148,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     return found
 
 
-def position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``loss.scores`` of the positions counted (targets not ``IGNORE``) alone: the head runs on
     the last tokens of a long window, not on all of it."""
     counted = targets != IGNORE

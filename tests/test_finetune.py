@@ -355,3 +355,101 @@ def test_an_evaluation_with_no_response_token_says_so(cli, tmp_path):
     assert code == 1 and "Traceback" not in stderr and "nan" not in said, stderr
     assert "the evaluation's 2 batches held no token that counts (the responses of 2 examples of" in said
     assert "hold out more (data.val_fraction) or raise eval_batches" in said
+
+
+def study_file(path, variants, seeds, points=1, steps=2, **train):
+    """A study of tiny specs on a little of the stdlib."""
+    definition = {"schema_version": 1, "name": path.stem, "baseline": "yoco", "variants": variants, "seeds": seeds,
+                  "lr": {"low": 0.001, "high": 0.004, "points": points},
+                  "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
+                      "steps": steps, "batch_size": 4, "micro_batch_size": 4, "seq_len": 32, "eval_interval": steps, "eval_batches": 1,
+                      "log_interval": 1, "checkpoint_interval": 1000, "keep_checkpoints": 1,
+                      "data": {"source": "stdlib", "max_bytes": 200_000}, **train}}}}
+    path.write_text(yaml.safe_dump(definition))
+    return path
+
+
+def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, tmp_path, monkeypatch):
+    """The paper's Figure 3 as a study: each variant's trial of each seed starts from the trial of
+    that variant and seed which the pretraining study's report chose (its best learning rate), and
+    reads text with that trial's tokenizer; trials recorded before they kept their folder are
+    found in the pretraining study's default folder."""
+    import sqlite3
+
+    import optuna
+
+    monkeypatch.chdir(tmp_path)  # the pretraining study in its default folder, runs/studies/pre-tiny
+    both = {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}}
+    pre = study_file(tmp_path / "pre.yaml", both, seeds=[0, 1], points=2, steps=4)
+    tuned = {name: {**variant, "init": {"study": "pre.yaml"}} for name, variant in both.items()}
+    tune = study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1])
+
+    code, _, stderr = cli("study", "run", tune, "--out", tmp_path / "early")
+    said = " ".join(stderr.split())
+    assert code == 1 and "starts from the trials of study pre-tiny, which is neither in" in said and "run it first" in said, stderr
+    code, _, stderr = cli("study", "run", pre)
+    assert code in (0, None), stderr
+    database = tmp_path / "runs/studies/pre-tiny/optuna.db"
+    with sqlite3.connect(database) as db:  # yoco-u's trials as recorded before trials kept their folder
+        db.execute("DELETE FROM trial_user_attributes WHERE key = 'run' AND trial_id IN"
+                   " (SELECT trial_id FROM trial_user_attributes WHERE key = 'variant' AND value_json = '\"yoco-u\"')")
+    code, _, stderr = cli("study", "run", study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 2]), "--out", tmp_path / "seedless")
+    said = " ".join(stderr.split())
+    assert code == 1 and "seed 2 starts from study pre-tiny's yoco trial of seed 2" in said and "completed seeds there: [0, 1]" in said, stderr
+
+    code, stdout, stderr = cli("study", "run", study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1]), "--out", tmp_path / "tuned")
+    assert code in (0, None), stderr
+    assert "`yoco-u` is fine-tuned from study `pre-tiny`'s `yoco-u`: each seed from its trial of that seed" in stdout
+    pretrained = optuna.load_study(study_name="pre-tiny", storage=f"sqlite:///{database}").get_trials()
+    finals = {}  # (variant, lr) -> final validation losses over the seeds
+    for trial in pretrained:
+        finals.setdefault((trial.user_attrs["variant"], trial.user_attrs["lr"]), []).append(trial.value)
+    folders = {path.name.split("-", 1)[1]: path for path in (tmp_path / "runs/studies/pre-tiny/trials").glob("*/*")}
+    runs = sorted((tmp_path / "tuned" / "trials").glob("*/*"))
+    assert len(runs) == 4
+    for run in runs:
+        cfg = load_config(str(run / "config.yaml"))
+        variant, seed = run.name.split("-", 1)[1].rsplit("-", 2)[:2]
+        best = min((lr for v, lr in finals if v == variant), key=lambda lr: np.mean(finals[variant, lr]))
+        slot = sorted(lr for v, lr in finals if v == variant).index(best)
+        started = folders[f"{variant}-{seed}-lr{slot}"]
+        assert cfg.init == str(started / "checkpoints/step-00000004"), run
+        assert (run / "tokenizer.json").read_text() == (started.parents[2] / "tokenizer.json").read_text()
+        assert cfg.data.cache is None and "eval_loss" in (run / "metrics.jsonl").read_text()
+
+
+def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
+    both = {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}}
+    study_file(tmp_path / "pre.yaml", {"yoco": {"spec": "yoco.yaml"}}, seeds=[0])
+    cases = {
+        "no-variant": ({**both, "yoco-u": {"spec": "yoco-u.yaml", "init": {"study": "pre.yaml"}}}, {},
+                       "variants.yoco-u.init): study: study pre has no variant 'yoco-u'; it has ['yoco']"),
+        "named": ({**both, "yoco-u": {"spec": "yoco-u.yaml", "init": {"study": "pre.yaml", "variant": "deeper"}}}, {},
+                  "variants.yoco-u.init): variant: study pre has no variant 'deeper'"),
+        "circle": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "circle.yaml"}}}, {},
+                   "starts from this study's trials, which start from it: a circle"),
+        "unknown": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "nothing-shipped"}}}, {},
+                    "no shipped study of that name"),
+        "both": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml"}}}, {"init": str(tmp_path)},
+                 f"variants.yoco.init: scales.tiny.train.init already starts every trial from {tmp_path}; give one or the other"),
+    }
+    for name, (variants, train, message) in cases.items():
+        code, _, stderr = cli("study", "run", study_file(tmp_path / f"{name}.yaml", variants, seeds=[0], **train), "--out", tmp_path / name)
+        said = " ".join(stderr.split())
+        assert code == 1 and message in said and "Traceback" not in said, (name, stderr)
+        assert not (tmp_path / name).exists(), name  # refused before anything was written
+
+
+def test_a_study_finds_the_study_it_starts_from_in_its_own_storage(cli, tmp_path):
+    """Studies sharing a storage (a server, or one SQLite file) find each other there, whatever
+    folders their trials trained in."""
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    pre = study_file(tmp_path / "pre.yaml", {"yoco": {"spec": "yoco.yaml"}}, seeds=[0])
+    code, _, stderr = cli("study", "run", pre, "--storage", storage, "--out", tmp_path / "pretrained")
+    assert code in (0, None), stderr
+    tune = study_file(tmp_path / "tune.yaml", {"yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml"}}}, seeds=[0])
+    code, _, stderr = cli("study", "run", tune, "--storage", storage, "--out", tmp_path / "tuned")
+    assert code in (0, None), stderr
+    [started] = (tmp_path / "pretrained" / "trials").glob("*/0000-yoco-s0-lr0")
+    [run] = (tmp_path / "tuned" / "trials").glob("*/*")
+    assert load_config(str(run / "config.yaml")).init == str(started / "checkpoints/step-00000002")

@@ -49,7 +49,11 @@ def test_shipped_studies_validate(name, scale):
 
 
 def test_the_shipped_studies_are_the_papers():
-    assert set(SHIPPED) == {"loop-position", "loop-count", "esa-kind", "architectures", "window"}
+    assert set(SHIPPED) == {"loop-position", "loop-count", "esa-kind", "architectures", "window", "finetune"}
+    finetune = load_study("finetune")  # Figure 3: each fine-tuned from its own pretraining
+    assert {v: (study.key, pretrained) for v, (study, pretrained) in finetune.pretraining.items()} == {
+        "yoco": ("architectures-tiny", "yoco"), "yoco-u": ("architectures-tiny", "yoco-u")}
+    assert all(finetune.specs[v] == load_study("architectures").specs[v] for v in finetune.specs)  # so that the weights fit
     positions = {v: s.loop.position for v, s in load_study("loop-position").specs.items()}
     assert positions == {"yoco": "none", "yoco-u": "lower", "upper-loop": "upper", "upper-loop-no-shared-kv": "upper", "deeper": "lower"}
     assert [s.loop.times for s in load_study("loop-count").specs.values()] == [1, 2, 3, 5]

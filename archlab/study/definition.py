@@ -17,17 +17,27 @@ from pydantic import Field, PositiveFloat, PositiveInt
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
 from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
-from archlab.train.config import SYNTHETIC, Seed, TrainConfig
+from archlab.train.config import SYNTHETIC, Seed, TrainConfig, holds_examples, tokenized
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
 FOLDER_NAME = re.compile(r"[A-Za-z0-9._-]+")  # of a study, scale or variant: they name folders and report cells
 MAX_POINTS = 1000  # learning rates per (variant, seed): far past any study, short of a grid that never finishes expanding
 
 
+class Pretrained(Strict):
+    """Where a variant's trials start from (fine-tuning, as the paper's Figure 3 compares YOCO and
+    YOCO-U pretrained alike): another study's trials of a variant at the same scale, each seed from
+    that study's trial of the same seed at the learning rate its report chose."""
+
+    study: str  # a study file (relative to this one) or the name of a shipped study
+    variant: str | None = None  # that study's variant; None: the one of this variant's name
+
+
 class Variant(Strict):
     spec: str  # a file in the scale's spec folder
     set: dict[str, Any] = {}  # dotted overrides, e.g. {"loop.times": 5, "layout.self_decoder.blocks.0.window": 8}
     scale_set: dict[str, dict[str, Any]] = {}  # overrides for one scale only, applied after ``set``
+    init: Pretrained | None = None
 
 
 class Scale(Strict):
@@ -118,7 +128,7 @@ class StudySpec(Strict):
 class Study:
     """A validated study at one scale: the specs and training configs of its variants."""
 
-    def __init__(self, definition: StudySpec, source: Path, scale: str, data: str | None = None):
+    def __init__(self, definition: StudySpec, source: Path, scale: str, data: str | None = None, within: tuple[Path, ...] = ()):
         if scale not in definition.scales:
             raise SpecError(str(source), [Problem("scales", f"no scale {scale!r}; this study has {sorted(definition.scales)}")])
         self.definition, self.source, self.scale = definition, source, scale
@@ -128,6 +138,8 @@ class Study:
         if data:
             self.config = self.config.model_copy(update={"data": self.config.data.model_copy(update={"source": data})})
         self.specs: dict[str, ModelSpec] = {name: self._variant(name, v) for name, v in definition.variants.items()}
+        self.pretraining: dict[str, tuple[Study, str]] = {  # variant -> (the study, its variant) its trials start from
+            name: self._pretraining(name, v.init, (*within, source.resolve())) for name, v in definition.variants.items() if v.init}
         if found := self.problems():
             raise SpecError(str(source), found)
 
@@ -145,7 +157,26 @@ class Study:
                 root.at("variants").at(name).add(
                     f"budget: flops gives it 0 steps: one of its steps costs more training FLOPs than the baseline's whole run"
                     f" (steps: {self.config.steps}); raise scales.{self.scale}.train.steps to at least {needed}")
+            if name in self.pretraining and self.config.init:
+                root.at("variants").at(name).at("init").add(
+                    f"scales.{self.scale}.train.init already starts every trial from {self.config.init}; give one or the other")
         return root.found
+
+    def _pretraining(self, name: str, init: Pretrained, within: tuple[Path, ...]) -> tuple[Study, str]:
+        """The study a variant's trials start from, at this scale, and its variant there."""
+        at = f"{self.source} (variants.{name}.init)"
+        try:
+            path = find_study(str(self.source.parent / init.study) if Path(init.study).suffix in YAML else init.study).resolve()
+            if path in within:
+                raise SpecError(at, [Problem("study", f"{init.study!r} starts from this study's trials, which start from it: a circle")])
+            pretraining = Study(validate_as(StudySpec, load_yaml(path), str(path)), path, self.scale, within=within)
+        except SpecError as exc:
+            raise exc if exc.source == at else SpecError(f"{exc.source}, which {at} starts from", exc.problems) from None
+        variant = init.variant or name
+        if variant not in pretraining.specs:
+            raise SpecError(at, [Problem("variant" if init.variant else "study",
+                                         f"study {pretraining.name} has no variant {variant!r}; it has {sorted(pretraining.specs)}")])
+        return pretraining, variant
 
     def _variant(self, name: str, variant: Variant) -> ModelSpec:
         path = self.spec_dir / variant.spec
@@ -165,6 +196,13 @@ class Study:
         return self.definition.name
 
     @property
+    def shares_corpus(self) -> bool:
+        """Whether the trials read one corpus tokenized once for all of them: not examples, tokenized
+        at each start, nor text read by trials that start from trained runs, each with its run's tokenizer."""
+        source = self.config.data.source
+        return not (holds_examples(source) or tokenized(source) and (self.config.init or self.pretraining))
+
+    @property
     def key(self) -> str:
         """The study's name in a storage, and its folder's: one per scale."""
         return f"{self.name}-{self.scale}"
@@ -177,13 +215,17 @@ class Study:
         """Everything a planned trial trains with besides its seed. It is recorded with the trial,
         because a result trained otherwise does not answer the study as it now stands."""
         lr = self.definition.lr
-        return {
+        setup = {
             "spec": self.specs[variant].model_dump(mode="json", exclude={"name", "description"}),
             "train": train_setup(self.config),
             "steps": self.steps(variant),
             "lr": lr.grid()[slot] if self.definition.sampler == "grid" else [lr.low, lr.high],
             "metric": self.definition.metric,
         }
+        if variant in self.pretraining:  # recorded only where set, so that setups recorded before it existed compare equal
+            study, pretrained = self.pretraining[variant]
+            setup["init"] = {"study": study.key, "variant": pretrained}
+        return setup
 
     def steps(self, variant: str) -> int:
         """Training steps of a variant: the config's, or those with the baseline's FLOPs."""
@@ -200,10 +242,13 @@ class Study:
         ]
 
 
+YAML = (".yaml", ".yml")
+
+
 def find_study(name_or_path: str) -> Path:
     """A study file, or the name of a shipped one (studies/NAME.yaml)."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix in YAML:
         return path
     shipped = STUDIES / f"{name_or_path}.yaml"
     if not shipped.is_file():

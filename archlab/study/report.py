@@ -13,36 +13,9 @@ from optuna.trial import TrialState
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
-from archlab.study.runner import latest, planned_as, settled, shown
+from archlab.study.runner import chosen, latest, learning_rate, planned_as, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
-
-
-def _lr(trial: optuna.trial.FrozenTrial) -> float | None:
-    """A trial's learning rate: its grid point, or the value TPE sampled (None before it runs)."""
-    return trial.user_attrs.get("lr", trial.params.get("lr"))
-
-
-def _chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
-    """The completed trials a variant's score is the mean of, and their learning rate. On a grid:
-    of the learning rates with the most seeds completed (a seed that failed or was pruned counts
-    against its rate, not for it), the one whose seeds score best on average. Under TPE, where
-    every draw differs: each seed's best draw (the best of as many draws for every variant, so
-    alike in its optimism)."""
-    choose = max if maximize else min
-    if sampler == "tpe":
-        by_seed: dict[int, list] = {}
-        for t in trials:
-            by_seed.setdefault(planned_as(t)[1], []).append(t)
-        best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
-        low, high = min(_lr(t) for t in best), max(_lr(t) for t in best)
-        return (f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"), best
-    by_lr: dict[float, list] = {}
-    for t in trials:
-        by_lr.setdefault(_lr(t), []).append(t)
-    sign = 1 if maximize else -1
-    lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
-    return f"{lr:.2g}", by_lr[lr]
 
 
 def _reported(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
@@ -99,7 +72,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
         }
         metric = "val loss" if not maximize else "accuracy"
         if complete:
-            lr, best = _chosen(complete, maximize, definition.sampler)
+            lr, best = chosen(complete, maximize, definition.sampler)
             values = [t.value for t in best]
             mean = means[variant] = statistics.mean(values)
             row.update({metric: Decimals(mean, 4), "spread (sd)": Decimals(statistics.stdev(values), 4) if len(values) > 1 else "-",
@@ -166,7 +139,7 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
             worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
             why = f"its worker{worker} stopped sending heartbeats{last}"
         grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it
-        lr, retry = _lr(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)
+        lr, retry = learning_rate(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)
         rows.append({"trial": t.number, "variant": variant, "seed": seed, "lr": f"{lr:.2g}" if lr else "-", "why": why.replace("|", "\\|"),
                      "retried as": f"trial {retry.number}, {retry.state.name.lower()}" if retry else "-"})
     return rows
@@ -187,7 +160,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
         if not complete:
             continue
-        _, best = _chosen(complete, maximize, study.definition.sampler)
+        _, best = chosen(complete, maximize, study.definition.sampler)
         steps, mean = _curve(best)
         per_step = best[0].user_attrs["flops_per_step"]
         figures["curves"][1].plot(steps, mean, marker="o", label=variant)
@@ -223,6 +196,8 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" seeds {definition.seeds}; lr {definition.sampler} of {definition.lr.points}"
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
+        *(f"- `{variant}` is fine-tuned from study `{pretraining.key}`'s `{pretrained}`: each seed from its trial of that seed,"
+          " at the learning rate its report chose" for variant, (pretraining, pretrained) in study.pretraining.items()),
         progress(study, trials),
         *settings(study, trials),
         f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",

@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import socket
+import statistics
 import time
 import warnings
 import zlib
@@ -40,7 +41,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import prepare, read_examples
+from archlab.train.data import prepare, read_examples, read_texts
 from archlab.train.trainer import Trainer
 
 
@@ -305,12 +306,57 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 checkpoint.resolve(cfg.init)
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
-        if holds_examples(cfg.data.source):  # each trial tokenizes them (with its starting run's tokenizer)
+        pretrained_runs(study, url)  # a trial whose starting run is missing would fail; the study stops now instead
+        if study.shares_corpus:
+            prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+        elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
             read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
         else:
-            prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+            read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)  # likewise a corpus that does not read
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
+
+
+def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], Path]:
+    """The checkpoint each (variant, seed) starts from where the variant names a study to start
+    from: that study's trial of the same seed at the learning rate its report chose. The study is
+    looked for in this one's storage (a server shared by studies), then in its own default folder."""
+    runs = {}
+    for variant, (pretraining, pretrained) in study.pretraining.items():
+        stored, where = _stored(pretraining, url, variant)
+        check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
+        planned = pretraining.planned()
+        complete = [t for key, t in settled(stored.get_trials(deepcopy=False)).items()
+                    if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
+        best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler)[1] if complete else []
+        by_seed = {planned_as(t)[1]: t for t in best}
+        for seed in study.definition.seeds:
+            if seed not in by_seed:
+                raise StorageError(
+                    f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
+                    f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
+                    f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {study.definition.seeds}")
+            trial = by_seed[seed]
+            folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
+                trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
+            try:
+                runs[variant, seed] = checkpoint.resolve(folder)[1]
+            except checkpoint.CheckpointError as exc:
+                raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
+    return runs
+
+
+def _stored(pretraining: Study, url: str, variant: str) -> tuple[optuna.Study, str]:
+    """A study another starts from, and the storage it is in: ``url``, else its default folder's."""
+    own = storage_url(default_dir(pretraining), None)
+    for where in dict.fromkeys((url, own)):
+        try:
+            return open_study(pretraining, where, create=False), where
+        except StorageError:
+            continue
+    raise StorageError(f"variant {variant} starts from the trials of study {pretraining.key}, which is neither in {shown(url)} nor in"
+                       f" {shown(own)}; run it first (archlab study run {pretraining.source} --scale {pretraining.scale}), on this"
+                       " --storage or in its default folder")
 
 
 def _lost_for_good(trial: optuna.trial.FrozenTrial) -> bool:
@@ -350,7 +396,13 @@ def trials_folder(out: Path, study_name: str, url: str) -> Path:
     return out / "trials" / f"{study_name}-{storage}"
 
 
-def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Path) -> float:
+def trial_folder(trials: Path, number: int, key: tuple) -> Path:
+    """Where trial ``number``, planned as (variant, seed, lr slot), trains."""
+    variant, seed, slot = key
+    return trials / f"{number:04d}-{variant}-s{seed}-lr{slot}"
+
+
+def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -> float:
     """Train a claimed trial as planned (variant, seed, lr slot); its final metric. The plan is
     read from the trial, not suggested from the study's lists, so that those lists may change."""
     definition, (variant, seed, slot) = study.definition, key
@@ -366,8 +418,8 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
         update={
             "seed": seed,
             "optimizer": cfg.optimizer.model_copy(update={"lr": lr}),
-            # a corpus tokenized once for every trial; examples are tokenized at each start, into no cache
-            "data": cfg.data.model_copy(update={"cache": None if holds_examples(cfg.data.source) else str(out.resolve())}),
+            "data": cfg.data.model_copy(update={"cache": str(out.resolve()) if study.shares_corpus else None}),
+            **({"init": str(pretrained_runs(study, url)[variant, seed])} if variant in study.pretraining else {}),
         }
     )
     trial.set_user_attr("steps", steps)
@@ -379,16 +431,18 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Pat
         if trial.should_prune():
             raise optuna.TrialPruned(f"pruned at step {step}")
 
-    trainer = Trainer(spec, cfg, trials / f"{trial.number:04d}-{variant}-s{seed}-lr{slot}", Console(quiet=True))
+    folder = trial_folder(trials_folder(out, trial.study.study_name, url), trial.number, key)
+    trial.set_user_attr("run", str(folder.resolve()))  # for the studies that start from it
+    trainer = Trainer(spec, cfg, folder, Console(quiet=True))
     trial.set_user_attr("flops_per_step", trainer.flops_per_step)
     trial.set_user_attr("environment", trainer.environment)
     return trainer.fit(steps, on_eval=on_eval)[-1][metric]
 
 
-def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, trials: Path) -> tuple[float | None, TrialState, str | None]:
+def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -> tuple[float | None, TrialState, str | None]:
     """How a trial ended: its value, state and, if it failed, why (a failure is a result too)."""
     try:
-        return _train(study, trial, key, out, trials), TrialState.COMPLETE, None
+        return _train(study, trial, key, out, url), TrialState.COMPLETE, None
     except optuna.TrialPruned:
         return None, TrialState.PRUNED, None
     except UpdateFinishedTrialError:  # not this worker's trial any more (run_trial)
@@ -406,7 +460,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
     with get_heartbeat_thread(trial_id, optuna_study._storage):
         try:
-            value, state, failure = _outcome(study, trial, key, out, trials_folder(out, optuna_study.study_name, url))
+            value, state, failure = _outcome(study, trial, key, out, url)
             if failure:
                 trial.set_user_attr("failure", failure)
             optuna_study.tell(trial, value, state=state, skip_if_finished=True)
@@ -431,6 +485,33 @@ def latest(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.F
 def settled(trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
     """The finished trial of each planned (variant, seed, slot)."""
     return {key: t for key, t in latest(trials).items() if t.state.is_finished()}
+
+
+def learning_rate(trial: optuna.trial.FrozenTrial) -> float | None:
+    """A trial's learning rate: its grid point, or the value TPE sampled (None before it runs)."""
+    return trial.user_attrs.get("lr", trial.params.get("lr"))
+
+
+def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
+    """The completed trials a variant's score is the mean of, and their learning rate. On a grid:
+    of the learning rates with the most seeds completed (a seed that failed or was pruned counts
+    against its rate, not for it), the one whose seeds score best on average. Under TPE, where
+    every draw differs: each seed's best draw (the best of as many draws for every variant, so
+    alike in its optimism)."""
+    choose = max if maximize else min
+    if sampler == "tpe":
+        by_seed: dict[int, list] = {}
+        for t in trials:
+            by_seed.setdefault(planned_as(t)[1], []).append(t)
+        best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
+        low, high = min(learning_rate(t) for t in best), max(learning_rate(t) for t in best)
+        return (f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"), best
+    by_lr: dict[float, list] = {}
+    for t in trials:
+        by_lr.setdefault(learning_rate(t), []).append(t)
+    sign = 1 if maximize else -1
+    lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
+    return f"{lr:.2g}", by_lr[lr]
 
 
 def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:

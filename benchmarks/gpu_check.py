@@ -21,6 +21,9 @@
    (``training-flex``), with each layer compiled (``training-compiled``, and with the window on
    fla: ``training-fla-compiled``); ``training-profile``:
    where a step's kernel time goes (matmuls, attention, the rest) and its heaviest kernels.
+5. ``commands``: archlab's commands end to end on the tiny specs, as a researcher runs them
+   (train, under torchrun too, fine-tune on examples, evaluate, layers, niah, generate over rows
+   and pages, curves, a two-trial study): each one's exit status, time and the device it trained on.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
 cut short keeps what it measured. A section that fails records its error and the next one runs.
@@ -47,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from rich.console import Console
 
 import archlab
@@ -61,6 +65,8 @@ from archlab.train.config import TrainConfig
 from archlab.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = ("parity,window,graphs,paged,training,training-profile,training-fla,training-flex,inference,inference-paged,eager,"
+            "training-compiled,training-fla-compiled,commands")  # all of them, in the order they run
 console = Console(stderr=True)
 TOLERANCE = 3e-2  # relative error of a bf16 kernel against the bf16 PyTorch path (both ~1e-2 from fp64)
 KILL_GRACE_S = 20  # past a section's limit, for its own alarm to land and its result to be written
@@ -430,6 +436,53 @@ def layout(row: dict) -> str:
     return "rows" if row.get("page_size") is None else f"pages of {row['page_size']}, {row['page_kernel']}"
 
 
+def commands(device: torch.device, smoke: bool) -> list[dict]:
+    """archlab's commands end to end, as a researcher runs them on this machine: pretrain a tiny
+    YOCO-U (on one process and under torchrun), fine-tune it on examples, score it, generate from
+    it (over rows and over pages), and a study of two trials. Each row: the command, its exit
+    status, seconds, the device its run trained on, and its last line of output."""
+    steps = 4 if smoke else 60
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        run, tuned, examples = tmp / "run", tmp / "tuned", tmp / "functions.jsonl"
+        train = ["--set", f"eval_interval={steps // 2}", "--set", f"checkpoint_interval={steps // 2}", "--set", "data.max_bytes=1000000"]
+        study = tmp / "study.yaml"
+        study.write_text(json.dumps({  # JSON is YAML
+            "schema_version": 1, "name": "gpu-check", "baseline": "yoco", "seeds": [0], "lr": {"low": 0.003, "high": 0.003, "points": 1},
+            "variants": {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}},
+            "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
+                "steps": steps, "eval_interval": steps // 2, "checkpoint_interval": steps, "data": {"max_bytes": 1_000_000}}}}}))
+        archlab_cli = [sys.executable, "-m", "archlab"]
+        listed = [
+            ("train", [*archlab_cli, "train", str(ROOT / "specs" / "tiny" / "yoco-u.yaml"), "--steps", str(steps), "--out", str(run), *train], run),
+            ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "archlab", "train",
+                          str(ROOT / "specs" / "tiny" / "yoco-u.yaml"), "--steps", str(steps), "--out", str(tmp / "ddp"), *train], tmp / "ddp"),
+            ("examples", [sys.executable, str(ROOT / "docs" / "examples" / "stdlib_functions.py"), str(examples), "--skip-chars", "10000000"], None),
+            ("fine-tune", [*archlab_cli, "train", str(run), "--init", str(run), "--data", str(examples), "--steps", str(steps // 2),
+                           "--out", str(tuned), "--set", f"eval_interval={steps // 4}"], tuned),
+            ("evaluate", [*archlab_cli, "evaluate", str(run), "--seq-len", "64", "128", "--last", "32"], None),
+            ("evaluate examples", [*archlab_cli, "evaluate", str(tuned), "--seq-len", "64", "128", "--last", "16"], None),
+            ("layers", [*archlab_cli, "layers", str(run)], None),
+            ("niah", [*archlab_cli, "niah", str(run), "--seq-len", "512", "1024", "--depths", "2", "--sequences", "2"], None),
+            ("generate", [*archlab_cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32"], None),
+            ("generate paged", [*archlab_cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32", "--page-size", "16"], None),
+            ("curves", [*archlab_cli, "curves", str(run), str(tuned)], None),
+            ("study", [*archlab_cli, "study", "run", str(study), "--out", str(tmp / "study")], None),
+        ]
+        rows = []
+        for name, command, trained in listed:
+            began = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True, cwd=tmp)
+            said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+            row = {"command": name, "exit": done.returncode, "seconds": time.perf_counter() - began, "last": said[-1][:160] if said else ""}
+            if trained is not None and (trained / "environment.yaml").is_file():
+                row["device"] = yaml.safe_load((trained / "environment.yaml").read_text())[-1].get("device", "?")  # its latest setting
+            if done.returncode:
+                console.print(f"{name} exited {done.returncode}:\n" + "\n".join(said[-20:]), markup=False, highlight=False)
+            rows.append(row)
+    return rows
+
+
 def report(results: dict) -> str:
     setting = results["environment"]
     lines = [f"# GPU check on {setting['device']}", "", *(f"- {name}: {value}" for name, value in setting.items() if name != "device")]
@@ -478,6 +531,10 @@ def report(results: dict) -> str:
                   + ", ".join(f"{kind} {share:.0%}" for kind, share in prof["share"].items()), "",
                   "| op or kernel | ms per step | kind |", "|---|---|---|"]
         lines += [f"| {op[:90]} | {t:,.2f} | {kind_of(op)} |" for op, t in prof["top"]]
+    if "commands" in results:
+        lines += ["", "## archlab's commands end to end (tiny specs)", "", "| command | exit | seconds | trained on | last line |", "|---|---|---|---|---|"]
+        lines += [f"| {r['command']} | {r['exit']} | {r['seconds']:.1f} | {r.get('device', '-')} | {r['last'].replace('|', '/')} |"
+                  for r in results["commands"]]
     for name, error in results.get("errors", {}).items():
         lines += ["", f"## {name}: failed", "", "```", error.strip()[-3000:], "```"]
     return "\n".join(lines) + "\n"
@@ -489,8 +546,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
-    parser.add_argument("--sections", default="parity,window,graphs,paged,training,training-profile,training-fla,training-flex,inference,inference-paged,eager,"
-                                              "training-compiled,training-fla-compiled")
+    parser.add_argument("--sections", default=SECTIONS)
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
@@ -534,6 +590,7 @@ def main() -> None:
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
         "training-fla-compiled": lambda: training(device, yoco_u, *train, overrides=fla_window, compile=True),
         "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
+        "commands": lambda: commands(device, smoke),
     }
     for option, given, known in (("--sections", args.sections, sections), ("--blocks", args.blocks, {f["type"] for f, _ in PARITY}),
                                  ("--specs", args.specs, {p.stem for p in (ROOT / "specs" / "paper").glob("*.yaml")})):

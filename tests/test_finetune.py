@@ -251,7 +251,9 @@ def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, t
     assert code == 1 and "scales.tiny.train.init" in said and f"{tmp_path / 'nowhere'} is not a training run" in said, stderr
     bad = write_examples(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}])
     code, _, stderr = cli("study", "run", study(bad), "--out", tmp_path / "bad")
-    assert code == 1 and "holds 1 example(s)" in stderr and "Traceback" not in stderr, stderr
+    said = " ".join(stderr.split())
+    assert code == 1 and "holds 1 example(s)" in said and "Traceback" not in said, stderr
+    assert f"study tune reads it at scale tiny (scales.tiny.train.data in {tmp_path / 'tune.yaml'}" in said  # where to mend it
     out = tmp_path / "out"
     code, stdout, stderr = cli("study", "run", study(examples), "--out", out)
     assert code in (0, None), stderr

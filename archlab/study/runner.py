@@ -41,7 +41,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import prepare, read_examples, read_texts
+from archlab.train.data import DataError, prepare, read_examples, read_texts
 from archlab.train.trainer import Trainer
 
 
@@ -307,12 +307,16 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
         pretrained_runs(study, url)  # a trial whose starting run is missing would fail; the study stops now instead
-        if study.shares_corpus:
-            prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
-        elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
-            read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
-        else:
-            read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)  # likewise a corpus that does not read
+        try:
+            if study.shares_corpus:
+                prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+            elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
+                read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
+            else:
+                read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)  # likewise a corpus that does not read
+        except DataError as exc:
+            raise DataError(f"{exc}; study {study.name} reads it at scale {study.scale} (scales.{study.scale}.train.data in {study.source},"
+                            " whose question may say how to make it); give other data with --data") from None
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
 

@@ -33,6 +33,13 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _commands_write_temporary_files_under_pytests(tmp_path_factory):
+    """The commands tests start (torchrun leaves a folder for each launch) write their temporary
+    files where pytest keeps and clears its own, not in the machine's /tmp."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+
+
 def tiny_model(name: str):
     spec = archlab.load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")
     return spec, archlab.build_model(spec)

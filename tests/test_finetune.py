@@ -401,7 +401,6 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
 
     code, stdout, stderr = cli("study", "run", study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1]), "--out", tmp_path / "tuned")
     assert code in (0, None), stderr
-    assert "`yoco-u` is fine-tuned from study `pre-tiny`'s `yoco-u`: each seed from its trial of that seed" in stdout
     pretrained = optuna.load_study(study_name="pre-tiny", storage=f"sqlite:///{database}").get_trials()
     finals = {}  # (variant, lr) -> final validation losses over the seeds
     for trial in pretrained:
@@ -409,15 +408,20 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
     folders = {path.name.split("-", 1)[1]: path for path in (tmp_path / "runs/studies/pre-tiny/trials").glob("*/*")}
     runs = sorted((tmp_path / "tuned" / "trials").glob("*/*"))
     assert len(runs) == 4
+    started = {}  # variant -> (its learning rate, the numbers of the trials its seeds started from)
     for run in runs:
         cfg = load_config(str(run / "config.yaml"))
         variant, seed = run.name.split("-", 1)[1].rsplit("-", 2)[:2]
         best = min((lr for v, lr in finals if v == variant), key=lambda lr: np.mean(finals[variant, lr]))
         slot = sorted(lr for v, lr in finals if v == variant).index(best)
-        started = folders[f"{variant}-{seed}-lr{slot}"]
-        assert cfg.init == str(started / "checkpoints/step-00000004"), run
-        assert (run / "tokenizer.json").read_text() == (started.parents[2] / "tokenizer.json").read_text()
+        started_from = folders[f"{variant}-{seed}-lr{slot}"]
+        assert cfg.init == str(started_from / "checkpoints/step-00000004"), run
+        assert (run / "tokenizer.json").read_text() == (started_from.parents[2] / "tokenizer.json").read_text()
         assert cfg.data.cache is None and "eval_loss" in (run / "metrics.jsonl").read_text()
+        started.setdefault(variant, (best, set()))[1].add(int(started_from.name.split("-", 1)[0]))
+    for variant, (best, numbers) in started.items():  # the report says where each variant started
+        assert (f"`{variant}` is fine-tuned from study `pre-tiny`'s `{variant}`: each seed from its trial of that seed at the learning rate"
+                f" its report chose ({best:.2g}; trials {', '.join(str(n) for n in sorted(numbers))})") in stdout, stdout
 
 
 def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):

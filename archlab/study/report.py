@@ -92,6 +92,20 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
     return rows
 
 
+def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
+    """Where each fine-tuned variant's reported trials started: the trials of the study it names,
+    and their learning rate."""
+    lines = []
+    for variant, (pretraining, pretrained) in study.pretraining.items():
+        started = [t.user_attrs["started_from"] for (v, _, _), t in _reported(study, trials).items()
+                   if v == variant and "started_from" in t.user_attrs]
+        numbers = ", ".join(str(n) for n in sorted({s["trial"] for s in started}))
+        rates = ", ".join(f"{lr:.2g}" for lr in sorted({s["lr"] for s in started}))
+        lines.append(f"- `{variant}` is fine-tuned from study `{pretraining.key}`'s `{pretrained}`: each seed from its trial of that seed"
+                     f" at the learning rate its report chose" + (f" ({rates}; trials {numbers})" if started else ""))
+    return lines
+
+
 def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
     """How far the study has got, counting each planned trial once, by its latest attempt (a trial
     whose worker died counts as its retry), so the header agrees with the table."""
@@ -196,8 +210,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" seeds {definition.seeds}; lr {definition.sampler} of {definition.lr.points}"
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
-        *(f"- `{variant}` is fine-tuned from study `{pretraining.key}`'s `{pretrained}`: each seed from its trial of that seed,"
-          " at the learning rate its report chose" for variant, (pretraining, pretrained) in study.pretraining.items()),
+        *starts(study, trials),
         progress(study, trials),
         *settings(study, trials),
         f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",

@@ -321,10 +321,11 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     return optuna_study
 
 
-def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], Path]:
-    """The checkpoint each (variant, seed) starts from where the variant names a study to start
-    from: that study's trial of the same seed at the learning rate its report chose. The study is
-    looked for in this one's storage (a server shared by studies), then in its own default folder."""
+def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], dict]:
+    """Where each (variant, seed) starts from where the variant names a study to start from: that
+    study's trial of the same seed at the learning rate its report chose (the study, the trial's
+    number and learning rate, and its checkpoint). The study is looked for in this one's storage (a
+    server shared by studies), then in its own default folder."""
     runs = {}
     for variant, (pretraining, pretrained) in study.pretraining.items():
         stored, where = _stored(pretraining, url, variant)
@@ -344,7 +345,8 @@ def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], Path]:
             folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
                 trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
             try:
-                runs[variant, seed] = checkpoint.resolve(folder)[1]
+                runs[variant, seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
+                                       "checkpoint": str(checkpoint.resolve(folder)[1])}
             except checkpoint.CheckpointError as exc:
                 raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return runs
@@ -418,12 +420,15 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
         trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
+    start = pretrained_runs(study, url)[variant, seed] if variant in study.pretraining else None
+    if start:
+        trial.set_user_attr("started_from", start)  # for the report
     cfg = cfg.model_copy(
         update={
             "seed": seed,
             "optimizer": cfg.optimizer.model_copy(update={"lr": lr}),
             "data": cfg.data.model_copy(update={"cache": str(out.resolve()) if study.shares_corpus else None}),
-            **({"init": str(pretrained_runs(study, url)[variant, seed])} if variant in study.pretraining else {}),
+            **({"init": start["checkpoint"]} if start else {}),
         }
     )
     trial.set_user_attr("steps", steps)

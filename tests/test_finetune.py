@@ -359,9 +359,9 @@ def test_an_evaluation_with_no_response_token_says_so(cli, tmp_path):
     assert "hold out more (data.val_fraction) or raise eval_batches" in said
 
 
-def study_file(path, variants, seeds, points=1, steps=2, **train):
+def study_file(path, variants, seeds, points=1, steps=2, baseline="yoco", **train):
     """A study of tiny specs on a little of the stdlib."""
-    definition = {"schema_version": 1, "name": path.stem, "baseline": "yoco", "variants": variants, "seeds": seeds,
+    definition = {"schema_version": 1, "name": path.stem, "baseline": baseline, "variants": variants, "seeds": seeds,
                   "lr": {"low": 0.001, "high": 0.004, "points": points},
                   "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
                       "steps": steps, "batch_size": 4, "micro_batch_size": 4, "seq_len": 32, "eval_interval": steps, "eval_batches": 1,
@@ -438,12 +438,19 @@ def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
                     "no shipped study of that name"),
         "both": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml"}}}, {"init": str(tmp_path)},
                  f"variants.yoco.init: scales.tiny.train.init already starts every trial from {tmp_path}; give one or the other"),
+        "run-and-study": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml", "run": str(tmp_path)}}}, {},
+                          "variants.yoco.init: give one of run (a training run every seed starts from) and study"),
+        "neither": ({**both, "yoco": {"spec": "yoco.yaml", "init": {}}}, {}, "variants.yoco.init: give one of run"),
+        "studyless": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"run": str(tmp_path), "variant": "yoco"}}}, {},
+                      "variants.yoco.init.variant: names a variant of a study: give the study too, or drop it"),
+        "no-run": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"run": str(tmp_path / "nowhere")}}}, {},
+                   f"variants.yoco.init.run: {tmp_path / 'nowhere'} is not a training run with a checkpoint"),
     }
     for name, (variants, train, message) in cases.items():
         code, _, stderr = cli("study", "run", study_file(tmp_path / f"{name}.yaml", variants, seeds=[0], **train), "--out", tmp_path / name)
         said = " ".join(stderr.split())
         assert code == 1 and message in said and "Traceback" not in said, (name, stderr)
-        assert not (tmp_path / name).exists(), name  # refused before anything was written
+        assert not (tmp_path / name).exists() or name == "no-run", name  # refused as it loads (a run is looked for as it starts)
 
 
 def test_a_study_finds_the_study_it_starts_from_in_its_own_storage(cli, tmp_path):
@@ -459,3 +466,21 @@ def test_a_study_finds_the_study_it_starts_from_in_its_own_storage(cli, tmp_path
     [started] = (tmp_path / "pretrained" / "trials").glob("*/0000-yoco-s0-lr0")
     [run] = (tmp_path / "tuned" / "trials").glob("*/*")
     assert load_config(str(run / "config.yaml")).init == str(started / "checkpoints/step-00000002")
+
+
+def test_a_studys_variant_fine_tunes_from_a_run_beside_one_trained_afresh(cli, pretrained, tmp_path):
+    """A variant's ``init: {run: ...}`` starts every seed from that run, reading text with its
+    tokenizer; a variant without one trains from random weights on a corpus it tokenizes itself."""
+    transformer = {"spec": "transformer.yaml"}
+    path = study_file(tmp_path / "tune.yaml", {"afresh": transformer, "tuned": {**transformer, "init": {"run": str(pretrained)}}},
+                      seeds=[0, 1], baseline="afresh")
+    code, stdout, stderr = cli("study", "run", path, "--out", tmp_path / "out")
+    assert code in (0, None), stderr
+    runs = {run.name.split("-", 1)[1]: run for run in (tmp_path / "out" / "trials").glob("*/*")}
+    assert sorted(runs) == ["afresh-s0-lr0", "afresh-s1-lr0", "tuned-s0-lr0", "tuned-s1-lr0"]
+    for name, run in runs.items():
+        cfg = load_config(str(run / "config.yaml"))
+        tuned = name.startswith("tuned")
+        assert cfg.init == (str(pretrained / "checkpoints/step-00000004") if tuned else None), name
+        assert ((run / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()) or not tuned, name
+    assert f"- `tuned` is fine-tuned from the run {pretrained} (step-00000004)\n" in stdout, stdout

@@ -8,6 +8,7 @@ the baseline the report compares with. Each (variant, seed, lr slot) is one plan
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -26,10 +27,12 @@ MAX_POINTS = 1000  # learning rates per (variant, seed): far past any study, sho
 
 class Pretrained(Strict):
     """Where a variant's trials start from (fine-tuning, as the paper's Figure 3 compares YOCO and
-    YOCO-U pretrained alike): another study's trials of a variant at the same scale, each seed from
-    that study's trial of the same seed at the learning rate its report chose."""
+    YOCO-U pretrained alike): a training run, for every seed, or another study's trials of a
+    variant at the same scale, each seed from that study's trial of the same seed at the learning
+    rate its report chose."""
 
-    study: str  # a study file (relative to this one) or the name of a shipped study
+    run: str | None = None  # a training run (its latest checkpoint) or checkpoint folder
+    study: str | None = None  # a study file (relative to this one) or the name of a shipped study
     variant: str | None = None  # that study's variant; None: the one of this variant's name
 
 
@@ -122,6 +125,12 @@ class StudySpec(Strict):
         for name, variant in self.variants.items():
             for scale in sorted(set(variant.scale_set) - set(self.scales)):  # a misspelt scale would be ignored
                 root.at("variants").at(name).at("scale_set").at(scale).add(f"no scale {scale!r}; this study has {sorted(self.scales)}")
+            init = variant.init
+            if init and (init.run is None) == (init.study is None):
+                root.at("variants").at(name).at("init").add("give one of run (a training run every seed starts from) and study (a"
+                                                             " study whose trial of each seed that seed starts from)")
+            elif init and init.variant and not init.study:
+                root.at("variants").at(name).at("init").at("variant").add("names a variant of a study: give the study too, or drop it")
         return root.found
 
 
@@ -139,7 +148,8 @@ class Study:
             self.config = self.config.model_copy(update={"data": self.config.data.model_copy(update={"source": data})})
         self.specs: dict[str, ModelSpec] = {name: self._variant(name, v) for name, v in definition.variants.items()}
         self.pretraining: dict[str, tuple[Study, str]] = {  # variant -> (the study, its variant) its trials start from
-            name: self._pretraining(name, v.init, (*within, source.resolve())) for name, v in definition.variants.items() if v.init}
+            name: self._pretraining(name, v.init, (*within, source.resolve())) for name, v in definition.variants.items()
+            if v.init and v.init.study}
         if found := self.problems():
             raise SpecError(str(source), found)
 
@@ -157,7 +167,7 @@ class Study:
                 root.at("variants").at(name).add(
                     f"budget: flops gives it 0 steps: one of its steps costs more training FLOPs than the baseline's whole run"
                     f" (steps: {self.config.steps}); raise scales.{self.scale}.train.steps to at least {needed}")
-            if name in self.pretraining and self.config.init:
+            if self.definition.variants[name].init and self.config.init:
                 root.at("variants").at(name).at("init").add(
                     f"scales.{self.scale}.train.init already starts every trial from {self.config.init}; give one or the other")
         return root.found
@@ -200,7 +210,8 @@ class Study:
         """Whether the trials read one corpus tokenized once for all of them: not examples, tokenized
         at each start, nor text read by trials that start from trained runs, each with its run's tokenizer."""
         source = self.config.data.source
-        return not (holds_examples(source) or tokenized(source) and (self.config.init or self.pretraining))
+        fine_tuned = self.config.init or any(v.init for v in self.definition.variants.values())
+        return not (holds_examples(source) or tokenized(source) and fine_tuned)
 
     @property
     def key(self) -> str:
@@ -222,7 +233,10 @@ class Study:
             "lr": lr.grid()[slot] if self.definition.sampler == "grid" else [lr.low, lr.high],
             "metric": self.definition.metric,
         }
-        if variant in self.pretraining:  # recorded only where set, so that setups recorded before it existed compare equal
+        init = self.definition.variants[variant].init  # recorded only where set, so that setups recorded before it existed compare equal
+        if init and init.run:
+            setup["init"] = {"run": os.path.abspath(init.run)}
+        elif init:
             study, pretrained = self.pretraining[variant]
             setup["init"] = {"study": study.key, "variant": pretrained}
         return setup

@@ -93,12 +93,17 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
 
 
 def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
-    """Where each fine-tuned variant's reported trials started: the trials of the study it names,
-    and their learning rate."""
+    """Where each fine-tuned variant's reported trials started: the checkpoints of the run it
+    names, or the trials of the study it names and their learning rate."""
     lines = []
-    for variant, (pretraining, pretrained) in study.pretraining.items():
+    for variant, init in ((name, v.init) for name, v in study.definition.variants.items() if v.init):
         started = [t.user_attrs["started_from"] for (v, _, _), t in _reported(study, trials).items()
                    if v == variant and "started_from" in t.user_attrs]
+        if init.run:
+            used = ", ".join(sorted({Path(s["checkpoint"]).name for s in started}))
+            lines.append(f"- `{variant}` is fine-tuned from the run {init.run}" + (f" ({used})" if started else ""))
+            continue
+        pretraining, pretrained = study.pretraining[variant]
         numbers = ", ".join(str(n) for n in sorted({s["trial"] for s in started}))
         rates = ", ".join(f"{lr:.2g}" for lr in sorted({s["lr"] for s in started}))
         lines.append(f"- `{variant}` is fine-tuned from study `{pretraining.key}`'s `{pretrained}`: each seed from its trial of that seed"

@@ -322,11 +322,17 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
 
 
 def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], dict]:
-    """Where each (variant, seed) starts from where the variant names a study to start from: that
-    study's trial of the same seed at the learning rate its report chose (the study, the trial's
-    number and learning rate, and its checkpoint). The study is looked for in this one's storage (a
-    server shared by studies), then in its own default folder."""
+    """Where each (variant, seed) of a variant that names an ``init`` starts from: its run, or the
+    trial of the same seed at the learning rate its report chose of the study it names (the study,
+    the trial's number and learning rate), and the checkpoint. That study is looked for in this
+    one's storage (a server shared by studies), then in its own default folder."""
     runs = {}
+    for variant, init in ((name, v.init) for name, v in study.definition.variants.items() if v.init and v.init.run):
+        try:
+            used = checkpoint.resolve(init.run)[1]
+        except checkpoint.CheckpointError as exc:
+            raise SpecError(str(study.source), [Problem(f"variants.{variant}.init.run", str(exc))]) from None
+        runs.update({(variant, seed): {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in study.definition.seeds})
     for variant, (pretraining, pretrained) in study.pretraining.items():
         stored, where = _stored(pretraining, url, variant)
         check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
@@ -420,7 +426,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
         trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
-    start = pretrained_runs(study, url)[variant, seed] if variant in study.pretraining else None
+    start = pretrained_runs(study, url)[variant, seed] if definition.variants[variant].init else None
     if start:
         trial.set_user_attr("started_from", start)  # for the report
     cfg = cfg.model_copy(

@@ -436,39 +436,43 @@ def layout(row: dict) -> str:
     return "rows" if row.get("page_size") is None else f"pages of {row['page_size']}, {row['page_kernel']}"
 
 
-def commands(device: torch.device, smoke: bool) -> list[dict]:
+def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | None]]:
+    """The commands ``commands`` runs in ``tmp``, in order: (name, argv, the run it trains or None)."""
+    run, tuned, examples, study = tmp / "run", tmp / "tuned", tmp / "functions.jsonl", tmp / "study.yaml"
+    study.write_text(json.dumps({  # JSON is YAML
+        "schema_version": 1, "name": "gpu-check", "baseline": "yoco", "seeds": [0], "lr": {"low": 0.003, "high": 0.003, "points": 1},
+        "variants": {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}},
+        "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
+            "steps": steps, "eval_interval": steps // 2, "checkpoint_interval": steps, "data": {"max_bytes": 1_000_000}}}}}))
+    yoco_u = str(ROOT / "specs" / "tiny" / "yoco-u.yaml")
+    train = ["--steps", str(steps), "--set", f"eval_interval={steps // 2}", "--set", f"checkpoint_interval={steps // 2}",
+             "--set", "data.max_bytes=1000000"]
+    cli = [sys.executable, "-m", "archlab"]
+    return [
+        ("train", [*cli, "train", yoco_u, "--out", str(run), *train], run),
+        ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "archlab", "train",
+                      yoco_u, "--out", str(tmp / "ddp"), *train], tmp / "ddp"),
+        ("examples", [sys.executable, str(ROOT / "docs" / "examples" / "stdlib_functions.py"), str(examples), "--skip-chars", "10000000"], None),
+        ("fine-tune", [*cli, "train", str(run), "--init", str(run), "--data", str(examples), "--steps", str(steps // 2),
+                       "--out", str(tuned), "--set", f"eval_interval={steps // 4}"], tuned),
+        ("evaluate", [*cli, "evaluate", str(run), "--seq-len", "64", "128", "--last", "32"], None),
+        ("evaluate examples", [*cli, "evaluate", str(tuned), "--seq-len", "64", "128", "--last", "16"], None),
+        ("layers", [*cli, "layers", str(run)], None),
+        ("niah", [*cli, "niah", str(run), "--seq-len", "512", "1024", "--depths", "2", "--sequences", "2"], None),
+        ("generate", [*cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32"], None),
+        ("generate paged", [*cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32", "--page-size", "16"], None),
+        ("curves", [*cli, "curves", str(run), str(tuned)], None),
+        ("study", [*cli, "study", "run", str(study), "--out", str(tmp / "study")], None),
+    ]
+
+
+def commands(smoke: bool) -> list[dict]:
     """archlab's commands end to end, as a researcher runs them on this machine: pretrain a tiny
     YOCO-U (on one process and under torchrun), fine-tune it on examples, score it, generate from
     it (over rows and over pages), and a study of two trials. Each row: the command, its exit
     status, seconds, the device its run trained on, and its last line of output."""
-    steps = 4 if smoke else 60
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        run, tuned, examples = tmp / "run", tmp / "tuned", tmp / "functions.jsonl"
-        train = ["--set", f"eval_interval={steps // 2}", "--set", f"checkpoint_interval={steps // 2}", "--set", "data.max_bytes=1000000"]
-        study = tmp / "study.yaml"
-        study.write_text(json.dumps({  # JSON is YAML
-            "schema_version": 1, "name": "gpu-check", "baseline": "yoco", "seeds": [0], "lr": {"low": 0.003, "high": 0.003, "points": 1},
-            "variants": {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}},
-            "scales": {"tiny": {"specs": str(ROOT / "specs" / "tiny"), "train": {
-                "steps": steps, "eval_interval": steps // 2, "checkpoint_interval": steps, "data": {"max_bytes": 1_000_000}}}}}))
-        archlab_cli = [sys.executable, "-m", "archlab"]
-        listed = [
-            ("train", [*archlab_cli, "train", str(ROOT / "specs" / "tiny" / "yoco-u.yaml"), "--steps", str(steps), "--out", str(run), *train], run),
-            ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "archlab", "train",
-                          str(ROOT / "specs" / "tiny" / "yoco-u.yaml"), "--steps", str(steps), "--out", str(tmp / "ddp"), *train], tmp / "ddp"),
-            ("examples", [sys.executable, str(ROOT / "docs" / "examples" / "stdlib_functions.py"), str(examples), "--skip-chars", "10000000"], None),
-            ("fine-tune", [*archlab_cli, "train", str(run), "--init", str(run), "--data", str(examples), "--steps", str(steps // 2),
-                           "--out", str(tuned), "--set", f"eval_interval={steps // 4}"], tuned),
-            ("evaluate", [*archlab_cli, "evaluate", str(run), "--seq-len", "64", "128", "--last", "32"], None),
-            ("evaluate examples", [*archlab_cli, "evaluate", str(tuned), "--seq-len", "64", "128", "--last", "16"], None),
-            ("layers", [*archlab_cli, "layers", str(run)], None),
-            ("niah", [*archlab_cli, "niah", str(run), "--seq-len", "512", "1024", "--depths", "2", "--sequences", "2"], None),
-            ("generate", [*archlab_cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32"], None),
-            ("generate paged", [*archlab_cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32", "--page-size", "16"], None),
-            ("curves", [*archlab_cli, "curves", str(run), str(tuned)], None),
-            ("study", [*archlab_cli, "study", "run", str(study), "--out", str(tmp / "study")], None),
-        ]
+        listed = command_lines(Path(tmp), 4 if smoke else 60)
         rows = []
         for name, command, trained in listed:
             began = time.perf_counter()
@@ -590,7 +594,7 @@ def main() -> None:
         "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
         "training-fla-compiled": lambda: training(device, yoco_u, *train, overrides=fla_window, compile=True),
         "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
-        "commands": lambda: commands(device, smoke),
+        "commands": lambda: commands(smoke),
     }
     for option, given, known in (("--sections", args.sections, sections), ("--blocks", args.blocks, {f["type"] for f, _ in PARITY}),
                                  ("--specs", args.specs, {p.stem for p in (ROOT / "specs" / "paper").glob("*.yaml")})):

@@ -268,6 +268,33 @@ def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path, monkeypatch):
     assert report["training_profile"]["share"]["matmul"] > 0
 
 
+
+def test_the_gpu_checks_commands_are_given_as_archlab_reads_them(monkeypatch, tmp_path):
+    """The smoke test leaves out the ``commands`` section (a dozen processes); its command lines
+    are parsed here as archlab parses its own, without running any: every option one the command
+    has, with the values the parser checks (``evaluate --lengths`` was the first try's)."""
+    import typer
+
+    from archlab.cli import _expand_list_options, app
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import command_lines
+
+    listed = [(name, argv[argv.index("archlab") + 1 :]) for name, argv, _ in command_lines(tmp_path, 4) if "archlab" in argv]
+    assert [name for name, _ in listed] == ["train", "torchrun", "fine-tune", "evaluate", "evaluate examples", "layers", "niah",
+                                            "generate", "generate paged", "curves", "study"]
+    for name, args in listed:
+        command = typer.main.get_command(app)
+        context, rest = command.make_context("archlab", _expand_list_options(args)), _expand_list_options(args)
+        while isinstance(command, typer.core.TyperGroup):  # archlab, then study
+            _, command, rest = command.resolve_command(context, rest)
+            try:
+                context = command.make_context(command.name, list(rest), parent=context)
+            except Exception as exc:  # click's usage errors, with what was wrong
+                pytest.fail(f"{name}: {exc}")
+        assert command.name == args[1] if args[0] == "study" else args[0], name
+
+
 def test_the_gpu_check_refuses_unknown_names_before_it_starts(monkeypatch, capsys, tmp_path):
     import sys
 

@@ -292,7 +292,7 @@ def test_the_gpu_checks_commands_are_given_as_archlab_reads_them(monkeypatch, tm
                 context = command.make_context(command.name, list(rest), parent=context)
             except Exception as exc:  # click's usage errors, with what was wrong
                 pytest.fail(f"{name}: {exc}")
-        assert command.name == args[1] if args[0] == "study" else args[0], name
+        assert command.name == (args[1] if args[0] == "study" else args[0]), name  # the command meant, not a group
 
 
 def test_the_gpu_check_refuses_unknown_names_before_it_starts(monkeypatch, capsys, tmp_path):

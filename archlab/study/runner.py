@@ -306,7 +306,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 checkpoint.resolve(cfg.init)
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
-        pretrained_runs(study, url)  # a trial whose starting run is missing would fail; the study stops now instead
+        for variant in (name for name, v in study.definition.variants.items() if v.init):
+            starts_of(study, variant, url)  # a trial whose starting run is missing would fail; the study stops now instead
         try:
             if study.shares_corpus:
                 prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
@@ -321,41 +322,42 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     return optuna_study
 
 
-def pretrained_runs(study: Study, url: str) -> dict[tuple[str, int], dict]:
-    """Where each (variant, seed) of a variant that names an ``init`` starts from: its run, or the
-    trial of the same seed at the learning rate its report chose of the study it names (the study,
-    the trial's number and learning rate), and the checkpoint. That study is looked for in this
-    one's storage (a server shared by studies), then in its own default folder."""
-    runs = {}
-    for variant, init in ((name, v.init) for name, v in study.definition.variants.items() if v.init and v.init.run):
+def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
+    """Where each seed of a variant that names an ``init`` starts from: its run, or the trial of
+    the same seed at the learning rate its report chose of the study it names (the study, the
+    trial's number and learning rate), and the checkpoint. That study is looked for in this one's
+    storage (a server shared by studies), then in its own default folder."""
+    init, seeds = study.definition.variants[variant].init, study.definition.seeds
+    if init.run:
         try:
             used = checkpoint.resolve(init.run)[1]
         except checkpoint.CheckpointError as exc:
             raise SpecError(str(study.source), [Problem(f"variants.{variant}.init.run", str(exc))]) from None
-        runs.update({(variant, seed): {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in study.definition.seeds})
-    for variant, (pretraining, pretrained) in study.pretraining.items():
-        stored, where = _stored(pretraining, url, variant)
-        check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
-        planned = pretraining.planned()
-        complete = [t for key, t in settled(stored.get_trials(deepcopy=False)).items()
-                    if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
-        best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler)[1] if complete else []
-        by_seed = {planned_as(t)[1]: t for t in best}
-        for seed in study.definition.seeds:
-            if seed not in by_seed:
-                raise StorageError(
-                    f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
-                    f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
-                    f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {study.definition.seeds}")
-            trial = by_seed[seed]
-            folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
-                trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
-            try:
-                runs[variant, seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
-                                       "checkpoint": str(checkpoint.resolve(folder)[1])}
-            except checkpoint.CheckpointError as exc:
-                raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
-    return runs
+        return {seed: {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in seeds}
+    pretraining, pretrained = study.pretraining[variant]
+    stored, where = _stored(pretraining, url, variant)
+    check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
+    planned = pretraining.planned()
+    complete = [t for key, t in settled(stored.get_trials(deepcopy=False)).items()
+                if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
+    best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler)[1] if complete else []
+    by_seed = {planned_as(t)[1]: t for t in best}
+    starts = {}
+    for seed in seeds:
+        if seed not in by_seed:
+            raise StorageError(
+                f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
+                f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
+                f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
+        trial = by_seed[seed]
+        folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
+            trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
+        try:
+            starts[seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
+                            "checkpoint": str(checkpoint.resolve(folder)[1])}
+        except checkpoint.CheckpointError as exc:
+            raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
+    return starts
 
 
 def _stored(pretraining: Study, url: str, variant: str) -> tuple[optuna.Study, str]:
@@ -426,7 +428,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
         trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
-    start = pretrained_runs(study, url)[variant, seed] if definition.variants[variant].init else None
+    start = starts_of(study, variant, url)[seed] if definition.variants[variant].init else None
     if start:
         trial.set_user_attr("started_from", start)  # for the report
     cfg = cfg.model_copy(

@@ -101,14 +101,9 @@ class Loaded:
         tokens, counted, what = self.stream()
         return windows(tokens, lengths, sequences, what, counted)
 
-    def tokens(self) -> tuple[np.ndarray, str]:
-        """The held-out split's tokens (or all of ``data``'s, read with the run's tokenizer), and
-        what they are, in words."""
-        tokens, _, what = self.stream()
-        return tokens, what
-
     def stream(self) -> tuple[np.ndarray, np.ndarray | None, str]:
-        """``tokens``, with which of them count (of examples, their responses; None: every one)."""
+        """The held-out split's tokens (or all of ``data``'s, read with the run's tokenizer), which
+        of them count (of examples, their responses; None: every one), and what they are, in words."""
         cfg, vocab = self.config, self.model.spec.vocab_size
         if self.data is None:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)

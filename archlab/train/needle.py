@@ -168,7 +168,7 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     if haystack == "noise":
         hay = Haystack.noise()
     else:
-        tokens, what = loaded.tokens()
+        tokens, _, what = loaded.stream()
         hay = Haystack.text(tokenizer.decode(tokens.tolist()), what)
     drawn = Probes(hay, tokenizer, new_tokens, seed)
     probes = [drawn.draw(n, d) for n in lengths for d in depths(depth_count) for _ in range(sequences)]

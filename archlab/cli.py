@@ -554,7 +554,7 @@ def train(
     init: Annotated[Path | None, typer.Option(help="fine-tune: start from a training run's weights (its latest checkpoint, or a checkpoint folder)")] = None,
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun. With --init,
-    fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples."""
+    fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples or conversations."""
     from archlab.train.data import DataError
     from archlab.train.trainer import Relayed, Trainer, TrainError
 

@@ -15,7 +15,7 @@ import yaml
 
 from archlab.train.checkpoint import load_trained
 from archlab.train.config import Data, load_config
-from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, tokens_of
+from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, tokens_of
 from conftest import ROOT
 from test_train import SMALL, finished_run
 
@@ -83,6 +83,62 @@ def test_only_the_responses_and_their_ends_count(examples, tmp_path):
         assert decoded[0::2] == [pair["prompt"] for pair in wanted]
         assert decoded[1::2] == [pair["response"] + "\n" for pair in wanted]
     assert data.reports_accuracy
+
+
+@pytest.fixture(scope="module")
+def conversations(examples, tmp_path_factory):
+    """The same functions as conversations, two functions each: a system message, then for each
+    function its signature and docstring from the user and its body from the assistant; the first
+    function stays a prompt/response line, as a file may mix them."""
+    pairs = [json.loads(line) for line in examples.read_text().splitlines()]
+    chats = [{"messages": [{"role": "system", "content": "Write the body of each function."}]
+              + [message for pair in pairs[first : first + 2] for message in ({"role": "user", "content": pair["prompt"]},
+                                                                              {"role": "assistant", "content": pair["response"]})]}
+             for first in range(1, len(pairs), 2)]
+    return write_examples(tmp_path_factory.mktemp("conversations") / "textwrap-chat.jsonl", pairs[:1] + chats)
+
+
+def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_path):
+    """Where the tokens count they decode to each assistant message and the newline that ends it;
+    where they do not, to the role headers and the other messages, each ended by a newline."""
+    lines = [json.loads(line) for line in conversations.read_text().splitlines()]
+    data = prepare(Data(source=str(conversations), val_fraction=0.25), 512, 32, 0, tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"), 512)
+    held = round(len(lines) * 0.25)
+    for split, wanted in (("train", lines[:-held]), ("val", lines[-held:])):
+        expected = []
+        for line in wanted:
+            if "prompt" in line:
+                expected += [line["prompt"], line["response"] + "\n"]
+                continue
+            context = ""
+            for message in line["messages"]:
+                if message["role"] == "assistant":
+                    expected += [context + "Assistant: ", message["content"] + "\n"]
+                    context = ""
+                else:
+                    context += f"{message['role'].title()}: {message['content']}\n"
+        tokens, counted = data.splits[split], data.masks[split]
+        parts = np.split(np.arange(len(tokens)), np.flatnonzero(np.diff(counted.astype(int))) + 1)
+        assert not counted[0] and counted[-1]
+        assert [tokenizer.decode(tokens[part].tolist()) for part in parts] == expected
+    first, second = (sum(len(m["content"]) for m in line["messages"]) for line in lines[1:3])
+    size = len(lines[0]["prompt"]) + len(lines[0]["response"])
+    assert len(read_examples(str(conversations), size + first)) == 2  # max_bytes counts what the lines hold
+    assert len(read_examples(str(conversations), size + first + 1)) == 3
+
+
+def test_a_run_fine_tunes_on_conversations_and_is_evaluated_on_them(cli, pretrained, conversations, tmp_path):
+    """A file of conversations (and a prompt/response line) is fine-tuned on as any examples are."""
+    run = tmp_path / "chat"
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", conversations,
+                          "--steps", "2", "--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4")
+    assert code == 0, stderr
+    assert 0 <= json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["eval_acc"] <= 1
+    code, stdout, stderr = cli("evaluate", run, "--seq-len", "64", "--last", "32", "--sequences", "4")
+    assert code == 0 and "Traceback" not in stderr, stderr
+    (row,) = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| chat |")]
+    assert 0 < int(row[3].replace(",", "")) < 4 * 32, stdout  # the assistant's tokens among the last 32 alone
 
 
 def test_a_window_counts_the_targets_its_mask_marks():
@@ -213,8 +269,16 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
 @pytest.mark.parametrize("lines, said", [
     (['{"prompt": "a", "response": "b"}', "{not json", '{"prompt": "c", "response": "d"}'], "line 2 of {path!r} is not JSON"),
     (['{"prompt": "a", "response": "b"}', '{"prompt": "c", "answer": "d"}'],
-     'line 2 of {path!r} is not an example: each line is a JSON object with "prompt" and "response" strings, it has {{"prompt": "c", "answer": "d"}}'),
+     'line 2 of {path!r} is not an example: each line is a JSON object with "prompt" and "response" strings, or with "messages",'
+     ' it has {{"prompt": "c", "answer": "d"}}'),
     (['{"prompt": "a", "response": "b"}', "", '["c", "d"]'], "line 3 of {path!r} is not an example"),
+    (['{"prompt": "a", "response": "b"}', '{"messages": "hi"}'], 'line 2 of {path!r}: "messages" is a list of {{"role", "content"}} objects, it has "hi"'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}'],
+     'line 2 of {path!r}: message 1 is not a {{"role": "system" | "user" | "assistant", "content": string}} object, it is'
+     ' {{"role": "tool", "content": "b"}}'),
+    (['{"messages": [{"role": "assistant", "content": [{"type": "text", "text": "b"}]}]}'], "line 1 of {path!r}: message 0 is not a"),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}'],
+     "line 2 of {path!r} has no assistant message: nothing in it would be trained on"),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
 ])
 def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines, said):

@@ -18,7 +18,7 @@ Beta = Annotated[float, Field(ge=0, lt=1)]  # AdamW's decay of a moment estimate
 SYNTHETIC = ("mqar", "copy")  # recall tasks, generated rather than read
 NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor hf:NAME)
 TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
-EXAMPLES = ".jsonl"  # a data source of prompt/response examples, trained on their responses alone
+EXAMPLES = ".jsonl"  # a data source of prompt/response examples or conversations, trained on their responses alone
 MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started
 
 
@@ -44,8 +44,9 @@ class Data(Strict):
     ``source``: ``stdlib`` (the Python standard library's source, on every machine), a text file
     or folder of text files, a token file (``.bin`` of uint16/uint32 or ``.npy``), ``hf:NAME``
     (a Hugging Face dataset, streamed; needs network), a synthetic task ``mqar`` / ``copy``, or a
-    ``.jsonl`` file of ``{"prompt": ..., "response": ...}`` examples for supervised fine-tuning,
-    where only the responses' tokens are trained on and scored.
+    ``.jsonl`` file of ``{"prompt": ..., "response": ...}`` examples or ``{"messages": [...]}``
+    conversations for supervised fine-tuning, where only the responses' (the assistant messages')
+    tokens are trained on and scored.
     """
 
     source: str = "stdlib"
@@ -74,7 +75,7 @@ def tokenized(source: str) -> bool:
 
 
 def holds_examples(source: str) -> bool:
-    """Whether a data source is a file of prompt/response examples."""
+    """Whether a data source is a file of examples (prompt/response pairs or conversations)."""
     return Path(source).suffix == EXAMPLES
 
 

@@ -1,5 +1,5 @@
-"""Training data: a real corpus tokenized once into the run directory, prompt/response examples
-for fine-tuning, or a synthetic recall task.
+"""Training data: a real corpus tokenized once into the run directory, examples for fine-tuning
+(prompt/response pairs or conversations), or a synthetic recall task.
 
 Every batch is a pure function of (seed, split, step): sampling needs no state, so resuming at
 step s replays exactly the batches an uninterrupted run would have drawn, and the processes of a
@@ -250,10 +250,14 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
     return texts
 
 
-def read_examples(source: str, max_bytes: int) -> list[tuple[str, str]]:
-    """The (prompt, response) pairs of a ``.jsonl`` file, one JSON object a line, in order, up to
-    ``max_bytes`` characters of their text; blank lines are skipped, anything else wrong is named
-    by its line."""
+END = "\n"  # ends each response and each message: the run's BPE has no special tokens
+HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # a message's role, as its text begins
+
+
+def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
+    """The examples of a ``.jsonl`` file, one JSON object a line, in order, up to ``max_bytes``
+    characters of their text: each as its pieces of text, with whether their tokens count (see
+    ``_example``). Blank lines are skipped, anything else wrong is named by its line."""
     if not Path(source).is_file():
         raise DataError(f"data source {source!r}: no such file")
     try:
@@ -269,14 +273,12 @@ def read_examples(source: str, max_bytes: int) -> list[tuple[str, str]]:
                 if not line.strip():
                     continue
                 try:
-                    example = json.loads(line)
+                    value = json.loads(line)
                 except ValueError as exc:
                     raise DataError(f"line {number} of {source!r} is not JSON ({exc})") from None
-                if not (isinstance(example, dict) and all(isinstance(example.get(key), str) for key in ("prompt", "response"))):
-                    raise DataError(f'line {number} of {source!r} is not an example: each line is a JSON object with'
-                                    f' "prompt" and "response" strings, it has {line.strip()[:80]}')
-                examples.append((example["prompt"], example["response"]))
-                total += len(example["prompt"]) + len(example["response"])
+                pieces, chars = _example(value, f"line {number} of {source!r}", line)
+                examples.append(pieces)
+                total += chars
         except UnicodeDecodeError as exc:
             raise DataError(f"data source {source!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
     if len(examples) < 2:
@@ -284,19 +286,47 @@ def read_examples(source: str, max_bytes: int) -> list[tuple[str, str]]:
     return examples
 
 
-def _example_tokens(examples: list[tuple[str, str]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Each example's tokens (its prompt, its response, the end-of-text newline) and which of them
-    count (the response's and the newline)."""
-    end = tokenizer.encode("\n").ids
-    prompts = tokenizer.encode_batch([prompt for prompt, _ in examples])
-    responses = tokenizer.encode_batch([response for _, response in examples])
-    ids = [np.asarray(p.ids + r.ids + end, dtype=np.uint32) for p, r in zip(prompts, responses)]
-    return ids, [np.arange(len(i)) >= len(p.ids) for i, p in zip(ids, prompts)]
+def _example(value: object, where: str, line: str) -> tuple[list[tuple[str, bool]], int]:
+    """One line's example as pieces of text, each with whether its tokens count, and how many
+    characters of text it gives. A prompt/response pair is its prompt, then its response and the
+    end; a conversation (``"messages"``, as chat datasets give them) is each message's role header,
+    then its content and the end, where an assistant's content and end count."""
+    if isinstance(value, dict) and "messages" in value:
+        messages = value["messages"]
+        if not (isinstance(messages, list) and messages):
+            raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
+        for index, message in enumerate(messages):
+            if not (isinstance(message, dict) and message.get("role") in HEADERS and isinstance(message.get("content"), str)):
+                raise DataError(f'{where}: message {index} is not a {{"role": {" | ".join(map(json.dumps, HEADERS))},'
+                                f' "content": string}} object, it is {json.dumps(message)[:80]}')
+        if not any(message["role"] == "assistant" for message in messages):
+            raise DataError(f"{where} has no assistant message: nothing in it would be trained on")
+        pieces = []
+        for message in messages:
+            counts = message["role"] == "assistant"
+            pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
+        return pieces, sum(len(message["content"]) for message in messages)
+    if isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("prompt", "response")):
+        return [(value["prompt"], False), (value["response"], True), (END, True)], len(value["prompt"]) + len(value["response"])
+    raise DataError(f'{where} is not an example: each line is a JSON object with "prompt" and "response" strings, or with'
+                    f' "messages", it has {line.strip()[:80]}')
+
+
+def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each example's tokens, its pieces tokenized one by one (a token never spans two), and which
+    of them count."""
+    encoded = iter(tokenizer.encode_batch([text for pieces in examples for text, _ in pieces]))
+    ids, counted = [], []
+    for pieces in examples:
+        tokens = [(next(encoded).ids, counts) for _, counts in pieces]
+        ids.append(np.asarray([token for piece, _ in tokens for token in piece], dtype=np.uint32))
+        counted.append(np.asarray([counts for piece, counts in tokens for _ in piece], dtype=bool))
+    return ids, counted
 
 
 def _examples(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, resume: bool) -> TokenSource:
-    """Fine-tuning examples as a token stream: each example's prompt, its response and the
-    end-of-text newline, packed one after another; the response and the newline count. The last
+    """Fine-tuning examples as a token stream, packed one after another, where their responses (or
+    assistant messages) and the newlines that end them count (see ``_example``). The last
     ``val_fraction`` of the examples are held out. Tokenized at every start (examples are few),
     with ``cfg.tokenizer``, the run's own on a resume, or a BPE trained on them, which is written
     into ``data_dir`` for ``generate``."""
@@ -306,7 +336,7 @@ def _examples(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Pat
     if kept or cfg.tokenizer:
         tokenizer = load_tokenizer(str(own) if kept else cfg.tokenizer, vocab_size)
     else:
-        tokenizer = train_tokenizer([prompt + response for prompt, response in examples], vocab_size)
+        tokenizer = train_tokenizer([text for pieces in examples for text, _ in pieces], vocab_size)  # each piece as it is tokenized
     ids, counted = _example_tokens(examples, tokenizer)
     cut = len(examples) - max(1, round(len(examples) * cfg.val_fraction))
     if not kept:

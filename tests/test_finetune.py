@@ -487,6 +487,22 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
         assert (f"`{variant}` is fine-tuned from study `pre-tiny`'s `{variant}`: each seed from its trial of that seed at the learning rate"
                 f" its report chose ({best:.2g}; trials {', '.join(str(n) for n in sorted(numbers))})") in stdout, stdout
 
+    best, _ = started["yoco"]  # the pretraining study now scores yoco's other rate best: its trials would start elsewhere
+    other = next(lr for v, lr in finals if v == "yoco" and lr != best)
+    moved = {trial.number: trial for trial in pretrained if trial.user_attrs["variant"] == "yoco" and trial.user_attrs["lr"] == other}
+    with sqlite3.connect(database) as db:
+        db.executemany("UPDATE trial_values SET value = 0.5 WHERE trial_id = ?", [(t._trial_id,) for t in moved.values()])
+    code, _, stderr = cli("study", "run", study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1]), "--out", tmp_path / "tuned")
+    said = " ".join(stderr.split())
+    assert code == 1 and "holds 2 trials that trained under another definition" in said and "Traceback" not in said, stderr
+    old = {int(folder.name.split("-")[0]): folder.name for folder in folders.values()}
+    for number, trial in moved.items():
+        seed = trial.user_attrs["seed"]
+        (was,) = [n for n in started["yoco"][1] if old[n].startswith(f"{n:04d}-yoco-s{seed}-")]
+        assert (f"yoco seed {seed} lr slot 0: started from study pre-tiny's trial {was} (lr {best:g}), would now start from study"
+                f" pre-tiny's trial {number} (lr {other:g})") in said, stderr
+    assert "yoco-u seed" not in said
+
 
 def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
     both = {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}}
@@ -535,7 +551,7 @@ def test_a_study_finds_the_study_it_starts_from_in_its_own_storage(cli, tmp_path
 def test_a_studys_variant_fine_tunes_from_a_run_beside_one_trained_afresh(cli, pretrained, tmp_path):
     """A variant's ``init: {run: ...}`` starts every seed from that run, reading text with its
     tokenizer; a variant without one trains from random weights on a corpus it tokenizes itself."""
-    transformer = {"spec": "transformer.yaml"}
+    transformer, pretrained = {"spec": "transformer.yaml"}, shutil.copytree(pretrained, tmp_path / "pretrained")
     path = study_file(tmp_path / "tune.yaml", {"afresh": transformer, "tuned": {**transformer, "init": {"run": str(pretrained)}}},
                       seeds=[0, 1], baseline="afresh")
     code, stdout, stderr = cli("study", "run", path, "--out", tmp_path / "out")
@@ -548,3 +564,11 @@ def test_a_studys_variant_fine_tunes_from_a_run_beside_one_trained_afresh(cli, p
         assert cfg.init == (str(pretrained / "checkpoints/step-00000004") if tuned else None), name
         assert ((run / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()) or not tuned, name
     assert f"- `tuned` is fine-tuned from the run {pretrained} (step-00000004)\n" in stdout, stdout
+
+    shutil.copytree(pretrained / "checkpoints/step-00000004", pretrained / "checkpoints/step-00000006")  # the run went on
+    code, _, stderr = cli("study", "run", path, "--out", tmp_path / "out")
+    said = " ".join(stderr.split())
+    assert code == 1 and "holds 2 trials that trained under another definition" in said, stderr
+    for seed in (0, 1):
+        assert f"tuned seed {seed} lr slot 0: started from {pretrained} at step-00000004, would now start from {pretrained} at step-00000006" in said
+    assert "put the definition back (and the studies or runs its variants start from), or run the study afresh" in said

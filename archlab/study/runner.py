@@ -75,28 +75,36 @@ class StudyChanged(StorageError):
     """The storage holds trials that trained under another definition of the study."""
 
 
-def check_unchanged(study: Study, optuna_study: optuna.Study) -> None:
+def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, dict[int, dict]] | None = None) -> None:
     """Refuse a storage whose trials trained under another definition (another spec, training
     config, learning rate or step count for the same variant, seed and lr slot): their results
     would be reported as this study's. Trials not yet started, and added variants or seeds, train
     under the definition as it stands and are fine. Trials recorded before setups were kept are
-    checked by the learning rate and steps they kept."""
-    changed, planned = [], study.planned()
+    checked by the learning rate and steps they kept. Given where each fine-tuned variant's seeds
+    start now (``starts_of``), trials that started elsewhere are refused too: the study they start
+    from has chosen another trial since, or the run they name has a newer checkpoint."""
+    changed, planned, moved = [], study.planned(), False
     for key, trial in latest(optuna_study.get_trials(deepcopy=False)).items():
         if trial.state is TrialState.WAITING or key not in planned:
             continue
         kept = trial.user_attrs
         recorded = as_recorded_now(kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept}))
         current = study.setup(key[0], key[2])
-        if differences := describe_differences(recorded, {name: current.get(name) for name in recorded}):
+        differences = describe_differences(recorded, {name: current.get(name) for name in recorded})
+        was, now = kept.get("started_from"), (starts or {}).get(key[0], {}).get(key[1])
+        if was and now and start_said(was) != start_said(now):
+            differences.insert(0, f"started from {start_said(was)}, would now start from {start_said(now)}")
+            moved = True
+        if differences:
             changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {'; '.join(differences[:3])}"
                            + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
     if changed:
         shown = changed[:5] + ([f"  ... and {len(changed) - 5} more trials"] if len(changed) > 5 else [])
         raise StudyChanged(
             f"the storage of {optuna_study.study_name} holds {len(changed)} trial{'s' * (len(changed) > 1)} that trained under another "
-            "definition of the study:\n" + "\n".join(shown) + "\nput the definition back, or run the study "
-            "afresh with another --out (or --storage); the trials already there are kept"
+            "definition of the study:\n" + "\n".join(shown) + "\nput the definition back"
+            + (" (and the studies or runs its variants start from)" if moved else "")
+            + ", or run the study afresh with another --out (or --storage); the trials already there are kept"
         )
 
 
@@ -291,7 +299,9 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
         if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
                                f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period {agreed}")
-        check_unchanged(study, optuna_study)
+        # a trial whose starting run is missing would fail; the study stops now instead
+        starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
+        check_unchanged(study, optuna_study, starts)
         queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
@@ -306,8 +316,6 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 checkpoint.resolve(cfg.init)
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
-        for variant in (name for name, v in study.definition.variants.items() if v.init):
-            starts_of(study, variant, url)  # a trial whose starting run is missing would fail; the study stops now instead
         try:
             if study.shares_corpus:
                 prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
@@ -358,6 +366,13 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts
+
+
+def start_said(start: dict) -> str:
+    """Where a trial started (an entry of ``starts_of``), in words that tell two starts apart."""
+    if "study" in start:
+        return f"study {start['study']}'s trial {start['trial']} (lr {start['lr']:g})"
+    return f"{start['run']} at {Path(start['checkpoint']).name}"
 
 
 def _stored(pretraining: Study, url: str, variant: str) -> tuple[optuna.Study, str]:

@@ -155,13 +155,13 @@ def readme_plugin() -> str:
 PLUGIN = readme_plugin()
 
 
-def install_plugin(root, entry):
-    """A real distribution on sys.path: dist-info metadata with an entry point, and its module."""
+def install_plugin(root, *entries):
+    """A real distribution on sys.path: dist-info metadata with entry points, and the README's module."""
     (root / "my_blocks.py").write_text(PLUGIN)
     info = root / "my_blocks-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-blocks\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[archlab.blocks]\n{entry}\n")
+    (info / "entry_points.txt").write_text("[archlab.blocks]\n" + "".join(f"{entry}\n" for entry in entries))
     return {"PYTHONPATH": str(root)}
 
 
@@ -201,41 +201,60 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
 '''
 
 
-@pytest.mark.parametrize("mistake,said,dtype", [
-    (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536", "float32"),
-    (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
-    (("zeros(batch, self.proj.in_features)", "zeros(batch, self.proj.in_features, dtype=dtype)"),  # 4 bytes counted, 2 held
-     "at 1 tokens in bfloat16, the cache holds", "bfloat16"),
-    (("if inp.state is not None:", "if False:"), "decoding prompts of different lengths token by token differs", "float32"),
-    (("(inp.positions + 1)", "(inp.positions[:1] + 1)"), "(blocks: causal_mean, cross_attention; does each module's", "float32"),
-    (("zeros(batch, self.proj.in_features)", "zeros(self.proj.in_features, batch)"),
-     "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1", "float32"),
-    (("return {\"sum\": torch.zeros(batch, self.proj.in_features)}", "return None"),
-     "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1, a row per"
-     " sequence and stream; got NoneType", "float32"),
-    (("return 4 * ctx.d_model  #", "assert False  #"), "making the cache or costing it raised AssertionError()", "float32"),
-    (("sums[:, -1])", "sums[-1])"), "decoding prompts of different lengths raised RuntimeError", "float32"),  # fine at batch 1
-    (('sums + inp.state["sum"][:, None]', 'sums + inp.state["sum"][: 1 if x.shape[1] > 1 else None, None]'),  # in chunks only
-     "decoding prompts of different lengths token by token differs", "float32"),
-    (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
-     "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
-], ids=["params", "state bytes", "state bytes in the inference dtype", "state ignored", "one row's positions", "state not batch-first",
-        "no state dict", "state bytes raise", "state of one row", "one row's state in a chunk", "flops not Flops"])
-def test_build_checks_a_plugins_formulas_and_decoding(tmp_path, mistake, said, dtype):
-    """The README's plugin with one mistake made in it (the plugin as printed passes: the test after)."""
-    env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
-    spec = mine(tmp_path, dtype)
-    assert mistake[0] in PLUGIN
-    (tmp_path / "my_blocks.py").write_text(PLUGIN.replace(*mistake))
-    result = archlab("build", spec, env=env)
-    assert result.returncode == 1 and "error: mine: " in result.stderr and said in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and "1 problem(s)" in result.stdout
+MISTAKES = {  # the README's plugin with one mistake made in it: what is changed, what build says, the inference dtype
+    "params": (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536",
+               "float32"),
+    "state bytes": (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
+    "state bytes in the inference dtype": (("zeros(batch, self.proj.in_features)", "zeros(batch, self.proj.in_features, dtype=dtype)"),
+                                           "at 1 tokens in bfloat16, the cache holds", "bfloat16"),  # 4 bytes counted, 2 held
+    "state ignored": (("if inp.state is not None:", "if False:"), "decoding prompts of different lengths token by token differs",
+                      "float32"),
+    "one row's positions": (("(inp.positions + 1)", "(inp.positions[:1] + 1)"),
+                            "(blocks: causal_mean, cross_attention; does each module's", "float32"),
+    "state not batch-first": (("zeros(batch, self.proj.in_features)", "zeros(self.proj.in_features, batch)"),
+                              "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension"
+                              " of 1", "float32"),
+    "no state dict": (("return {\"sum\": torch.zeros(batch, self.proj.in_features)}", "return None"),
+                      "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1,"
+                      " a row per sequence and stream; got NoneType", "float32"),
+    "state bytes raise": (("return 4 * ctx.d_model  #", "assert False  #"), "making the cache or costing it raised AssertionError()",
+                          "float32"),
+    "state of one row": (("sums[:, -1])", "sums[-1])"), "decoding prompts of different lengths raised RuntimeError",
+                         "float32"),  # fine at batch 1
+    "one row's state in a chunk": (('sums + inp.state["sum"][:, None]', 'sums + inp.state["sum"][: 1 if x.shape[1] > 1 else None, None]'),
+                                   "decoding prompts of different lengths token by token differs", "float32"),  # in chunks only
+    "flops not Flops": (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
+                        "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
+}
 
 
-def mine(folder, dtype):
-    """A YOCO of the README's block, inferring in ``dtype``."""
+def test_build_checks_a_plugins_formulas_and_decoding(tmp_path):
+    """Each mistake above made in the README's plugin (which passes as printed: the test after) is
+    found by build, and named. The mistakes are blocks of their own, ``causal_mean_0`` and on, each
+    in its module and spec, built in one process: a process costs seconds to start."""
+    entries, specs, wanted = [], [], {}
+    for index, (mistake, said, dtype) in enumerate(MISTAKES.values()):
+        block = f"causal_mean_{index}"
+        assert mistake[0] in PLUGIN
+        (tmp_path / f"{block}.py").write_text(PLUGIN.replace(*mistake).replace('"causal_mean"', f'"{block}"'))
+        entries.append(f"{block} = {block}:CausalMeanSpec")
+        (tmp_path / block).mkdir()
+        specs.append(mine(tmp_path / block, dtype, block))
+        wanted[f"mine-{index}"] = said.replace("causal_mean", block)
+    result = archlab("build", *specs, env=install_plugin(tmp_path, *entries))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = ("\n" + result.stderr).split("\nerror: ")
+    for (name, said), mistake in zip(wanted.items(), MISTAKES, strict=True):
+        found = [error for error in errors if error.startswith(f"{name}: ")]
+        assert len(found) == 1 and said in found[0], (mistake, found, result.stderr)
+        assert any(f" {name} " in row and "1 problem(s)" in row for row in result.stdout.splitlines()), (mistake, result.stdout)
+
+
+def mine(folder, dtype, block="causal_mean"):
+    """A YOCO of the README's block (or another of that name), inferring in ``dtype``, named after the block."""
     spec = folder / "mine.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: mine\nlayout: {{self_decoder: {{blocks: [causal_mean]}}}}\n"
+    name = "mine" + block.removeprefix("causal_mean").replace("_", "-")
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: {name}\nlayout: {{self_decoder: {{blocks: [{block}]}}}}\n"
                     f"inference_dtype: {dtype}\n")
     return spec
 
@@ -336,44 +355,55 @@ class ForwardlessSpec(StatelessSpec):  # a module with an inference state but no
 '''
 
 
-@pytest.mark.parametrize("entry,fragments,name", [
-    ("mean = my_blocks:CausalMeanSpec", ["block plugin 'mean'", "Literal['mean']", "it is left out"], "mean"),  # name disagrees with its type
-    ("attention = my_blocks:CausalMeanSpec", ["block type 'attention' is registered more than once",
-                                              "blocks.attention:AttentionSpec", "my_blocks:CausalMeanSpec",
-                                              "archlab's own blocks.attention:AttentionSpec is kept"], None),
-    ("half = broken:HalfSpec", ["block plugin 'half'", "does not define flops, params, state_bytes", "it is left out"], "half"),
-    ("quits = quits:Spec", ["block plugin 'quits'", "failed to import: SystemExit: 3", "it is left out"], "quits"),
-], ids=["misnamed", "taken name", "abstract", "exits"])
-def test_a_broken_plugin_is_named_and_left_out(tmp_path, entry, fragments, name):
-    """Every command still works for specs that do not use it; one that does is told it is unknown,
-    under the notice saying why."""
-    env = install_plugin(tmp_path, entry)
+BROKEN_PLUGINS = {  # an entry point that cannot be used: what its notice says, and the block type a spec would use it by
+    "misnamed": ("mean = my_blocks:CausalMeanSpec", ["block plugin 'mean'", "Literal['mean']", "it is left out"], "mean"),
+    "taken name": ("attention = my_blocks:CausalMeanSpec", ["block type 'attention' is registered more than once",
+                                                            "blocks.attention:AttentionSpec", "my_blocks:CausalMeanSpec",
+                                                            "archlab's own blocks.attention:AttentionSpec is kept"], None),
+    "abstract": ("half = broken:HalfSpec", ["block plugin 'half'", "does not define flops, params, state_bytes", "it is left out"], "half"),
+    "exits": ("quits = quits:Spec", ["block plugin 'quits'", "failed to import: SystemExit: 3", "it is left out"], "quits"),
+}
+
+
+def test_broken_plugins_are_named_and_left_out(tmp_path):
+    """Every command still works for specs that use none of them; one that does is told its block
+    is unknown, under the notices saying why. They are installed together, each said in a notice
+    of its own."""
+    env = install_plugin(tmp_path, *(entry for entry, _, _ in BROKEN_PLUGINS.values()))
     (tmp_path / "broken.py").write_text(BROKEN)
     (tmp_path / "quits.py").write_text("raise SystemExit(3)\n")
     result = archlab("validate", "specs/tiny/yoco.yaml", env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
-    assert all(f"notice: {fragments[0]}" in result.stderr and fragment in result.stderr for fragment in fragments), result.stderr
-    if name:
-        spec = tmp_path / "s.yaml"
-        spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: s\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
-        used = archlab("validate", spec, env=env)
-        assert used.returncode == 1 and f"unknown type '{name}'" in used.stderr and "it is left out" in used.stderr, used.stderr
+    notices = [" ".join(notice.split()) for notice in ("\n" + result.stderr).split("\nnotice: ")[1:]]
+    assert len(notices) == len(BROKEN_PLUGINS), result.stderr
+    for case, (_, fragments, _) in BROKEN_PLUGINS.items():
+        assert [notice for notice in notices if notice.startswith(fragments[0]) and all(f in notice for f in fragments)], (case, notices)
+
+    specs = []
+    for name in (name for _, _, name in BROKEN_PLUGINS.values() if name):
+        specs.append(tmp_path / f"{name}.yaml")
+        specs[-1].write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: {name}\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
+    used = archlab("validate", *specs, env=env)
+    assert used.returncode == 1 and "Traceback" not in used.stderr and "it is left out" in used.stderr, used.stderr
+    for spec in specs:
+        assert f"unknown type '{spec.stem}'" in used.stderr.split(str(spec), 1)[1].split("\nerror", 1)[0], (spec, used.stderr)
 
 
-@pytest.mark.parametrize("name,lacks", [("stateless", "Identity, which has no new_state method"),
-                                        ("forwardless", "Forwardless, which has no forward method")])
-def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_path, name, lacks):
-    env = install_plugin(tmp_path, f"{name} = broken:{name.capitalize()}Spec")
+def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_path):
+    lacking = {"stateless": "Identity, which has no new_state method", "forwardless": "Forwardless, which has no forward method"}
+    env = install_plugin(tmp_path, *(f"{name} = broken:{name.capitalize()}Spec" for name in lacking))
     (tmp_path / "broken.py").write_text(BROKEN)
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: s\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
-    validated, *refused = archlab_session(
-        tmp_path, ["validate", spec], ["build", spec], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"], env=env)
-    assert validated.returncode == 0, validated.stderr  # a spec as good as any
-    assert len(refused) == 2
-    for result in refused:
-        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-        assert f"block '{name}': its build() returned {lacks}" in result.stderr
+    commands = []
+    for name in lacking:
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: {name}\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
+        commands += [["validate", spec], ["build", spec], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"]]
+    results = archlab_session(tmp_path, *commands, env=env)
+    for (name, lacks), (validated, *refused) in zip(lacking.items(), (results[:3], results[3:]), strict=True):
+        assert validated.returncode == 0, validated.stderr  # a spec as good as any
+        for result in refused:
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            assert f"block '{name}': its build() returned {lacks}" in result.stderr
 
 
 def test_generate_streams_text_with_a_notice(cli):

@@ -654,7 +654,7 @@ def evaluate(
 ) -> None:
     """How well trained runs use longer contexts: the held-out loss of the same last tokens given
     prefixes of each length (the paper's last-512-token perplexity); on a recall task, loss and
-    accuracy of the answers in fresh sequences of each length."""
+    accuracy of the answers in fresh sequences of each length; on examples, of the responses."""
     from archlab.train.evaluate import evaluate as scored
     from archlab.train.evaluate import plot
 

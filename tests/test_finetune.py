@@ -137,8 +137,10 @@ def test_a_run_fine_tunes_on_conversations_and_is_evaluated_on_them(cli, pretrai
     assert 0 <= json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["eval_acc"] <= 1
     code, stdout, stderr = cli("evaluate", run, "--seq-len", "64", "--last", "32", "--sequences", "4")
     assert code == 0 and "Traceback" not in stderr, stderr
-    (row,) = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| chat |")]
-    assert 0 < int(row[3].replace(",", "")) < 4 * 32, stdout  # the assistant's tokens among the last 32 alone
+    header, _, row = (line.split("|")[1:-1] for line in stdout.splitlines())
+    row = dict(zip(map(str.strip, header), map(str.strip, row), strict=True))
+    assert 0 < int(row["tokens scored"].replace(",", "")) < 4 * 32, stdout  # the assistant's tokens among the last 32 alone
+    assert 0 <= float(row["acc"]) <= 1, stdout
 
 
 def test_a_window_counts_the_targets_its_mask_marks():
@@ -398,9 +400,11 @@ def test_evaluate_scores_the_responses_among_the_last_tokens_of_examples(cli, pr
         targets = batch.targets.masked_fill(~batch.mask, -100)
         targets[:, :-16] = -100
         with torch.no_grad():
-            wanted = F.cross_entropy(model(batch.inputs).flatten(0, 1), targets.flatten(), ignore_index=-100)
+            logits = model(batch.inputs)
+        wanted = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         assert result.length == length and result.scored == int((targets != -100).sum()) < 4 * 16
         assert result.loss == pytest.approx(wanted.item(), rel=1e-5)
+        assert result.accuracy == int((logits.argmax(-1) == targets).sum()) / result.scored  # as training's eval_acc
 
     short, long = {"prompt": "a", "response": "b" * 10}, {"prompt": "x = 1\n" * 10, "response": "y"}
     prompts = write_examples(tmp_path / "prompts.jsonl", [short] * 6 + [long] + [short] * 3)  # held out: the last 4

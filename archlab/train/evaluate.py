@@ -21,7 +21,7 @@ from archlab.loss import IGNORE, scores
 from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import load_trained
-from archlab.train.config import SYNTHETIC, TrainConfig, load_config
+from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
 from archlab.train.data import Batch, RecallTask, prepare, tokens_of
 
 
@@ -55,7 +55,7 @@ class Evaluated:
     sequences: int
     scored: int  # tokens whose prediction counted, over all sequences
     loss: float
-    accuracy: float | None  # of a recall task's answers
+    accuracy: float | None  # of a recall task's answers, or of examples' responses
 
     def row(self, run: str) -> dict:
         row = {"run": run, "length": self.length, "sequences": self.sequences, "tokens scored": self.scored,
@@ -92,6 +92,12 @@ class Loaded:
         """Whether the sequences are a recall task's, scored at the answers alone."""
         return self.source in SYNTHETIC
 
+    @property
+    def answers(self) -> bool:
+        """Whether only some tokens count (a recall task's answers, examples' responses), whose
+        accuracy is then scored too, as training's evaluations do."""
+        return self.recall or holds_examples(self.source)
+
     def sequences(self, lengths: list[int], sequences: int) -> dict[int, Batch]:
         """For each length, ``sequences`` windows of the held-out split (or of all of ``data``, read
         with the run's tokenizer) ending at the same tokens; on a recall task, fresh sequences."""
@@ -120,7 +126,8 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
              data: str | None = None, batch: int = 8) -> list[Evaluated]:
     """The run's latest checkpoint scored at each length, ``batch`` windows at a time: on its
     held-out split (or all of ``data``, read with the run's tokenizer), the loss of the last
-    ``last`` tokens of each window; on a recall task, the loss and accuracy of the answers."""
+    ``last`` tokens of each window (of examples, and their accuracy, of the responses among them);
+    on a recall task, the loss and accuracy of the answers."""
     loaded = Loaded.of(run, data)
     if not loaded.recall and last > min(lengths):
         raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
@@ -139,7 +146,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
                 raise EvaluationError(f"no response token is among the last {last:,} of the {length:,}-token windows; give a longer"
                                       " --last (or more --sequences)")
             found.append(Evaluated(length, len(windows.inputs), int(counted), lost / counted,
-                                   correct / counted if loaded.recall else None))
+                                   correct / counted if loaded.answers else None))
     return found
 
 

@@ -1276,6 +1276,26 @@ def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(t
                 assert tokenizer.decode(probe.answer) == f" {probe.value}"
 
 
+def test_niah_finds_the_longest_haystack_as_a_scan_of_every_count_does():
+    """The search for the most lines that fit, against trying every count, on prompts whose lines
+    take from 1 to 400 tokens, in runs of short and long ones (text's code and prose)."""
+    from archlab.train.needle import longest
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        runs = [rng.integers(1, rng.choice([3, 30, 400]), size=rng.integers(1, 400)) for _ in range(rng.integers(1, 30))]
+        sizes = np.concatenate([[rng.integers(0, 500)], *runs]).cumsum()
+        budget, last, asked = int(rng.integers(sizes[0], sizes[-1])), len(sizes) - 1, []
+
+        def size(count):  # past the lines drawn, a line takes 50 tokens
+            asked.append(count)
+            return int(sizes[min(count, last)]) + 50 * max(count - last, 0)
+
+        found = longest(size, budget)
+        assert found == int(np.flatnonzero(sizes <= budget)[-1]), (budget, asked)
+        assert len(asked) <= 4 * np.log2(len(sizes)) + 8, asked  # no scan: about as many as doubling and halving (fewer on real text)
+
+
 def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli, trained_on_text, trained_on_mqar, tmp_path):
     from tokenizers import Tokenizer
 

@@ -15,8 +15,10 @@ reading the needle is worth; 0 is a model that does not use it.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
@@ -95,20 +97,16 @@ class Probes:
         value = self._number()
         start = self.rng.randrange(len(self.haystack.lines))
 
+        @functools.lru_cache(maxsize=4)  # the longest that fits, among the last asked, is not encoded again for the probe
         def prompt(count: int, hidden: str = value) -> list[int]:
             context = self.haystack.context(count, start, NEEDLE.format(key=key, value=hidden), depth)
             return self.encode(PROMPT.format(context=context, key=key))
 
         budget = length - self.new_tokens
-        if len(prompt(0)) > budget:
-            raise EvaluationError(f"--seq-len {length:,}: the question and the needle alone take {len(prompt(0)):,} tokens, and"
+        if (least := len(prompt(0))) > budget:
+            raise EvaluationError(f"--seq-len {length:,}: the question and the needle alone take {least:,} tokens, and"
                                   f" {self.new_tokens} more are generated; give a longer length")
-        fits, over = 0, 1
-        while len(prompt(over)) <= budget:  # double until past the budget, then halve the gap
-            fits, over = over, over * 2
-        while over - fits > 1:
-            middle = (fits + over) // 2
-            fits, over = (middle, over) if len(prompt(middle)) <= budget else (fits, middle)
+        fits = longest(lambda count: len(prompt(count)), budget)
         other = value
         while other == value:
             other = self._number()
@@ -116,6 +114,37 @@ class Probes:
 
     def _number(self) -> str:
         return str(self.rng.randint(10 ** (DIGITS - 1), 10**DIGITS - 1))
+
+
+def longest(size: Callable[[int], int], budget: int) -> int:
+    """The most lines whose prompt's ``size`` in tokens (growing with the lines; none fit) is
+    within ``budget``. Guesses on the line through the last two sizes come within a line or so; from
+    the last, steps of 1, 2, 4... lines bracket the answer and halving the bracket finds it: a few
+    encodings of a long prompt, where doubling from one line took two for each doubling."""
+    size = functools.cache(size)  # the bracket's ends are asked for again
+    fits, over, last, guess = 0, math.inf, (0, size(0)), 16  # size(fits) <= budget < size(over)
+    for _ in range(8):  # each guess on the line through the last two sizes
+        taken = size(guess)
+        fits, over = (max(fits, guess), over) if taken <= budget else (fits, min(over, guess))
+        (count, counted), last = last, (guess, taken)
+        per_line = max((taken - counted) / (guess - count), 1e-3)  # tokens a line takes, between the two
+        guess = max(1, guess + math.floor((budget - taken) / per_line))
+        if not fits < guess < over:
+            break
+    if guess <= fits or (guess < over and size(guess) <= budget):  # the answer is at the guess or past it
+        fits, step = max(fits, guess), 1
+        while fits + step < over and size(fits + step) <= budget:
+            fits, step = fits + step, step * 2
+        over = min(over, fits + step)
+    else:  # short of it
+        over, step = min(over, guess), 1
+        while over - step > fits and size(over - step) > budget:
+            over, step = over - step, step * 2
+        fits = max(fits, over - step)
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        fits, over = (middle, over) if size(middle) <= budget else (fits, middle)
+    return fits
 
 
 @dataclass

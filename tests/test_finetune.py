@@ -88,19 +88,23 @@ def test_only_the_responses_and_their_ends_count(examples, tmp_path):
 @pytest.fixture(scope="module")
 def conversations(examples, tmp_path_factory):
     """The same functions as conversations, two functions each: a system message, then for each
-    function its signature and docstring from the user and its body from the assistant; the first
+    function its signature and docstring from the user and its body from the assistant (in every
+    other conversation, the first body with a weight of 0: context, not trained on); the first
     function stays a prompt/response line, as a file may mix them."""
     pairs = [json.loads(line) for line in examples.read_text().splitlines()]
     chats = [{"messages": [{"role": "system", "content": "Write the body of each function."}]
               + [message for pair in pairs[first : first + 2] for message in ({"role": "user", "content": pair["prompt"]},
                                                                               {"role": "assistant", "content": pair["response"]})]}
              for first in range(1, len(pairs), 2)]
+    for chat in chats[::2]:
+        chat["messages"][2]["weight"] = 0
     return write_examples(tmp_path_factory.mktemp("conversations") / "textwrap-chat.jsonl", pairs[:1] + chats)
 
 
 def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_path):
-    """Where the tokens count they decode to each assistant message and the newline that ends it;
-    where they do not, to the role headers and the other messages, each ended by a newline."""
+    """Where the tokens count they decode to each assistant message (of weight 1) and the newline
+    that ends it; where they do not, to the role headers and the other messages, each ended by a
+    newline."""
     lines = [json.loads(line) for line in conversations.read_text().splitlines()]
     data = prepare(Data(source=str(conversations), val_fraction=0.25), 512, 32, 0, tmp_path)
     tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"), 512)
@@ -113,7 +117,7 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
                 continue
             context = ""
             for message in line["messages"]:
-                if message["role"] == "assistant":
+                if message["role"] == "assistant" and message.get("weight") != 0:
                     expected += [context + "Assistant: ", message["content"] + "\n"]
                     context = ""
                 else:
@@ -280,7 +284,15 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
      ' {{"role": "tool", "content": "b"}}'),
     (['{"messages": [{"role": "assistant", "content": [{"type": "text", "text": "b"}]}]}'], "line 1 of {path!r}: message 0 is not a"),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}'],
-     "line 2 of {path!r} has no assistant message: nothing in it would be trained on"),
+     'line 2 of {path!r} has no assistant message to train on (none, or each with "weight": 0)'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}]}'],
+     'line 2 of {path!r} has no assistant message to train on'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}]}'],
+     'line 2 of {path!r}: message 0 has "weight": 1; an assistant\'s message may have a weight of 0 (context, not trained on) or 1'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": 0.5}]}'],
+     'line 2 of {path!r}: message 0 has "weight": 0.5'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": true}]}'],
+     'line 2 of {path!r}: message 0 has "weight": true'),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
 ])
 def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines, said):

@@ -290,26 +290,34 @@ def _example(value: object, where: str, line: str) -> tuple[list[tuple[str, bool
     """One line's example as pieces of text, each with whether its tokens count, and how many
     characters of text it gives. A prompt/response pair is its prompt, then its response and the
     end; a conversation (``"messages"``, as chat datasets give them) is each message's role header,
-    then its content and the end, where an assistant's content and end count."""
+    then its content and the end, where an assistant's content and end count (``_conversation``)."""
     if isinstance(value, dict) and "messages" in value:
-        messages = value["messages"]
-        if not (isinstance(messages, list) and messages):
-            raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
-        for index, message in enumerate(messages):
-            if not (isinstance(message, dict) and message.get("role") in HEADERS and isinstance(message.get("content"), str)):
-                raise DataError(f'{where}: message {index} is not a {{"role": {" | ".join(map(json.dumps, HEADERS))},'
-                                f' "content": string}} object, it is {json.dumps(message)[:80]}')
-        if not any(message["role"] == "assistant" for message in messages):
-            raise DataError(f"{where} has no assistant message: nothing in it would be trained on")
-        pieces = []
-        for message in messages:
-            counts = message["role"] == "assistant"
-            pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
-        return pieces, sum(len(message["content"]) for message in messages)
+        return _conversation(value["messages"], where)
     if isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("prompt", "response")):
         return [(value["prompt"], False), (value["response"], True), (END, True)], len(value["prompt"]) + len(value["response"])
     raise DataError(f'{where} is not an example: each line is a JSON object with "prompt" and "response" strings, or with'
                     f' "messages", it has {line.strip()[:80]}')
+
+
+def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]], int]:
+    """A conversation's pieces, each message's role header, content and end, and its characters.
+    An assistant's content and end count, but where it has ``"weight": 0``: as in OpenAI's
+    fine-tuning format, a turn given as context alone."""
+    if not (isinstance(messages, list) and messages):
+        raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
+    pieces = []
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and message.get("role") in HEADERS and isinstance(message.get("content"), str)):
+            raise DataError(f'{where}: message {index} is not a {{"role": {" | ".join(map(json.dumps, HEADERS))},'
+                            f' "content": string}} object, it is {json.dumps(message)[:80]}')
+        if "weight" in message and (message["role"] != "assistant" or message["weight"] not in (0, 1) or isinstance(message["weight"], bool)):
+            raise DataError(f'{where}: message {index} has "weight": {json.dumps(message["weight"])}; an assistant\'s message may'
+                            " have a weight of 0 (context, not trained on) or 1")
+        counts = message["role"] == "assistant" and message.get("weight", 1) == 1
+        pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
+    if not any(counts for _, counts in pieces):
+        raise DataError(f'{where} has no assistant message to train on (none, or each with "weight": 0)')
+    return pieces, sum(len(message["content"]) for message in messages)
 
 
 def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -310,10 +310,11 @@ def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]],
         if not (isinstance(message, dict) and message.get("role") in HEADERS and isinstance(message.get("content"), str)):
             raise DataError(f'{where}: message {index} is not a {{"role": {" | ".join(map(json.dumps, HEADERS))},'
                             f' "content": string}} object, it is {json.dumps(message)[:80]}')
-        if "weight" in message and (message["role"] != "assistant" or message["weight"] not in (0, 1) or isinstance(message["weight"], bool)):
+        weight = message.get("weight", 1)
+        if weight not in (0, 1) or isinstance(weight, bool) or (message["role"] != "assistant" and "weight" in message):
             raise DataError(f'{where}: message {index} has "weight": {json.dumps(message["weight"])}; an assistant\'s message may'
                             " have a weight of 0 (context, not trained on) or 1")
-        counts = message["role"] == "assistant" and message.get("weight", 1) == 1
+        counts = message["role"] == "assistant" and weight == 1
         pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
     if not any(counts for _, counts in pieces):
         raise DataError(f'{where} has no assistant message to train on (none, or each with "weight": 0)')

@@ -126,8 +126,8 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
              data: str | None = None, batch: int = 8) -> list[Evaluated]:
     """The run's latest checkpoint scored at each length, ``batch`` windows at a time: on its
     held-out split (or all of ``data``, read with the run's tokenizer), the loss of the last
-    ``last`` tokens of each window (of examples, and their accuracy, of the responses among them);
-    on a recall task, the loss and accuracy of the answers."""
+    ``last`` tokens of each window (of examples, the loss and accuracy of the responses among
+    them); on a recall task, the loss and accuracy of the answers."""
     loaded = Loaded.of(run, data)
     if not loaded.recall and last > min(lengths):
         raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"

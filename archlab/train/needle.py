@@ -117,8 +117,8 @@ class Probes:
 
 
 def longest(size: Callable[[int], int], budget: int) -> int:
-    """The most lines whose prompt's ``size`` in tokens (growing with the lines; none fit) is
-    within ``budget``. Guesses on the line through the last two sizes come within a line or so; from
+    """The most lines whose prompt's ``size`` in tokens (growing with the lines, and within the
+    budget at none) is within ``budget``. Guesses on the line through the last two sizes come within a line or so; from
     the last, steps of 1, 2, 4... lines bracket the answer and halving the bracket finds it: a few
     encodings of a long prompt, where doubling from one line took two for each doubling."""
     size = functools.cache(size)  # the bracket's ends are asked for again

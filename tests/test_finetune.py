@@ -126,10 +126,9 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
         parts = np.split(np.arange(len(tokens)), np.flatnonzero(np.diff(counted.astype(int))) + 1)
         assert not counted[0] and counted[-1]
         assert [tokenizer.decode(tokens[part].tolist()) for part in parts] == expected
-    first, second = (sum(len(m["content"]) for m in line["messages"]) for line in lines[1:3])
-    size = len(lines[0]["prompt"]) + len(lines[0]["response"])
-    assert len(read_examples(str(conversations), size + first)) == 2  # max_bytes counts what the lines hold
-    assert len(read_examples(str(conversations), size + first + 1)) == 3
+    held_by_two = len(lines[0]["prompt"]) + len(lines[0]["response"]) + sum(len(m["content"]) for m in lines[1]["messages"])
+    assert len(read_examples(str(conversations), held_by_two)) == 2  # max_bytes counts what the lines hold
+    assert len(read_examples(str(conversations), held_by_two + 1)) == 3
 
 
 def test_a_run_fine_tunes_on_conversations_and_is_evaluated_on_them(cli, pretrained, conversations, tmp_path):

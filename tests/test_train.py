@@ -1278,7 +1278,7 @@ def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(t
 
 def test_niah_finds_the_longest_haystack_as_a_scan_of_every_count_does():
     """The search for the most lines that fit, against trying every count, on prompts whose lines
-    take from 1 to 400 tokens, in runs of short and long ones (text's code and prose)."""
+    take from 1 to 399 tokens, in runs of short and long ones (text's code and prose)."""
     from archlab.train.needle import longest
 
     rng = np.random.default_rng(0)

@@ -63,6 +63,9 @@ def test_the_script_splits_each_function_after_its_docstring():
     ''')
     found = _functions_script().examples(source, longest=600)
     assert found == [{"prompt": 'def double(x):\n    """Twice x."""\n', "response": "    y = x * 2\n    return y\n"}]
+    assert _functions_script().conversation(found[0]) == {"messages": [  # with --chat
+        {"role": "user", "content": 'Write the body of this function.\ndef double(x):\n    """Twice x."""\n'},
+        {"role": "assistant", "content": "    y = x * 2\n    return y\n"}]}
     assert _functions_script().examples(source, longest=10) == []  # the body is 29 characters
 
 

@@ -1,6 +1,7 @@
 """Write fine-tuning examples from the Python standard library: for each documented function, the
 prompt is its signature and docstring, the response its body. ``archlab train --data OUT.jsonl``
-trains on the bodies alone.
+trains on the bodies alone. With ``--chat``, each is a conversation instead: the user asks for the
+body of the function, the assistant gives it.
 
     python docs/examples/stdlib_functions.py functions.jsonl --skip-chars 4000000
 
@@ -35,11 +36,20 @@ def examples(source: str, longest: int) -> list[dict]:
     return found
 
 
+ASK = "Write the body of this function.\n"
+
+
+def conversation(example: dict) -> dict:
+    """A prompt/response example as a conversation: the user asks for the body, the assistant gives it."""
+    return {"messages": [{"role": "user", "content": ASK + example["prompt"]}, {"role": "assistant", "content": example["response"]}]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", help="the .jsonl file to write")
     parser.add_argument("--skip-chars", type=int, default=0, help="leave out the files the corpus's first N characters come from")
     parser.add_argument("--longest", type=int, default=600, help="the longest body kept, in characters")
+    parser.add_argument("--chat", action="store_true", help="write each as a conversation of a user and an assistant")
     args = parser.parse_args()
     read, written = 0, 0
     with open(args.out, "w", encoding="utf-8") as out:
@@ -56,7 +66,7 @@ def main() -> None:
             except SyntaxError:  # a file written for another Python's grammar
                 continue
             for example in found:
-                out.write(json.dumps(example) + "\n")
+                out.write(json.dumps(conversation(example) if args.chat else example) + "\n")
             written += len(found)
     print(f"{written:,} examples in {args.out}")
 

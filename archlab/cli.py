@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from enum import Enum
@@ -321,20 +321,11 @@ def generate(
         raise typer.BadParameter(str(exc)) from None
     prompt, stop = _utf8("--prompt", prompt), [_utf8("--stop", text) for text in stop or ()]
     if source.is_dir():
-        try:
-            spec, model, checkpoint, tokenizer = load_trained(source)
-            codec = TextCodec(tokenizer, spec.vocab_size)
-        except SpecError as exc:
-            _report(exc)
-            raise typer.Exit(1) from None
-        except CheckpointError as exc:
-            _error(str(exc))
-            raise typer.Exit(1) from None
-        err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
+        spec, model, codec = _trained(source)
     else:
-        spec, tokenizer, model = _load_one(source), None, None  # drawn once the prompt is known to be usable
+        spec, model = _load_one(source), None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
-    if tokenizer is None and spec.vocab_size < 256:
+    if codec.tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {escape(spec.name)} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
     ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
@@ -352,13 +343,41 @@ def generate(
         err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
-    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", page_size):
-        cache = engine.cache_for([len(ids)], max_new_tokens)
     sys.stdout.write(prompt)
-    start, new = time.perf_counter(), []
-    shown = ""
+    start = time.perf_counter()
+    new, cache = _written(engine, ids, max_new_tokens, sampling, codec)
+    sys.stdout.write("\n")
+    size = cache.bytes_per_sequence()
+    err.print(
+        f"{len(new)} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
+        f" + {size.local:,} B local per sequence",
+        highlight=False,
+    )
+
+
+def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
+    """A training run's spec, its latest weights and its text; one that does not load ends the command in words."""
     try:
-        for tokens, _, _ in engine.stream([ids], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop token
+        spec, model, checkpoint, tokenizer = load_trained(source)
+        codec = TextCodec(tokenizer, spec.vocab_size)
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
+    except CheckpointError as exc:
+        _error(str(exc))
+        raise typer.Exit(1) from None
+    err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
+    return spec, model, codec
+
+
+def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec):
+    """The tokens generated after ``ids`` (up to its stop token, the last), written out as they
+    come, and the cache that holds them all."""
+    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
+        cache = engine.cache_for([len(ids)], max_new_tokens)
+    new, shown = [], ""
+    try:
+        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop
             new.append(int(tokens[0]))
             text = codec.decode(new)
             if not text.endswith("\ufffd"):  # hold back a partly decoded character
@@ -369,13 +388,67 @@ def generate(
         sys.stdout.write("\n")
         _error(str(exc))
         raise typer.Exit(1) from None
-    sys.stdout.write(codec.decode(new)[len(shown) :] + "\n")
-    size = cache.bytes_per_sequence()
-    err.print(
-        f"{len(new)} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
-        f" + {size.local:,} B local per sequence",
-        highlight=False,
-    )
+    sys.stdout.write(codec.decode(new)[len(shown) :])
+    return new, cache
+
+
+@app.command()
+def chat(
+    run: Annotated[Path, typer.Argument(help="a training run (or checkpoint) fine-tuned on conversations")],
+    system: Annotated[str | None, typer.Option(help="a system message the conversation begins with")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="the longest reply, in tokens")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
+    top_k: Annotated[int | None, typer.Option(min=1)] = None,
+    top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1, help="sampling seed")] = None,
+    dtype: DtypeOption = Dtype("auto"),
+) -> None:
+    """Talk with a run fine-tuned on conversations. Each message read (its lines up to a blank
+    line) is the user's; the reply, the assistant's, ends at the newline that ends a message. The
+    conversation so far is tokenized as training tokenized it, piece by piece, which a prompt
+    given to generate is not."""
+    from archlab.train.data import END, HEADERS, reply_prompt
+
+    try:
+        sampling = Sampling(temperature, top_k, top_p, seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    system = None if system is None else _utf8("--system", system)
+    spec, model, codec = _trained(run)
+    if codec.tokenizer is None:
+        _error(f"{run} trained on token ids or a recall task, with no tokenizer to read a conversation with; chat with a run fine-tuned"
+               " on a .jsonl of conversations")
+        raise typer.Exit(1)
+    end = codec.encode(END)  # one token: a byte-level BPE has every byte
+    engine = Engine(model.to(_dtype(spec, dtype)).eval())
+    sampling = replace(sampling, stop_tokens=tuple(end))
+    messages = [] if system is None else [{"role": "system", "content": system}]
+    if sys.stdin.isatty():
+        err.print("a message ends at a blank line; Ctrl-D ends the conversation", highlight=False, markup=False)
+    for message in _messages(sys.stdin):
+        messages.append({"role": "user", "content": message})
+        if not sys.stdin.isatty():  # the transcript shows what was said, as a terminal does
+            sys.stdout.write(HEADERS["user"] + message + END)
+        sys.stdout.write(HEADERS["assistant"])
+        new, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
+        ended = new[-1:] == end
+        if not ended:
+            sys.stdout.write(END)
+            err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
+        messages.append({"role": "assistant", "content": codec.decode(new[:-1] if ended else new)})
+
+
+def _messages(lines) -> Iterator[str]:
+    """The messages typed: each its lines up to a blank line, or up to the end of the input."""
+    message = []
+    for line in lines:
+        if line.strip():
+            message.append(line.rstrip("\n"))
+        elif message:
+            yield "\n".join(message)
+            message = []
+    if message:
+        yield "\n".join(message)
 
 
 def _check_device(name: str) -> torch.device:

@@ -22,8 +22,9 @@
    fla: ``training-fla-compiled``); ``training-profile``:
    where a step's kernel time goes (matmuls, attention, the rest) and its heaviest kernels.
 5. ``commands``: archlab's commands end to end on the tiny specs, as a researcher runs them
-   (train, under torchrun too, fine-tune on examples, evaluate, layers, niah, generate over rows
-   and pages, curves, a two-trial study): each one's exit status, time and the device it trained on.
+   (train, under torchrun too, fine-tune on conversations, evaluate, layers, niah, generate over
+   rows and pages, chat, curves, a two-trial study): each one's exit status, time and the device
+   it trained on.
 
 Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
 cut short keeps what it measured. A section that fails records its error and the next one runs.
@@ -436,6 +437,9 @@ def layout(row: dict) -> str:
     return "rows" if row.get("page_size") is None else f"pages of {row['page_size']}, {row['page_kernel']}"
 
 
+CHAT = "Write the body of this function.\ndef double(x):\n\nAnd another.\n"  # the messages chat reads; the rest read nothing
+
+
 def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | None]]:
     """The commands ``commands`` runs in ``tmp``, in order: (name, argv, the run it trains or None)."""
     run, tuned, examples, study = tmp / "run", tmp / "tuned", tmp / "functions.jsonl", tmp / "study.yaml"
@@ -452,7 +456,8 @@ def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | No
         ("train", [*cli, "train", yoco_u, "--out", str(run), *train], run),
         ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "archlab", "train",
                       yoco_u, "--out", str(tmp / "ddp"), *train], tmp / "ddp"),
-        ("examples", [sys.executable, str(ROOT / "docs" / "examples" / "stdlib_functions.py"), str(examples), "--skip-chars", "10000000"], None),
+        ("examples", [sys.executable, str(ROOT / "docs" / "examples" / "stdlib_functions.py"), str(examples), "--skip-chars", "10000000",
+                      "--chat"], None),
         ("fine-tune", [*cli, "train", str(run), "--init", str(run), "--data", str(examples), "--steps", str(steps // 2),
                        "--out", str(tuned), "--set", f"eval_interval={steps // 4}"], tuned),
         ("evaluate", [*cli, "evaluate", str(run), "--seq-len", "64", "128", "--last", "32"], None),
@@ -461,6 +466,7 @@ def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | No
         ("niah", [*cli, "niah", str(run), "--seq-len", "512", "1024", "--depths", "2", "--sequences", "2"], None),
         ("generate", [*cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32"], None),
         ("generate paged", [*cli, "generate", str(run), "--prompt", "def ", "--max-new-tokens", "32", "--page-size", "16"], None),
+        ("chat", [*cli, "chat", str(tuned), "--max-new-tokens", "32"], None),  # two messages, from CHAT
         ("curves", [*cli, "curves", str(run), str(tuned)], None),
         ("study", [*cli, "study", "run", str(study), "--out", str(tmp / "study")], None),
     ]
@@ -468,15 +474,15 @@ def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | No
 
 def commands(smoke: bool) -> list[dict]:
     """archlab's commands end to end, as a researcher runs them on this machine: pretrain a tiny
-    YOCO-U (on one process and under torchrun), fine-tune it on examples, score it, generate from
-    it (over rows and over pages), and a study of two trials. Each row: the command, its exit
+    YOCO-U (on one process and under torchrun), fine-tune it on conversations, score it, generate
+    from it (over rows and over pages), chat with the fine-tuned run, and a study of two trials. Each row: the command, its exit
     status, seconds, the device its run trained on, and its last line of output."""
     with tempfile.TemporaryDirectory() as tmp:
         listed = command_lines(Path(tmp), 4 if smoke else 60)
         rows = []
         for name, command, trained in listed:
             began = time.perf_counter()
-            done = subprocess.run(command, capture_output=True, text=True, cwd=tmp)
+            done = subprocess.run(command, input=CHAT, capture_output=True, text=True, cwd=tmp)
             said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
             row = {"command": name, "exit": done.returncode, "seconds": time.perf_counter() - began, "last": said[-1][:160] if said else ""}
             if trained is not None and (trained / "environment.yaml").is_file():

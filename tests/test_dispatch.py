@@ -282,7 +282,7 @@ def test_the_gpu_checks_commands_are_given_as_archlab_reads_them(monkeypatch, tm
 
     listed = [(name, argv[argv.index("archlab") + 1 :]) for name, argv, _ in command_lines(tmp_path, 4) if "archlab" in argv]
     assert [name for name, _ in listed] == ["train", "torchrun", "fine-tune", "evaluate", "evaluate examples", "layers", "niah",
-                                            "generate", "generate paged", "curves", "study"]
+                                            "generate", "generate paged", "chat", "curves", "study"]
     for name, args in listed:
         command = typer.main.get_command(app)
         context, rest = command.make_context("archlab", _expand_list_options(args)), _expand_list_options(args)

@@ -1,10 +1,13 @@
 """Fine-tuning: a run that starts from another's weights (``--init``), and prompt/response
 examples (a ``.jsonl`` source) trained on their responses alone."""
 
+import copy
 import importlib.util
 import inspect
+import io
 import json
 import shutil
+import sys
 import textwrap
 
 import numpy as np
@@ -15,7 +18,7 @@ import yaml
 
 from archlab.train.checkpoint import load_trained
 from archlab.train.config import Data, load_config
-from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, tokens_of
+from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
 from conftest import ROOT
 from test_train import SMALL, finished_run
 
@@ -134,8 +137,10 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
     assert len(read_examples(str(conversations), held_by_two + 1)) == 3
 
 
-def test_a_run_fine_tunes_on_conversations_and_is_evaluated_on_them(cli, pretrained, conversations, tmp_path):
-    """A file of conversations (and a prompt/response line) is fine-tuned on as any examples are."""
+def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(cli, pretrained, conversations, tmp_path, monkeypatch):
+    """A file of conversations (and a prompt/response line) is fine-tuned on as any examples are;
+    ``chat`` replies as greedy decoding by the whole logits does after the conversation so far,
+    each header, message and newline tokenized on its own as training tokenized them."""
     run = tmp_path / "chat"
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", conversations,
                           "--steps", "2", "--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4")
@@ -147,6 +152,40 @@ def test_a_run_fine_tunes_on_conversations_and_is_evaluated_on_them(cli, pretrai
     row = dict(zip(map(str.strip, header), map(str.strip, row), strict=True))
     assert 0 < int(row["tokens scored"].replace(",", "")) < 4 * 32, stdout  # the assistant's tokens among the last 32 alone
     assert 0 <= float(row["acc"]) <= 1, stdout
+
+    tokenizer, (_, model, _, _) = load_tokenizer(str(run / "tokenizer.json"), 256), load_trained(run)
+    end = tokenizer.encode("\n").ids
+    messages, transcript = [{"role": "system", "content": "Be brief."}], ""
+    for said in ("Write the body of this function.\ndef double(x):", "And another."):
+        messages.append({"role": "user", "content": said})
+        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "\n") for i in tokenizer.encode(text).ids]
+        prompt += tokenizer.encode("Assistant: ").ids
+        new = []
+        while len(new) < 6 and new[-1:] != end:
+            with torch.no_grad():
+                new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
+        messages.append({"role": "assistant", "content": tokenizer.decode(new[:-1] if new[-1:] == end else new)})
+        transcript += f"User: {said}\nAssistant: {messages[-1]['content']}\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Write the body of this function.\ndef double(x):\n\n\nAnd another.\n"))
+    asked = []  # the conversation each reply follows, its replies included
+    monkeypatch.setattr("archlab.train.data.reply_prompt",
+                        lambda so_far, tokenizer: asked.append(copy.deepcopy(so_far)) or reply_prompt(so_far, tokenizer))
+    code, stdout, stderr = cli("chat", run, "--system", "Be brief.", "--max-new-tokens", "6")
+    assert code in (0, None) and "Traceback" not in stderr, stderr
+    assert stdout == transcript and asked == [messages[:2], messages[:4]]
+
+
+def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
+    """Piece by piece: with a BPE whose tokens join a space to the word after it, the conversation
+    read as one text would start its messages with tokens training never saw there."""
+    from archlab.train.data import read_texts, train_tokenizer
+
+    tokenizer = train_tokenizer(read_texts("stdlib", 400_000), 2048)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write the body of this function.\ndef double(x):"},
+                {"role": "assistant", "content": "    return 2 * x", "weight": 0}, {"role": "user", "content": "And another."}]
+    pieces = [text for m in messages for text in (f"{m['role'].title()}: ", m["content"], "\n")] + ["Assistant: "]
+    assert reply_prompt(messages, tokenizer) == [i for text in pieces for i in tokenizer.encode(text).ids]
+    assert reply_prompt(messages, tokenizer) != tokenizer.encode("".join(pieces)).ids
 
 
 def test_a_window_counts_the_targets_its_mask_marks():

@@ -300,9 +300,16 @@ def _example(value: object, where: str, line: str) -> tuple[list[tuple[str, bool
 
 
 def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]], int]:
-    """A conversation's pieces, each message's role header, content and end, and its characters.
-    An assistant's content and end count, but where it has ``"weight": 0``: as in OpenAI's
-    fine-tuning format, a turn given as context alone."""
+    """A conversation's pieces (``_message_pieces``) and its characters, refused if nothing in it counts."""
+    pieces = _message_pieces(messages, where)
+    if not any(counts for _, counts in pieces):
+        raise DataError(f'{where} has no assistant message to train on (none, or each with "weight": 0)')
+    return pieces, sum(len(message["content"]) for message in messages)
+
+
+def _message_pieces(messages: object, where: str) -> list[tuple[str, bool]]:
+    """Each message's role header, content and end. An assistant's content and end count, but
+    where it has ``"weight": 0``: as in OpenAI's fine-tuning format, a turn given as context alone."""
     if not (isinstance(messages, list) and messages):
         raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
     pieces = []
@@ -316,9 +323,14 @@ def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]],
                             " have a weight of 0 (context, not trained on) or 1")
         counts = message["role"] == "assistant" and weight == 1
         pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
-    if not any(counts for _, counts in pieces):
-        raise DataError(f'{where} has no assistant message to train on (none, or each with "weight": 0)')
-    return pieces, sum(len(message["content"]) for message in messages)
+    return pieces
+
+
+def reply_prompt(messages: list[dict], tokenizer) -> list[int]:
+    """The tokens a reply to ``messages`` follows: the conversation as training tokenizes it, piece
+    by piece (not as one text, whose tokens may span a header and its content), and the assistant's
+    header."""
+    return _example_tokens([[*_message_pieces(messages, "the conversation"), (HEADERS["assistant"], False)]], tokenizer)[0][0].tolist()
 
 
 def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:

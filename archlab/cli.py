@@ -424,18 +424,25 @@ def chat(
     sampling = replace(sampling, stop_tokens=tuple(end))
     messages = [] if system is None else [{"role": "system", "content": system}]
     if sys.stdin.isatty():
-        err.print("a message ends at a blank line; Ctrl-D ends the conversation", highlight=False, markup=False)
-    for message in _messages(sys.stdin):
-        messages.append({"role": "user", "content": message})
-        if not sys.stdin.isatty():  # the transcript shows what was said, as a terminal does
-            sys.stdout.write(HEADERS["user"] + message + END)
-        sys.stdout.write(HEADERS["assistant"])
-        new, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
-        ended = new[-1:] == end
-        if not ended:
-            sys.stdout.write(END)
-            err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
-        messages.append({"role": "assistant", "content": codec.decode(new[:-1] if ended else new)})
+        err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
+    try:
+        for message in _messages(sys.stdin):
+            messages.append({"role": "user", "content": message})
+            if not sys.stdin.isatty():  # the transcript shows what was said, as a terminal does
+                sys.stdout.write(HEADERS["user"] + message + END)
+            sys.stdout.write(HEADERS["assistant"])
+            new, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
+            ended = new[-1:] == end
+            if not ended:
+                sys.stdout.write(END)
+                err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
+            messages.append({"role": "assistant", "content": codec.decode(new[:-1] if ended else new)})
+    except UnicodeDecodeError as exc:
+        _error(f"the input is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        raise typer.Exit(130) from None
 
 
 def _messages(lines) -> Iterator[str]:

@@ -173,6 +173,9 @@ def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(
     code, stdout, stderr = cli("chat", run, "--system", "Be brief.", "--max-new-tokens", "6")
     assert code in (0, None) and "Traceback" not in stderr, stderr
     assert stdout == transcript and asked == [messages[:2], messages[:4]]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))  # Latin-1
+    code, _, stderr = cli("chat", run)
+    assert code == 1 and "the input is not UTF-8 text (byte 0xe9)" in stderr and "Traceback" not in stderr, stderr
 
 
 def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
@@ -302,6 +305,8 @@ def test_a_run_on_token_ids_gives_no_tokenizer_to_fine_tune_on_text(cli, example
                            "--set", "micro_batch_size=4", "--steps", "1")
     refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", on_mqar, "--data", examples],
                       "trained on token ids or a recall task, with no tokenizer", "give data.tokenizer")
+    code, _, stderr = cli("chat", on_mqar)
+    assert code == 1 and "with no tokenizer to read a conversation with" in stderr and "Traceback" not in stderr, stderr
 
 
 def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):

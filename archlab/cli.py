@@ -344,12 +344,11 @@ def generate(
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     sys.stdout.write(prompt)
-    start = time.perf_counter()
-    new, cache = _written(engine, ids, max_new_tokens, sampling, codec)
+    new, cache, seconds = _written(engine, ids, max_new_tokens, sampling, codec)
     sys.stdout.write("\n")
     size = cache.bytes_per_sequence()
     err.print(
-        f"{len(new)} tokens in {time.perf_counter() - start:.2f}s; cache {size.global_:,} B global"
+        f"{len(new)} tokens in {seconds:.2f}s; cache {size.global_:,} B global"
         f" + {size.local:,} B local per sequence",
         highlight=False,
     )
@@ -372,10 +371,10 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
 
 def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec):
     """The tokens generated after ``ids`` (up to its stop token, the last), written out as they
-    come, and the cache that holds them all."""
+    come, the cache that holds them all, and the seconds they took once it was made."""
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
-    new, shown = [], ""
+    start, new, shown = time.perf_counter(), [], ""
     try:
         for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop
             new.append(int(tokens[0]))
@@ -389,7 +388,7 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(codec.decode(new)[len(shown) :])
-    return new, cache
+    return new, cache, time.perf_counter() - start
 
 
 @app.command()
@@ -431,7 +430,7 @@ def chat(
             if not sys.stdin.isatty():  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(HEADERS["user"] + message + END)
             sys.stdout.write(HEADERS["assistant"])
-            new, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
+            new, _, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
             ended = new[-1:] == end
             if not ended:
                 sys.stdout.write(END)

@@ -315,10 +315,7 @@ def generate(
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
 
-    try:
-        sampling = Sampling(temperature, top_k, top_p, seed)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    sampling = _sampling(temperature, top_k, top_p, seed)
     prompt, stop = _utf8("--prompt", prompt), [_utf8("--stop", text) for text in stop or ()]
     if source.is_dir():
         spec, model, codec = _trained(source)
@@ -352,6 +349,14 @@ def generate(
         f" + {size.local:,} B local per sequence",
         highlight=False,
     )
+
+
+def _sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
+    """The sampling options, refused as the command line's where they do not make one."""
+    try:
+        return Sampling(temperature, top_k, top_p, seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
@@ -408,10 +413,7 @@ def chat(
     given to generate is not."""
     from archlab.train.data import END, HEADERS, reply_prompt
 
-    try:
-        sampling = Sampling(temperature, top_k, top_p, seed)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    sampling = _sampling(temperature, top_k, top_p, seed)
     system = None if system is None else _utf8("--system", system)
     spec, model, codec = _trained(run)
     if codec.tokenizer is None:
@@ -422,12 +424,13 @@ def chat(
     engine = Engine(model.to(_dtype(spec, dtype)).eval())
     sampling = replace(sampling, stop_tokens=tuple(end))
     messages = [] if system is None else [{"role": "system", "content": system}]
-    if sys.stdin.isatty():
+    typed = sys.stdin.isatty()
+    if typed:
         err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
     try:
         for message in _messages(sys.stdin):
             messages.append({"role": "user", "content": message})
-            if not sys.stdin.isatty():  # the transcript shows what was said, as a terminal does
+            if not typed:  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(HEADERS["user"] + message + END)
             sys.stdout.write(HEADERS["assistant"])
             new, _, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)

@@ -475,8 +475,9 @@ def command_lines(tmp: Path, steps: int) -> list[tuple[str, list[str], Path | No
 def commands(smoke: bool) -> list[dict]:
     """archlab's commands end to end, as a researcher runs them on this machine: pretrain a tiny
     YOCO-U (on one process and under torchrun), fine-tune it on conversations, score it, generate
-    from it (over rows and over pages), chat with the fine-tuned run, and a study of two trials. Each row: the command, its exit
-    status, seconds, the device its run trained on, and its last line of output."""
+    from it (over rows and over pages), chat with the fine-tuned run, and a study of two trials.
+    Each row: the command, its exit status, seconds, the device its run trained on, and its last
+    line of output."""
     with tempfile.TemporaryDirectory() as tmp:
         listed = command_lines(Path(tmp), 4 if smoke else 60)
         rows = []

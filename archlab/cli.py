@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import torch
 import typer
@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from archlab.block import Problem, ceil_div
+from archlab.cache import Cache
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
@@ -341,11 +342,11 @@ def generate(
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     sys.stdout.write(prompt)
-    new, cache, seconds = _written(engine, ids, max_new_tokens, sampling, codec)
+    written = _written(engine, ids, max_new_tokens, sampling, codec)
     sys.stdout.write("\n")
-    size = cache.bytes_per_sequence()
+    size = written.cache.bytes_per_sequence()
     err.print(
-        f"{len(new)} tokens in {seconds:.2f}s; cache {size.global_:,} B global"
+        f"{written.tokens} tokens in {written.seconds:.2f}s; cache {size.global_:,} B global"
         f" + {size.local:,} B local per sequence",
         highlight=False,
     )
@@ -374,26 +375,48 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
     return spec, model, codec
 
 
-def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec):
-    """The tokens generated after ``ids`` (up to its stop token, the last), written out as they
-    come, the cache that holds them all, and the seconds they took once it was made."""
+class Written(NamedTuple):
+    """What ``_written`` generated and wrote out."""
+
+    text: str  # up to ``until`` where it was met, which is left out
+    ended: bool  # at ``until``
+    tokens: int
+    cache: Cache  # holds the prompt and the tokens (where it ended at ``until``, all but the last)
+    seconds: float  # from once the cache was made
+
+
+def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec,
+             until: str | None = None) -> Written:
+    """The text generated after ``ids`` (up to its stop token, the last, or up to the text ``until``),
+    written out as it comes."""
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
-    start, new, shown = time.perf_counter(), [], ""
+    start, new, shown, ended = time.perf_counter(), [], "", False
     try:
         for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop
             new.append(int(tokens[0]))
             text = codec.decode(new)
-            if not text.endswith("\ufffd"):  # hold back a partly decoded character
+            if until and until in text:
+                text, ended = text[: text.index(until)], True
+                break
+            if not text.endswith("\ufffd"):  # hold back a partly decoded character, and what may begin ``until``
+                text = text[: len(text) - _begun(text, until)]
                 sys.stdout.write(text[len(shown) :])
                 sys.stdout.flush()
                 shown = text
+        else:
+            text = codec.decode(new)
     except FloatingPointError as exc:  # weights that give NaN
         sys.stdout.write("\n")
         _error(str(exc))
         raise typer.Exit(1) from None
-    sys.stdout.write(codec.decode(new)[len(shown) :])
-    return new, cache, time.perf_counter() - start
+    sys.stdout.write(text[len(shown) :])
+    return Written(text, ended, len(new), cache, time.perf_counter() - start)
+
+
+def _begun(text: str, until: str | None) -> int:
+    """How many characters at the end of ``text`` are the beginning of ``until``."""
+    return next((n for n in range(min(len(text), len(until or "")), 0, -1) if until.startswith(text[-n:])), 0)
 
 
 @app.command()
@@ -408,10 +431,10 @@ def chat(
     dtype: DtypeOption = Dtype("auto"),
 ) -> None:
     """Talk with a run fine-tuned on conversations. Each message read (its lines up to a blank
-    line) is the user's; the reply, the assistant's, ends at the newline that ends a message. The
-    conversation so far is tokenized as training tokenized it, piece by piece, which a prompt
-    given to generate is not."""
-    from archlab.train.data import END, HEADERS, reply_prompt
+    line) is the user's; the reply, the assistant's, ends where training ended a message (at
+    <|end|>, which is not shown). The conversation so far is tokenized as training tokenized it,
+    piece by piece, which a prompt given to generate is not."""
+    from archlab.train.data import HEADERS, MESSAGE_END, DataError, reply_prompt
 
     sampling = _sampling(temperature, top_k, top_p, seed)
     system = None if system is None else _utf8("--system", system)
@@ -420,25 +443,28 @@ def chat(
         _error(f"{run} trained on token ids or a recall task, with no tokenizer to read a conversation with; chat with a run fine-tuned"
                " on a .jsonl of conversations")
         raise typer.Exit(1)
-    end = codec.encode(END)  # one token: a byte-level BPE has every byte
     engine = Engine(model.to(_dtype(spec, dtype)).eval())
-    sampling = replace(sampling, stop_tokens=tuple(end))
     messages = [] if system is None else [{"role": "system", "content": system}]
     typed = sys.stdin.isatty()
-    if typed:
-        err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
     try:
+        if messages:
+            reply_prompt(messages, codec.tokenizer)  # a system message that cannot be read is refused before any is typed
+        if typed:
+            err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
         for message in _messages(sys.stdin):
             messages.append({"role": "user", "content": message})
+            prompt = reply_prompt(messages, codec.tokenizer)
             if not typed:  # the transcript shows what was said, as a terminal does
-                sys.stdout.write(HEADERS["user"] + message + END)
+                sys.stdout.write(f"{HEADERS['user']}{message}\n\n")
             sys.stdout.write(HEADERS["assistant"])
-            new, _, _ = _written(engine, reply_prompt(messages, codec.tokenizer), max_new_tokens, sampling, codec)
-            ended = new[-1:] == end
-            if not ended:
-                sys.stdout.write(END)
+            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=MESSAGE_END)
+            sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed
+            if not reply.ended:
                 err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
-            messages.append({"role": "assistant", "content": codec.decode(new[:-1] if ended else new)})
+            messages.append({"role": "assistant", "content": reply.text})
+    except DataError as exc:  # a message holding MESSAGE_END
+        _error(str(exc))
+        raise typer.Exit(1) from None
     except UnicodeDecodeError as exc:
         _error(f"the input is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})")
         raise typer.Exit(1) from None

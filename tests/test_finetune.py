@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from archlab.engine import Engine
 from archlab.train.checkpoint import load_trained
 from archlab.train.config import Data, load_config
 from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
@@ -67,7 +68,7 @@ def test_the_script_splits_each_function_after_its_docstring():
     found = _functions_script().examples(source, longest=600)
     assert found == [{"prompt": 'def double(x):\n    """Twice x."""\n', "response": "    y = x * 2\n    return y\n"}]
     assert _functions_script().conversation(found[0]) == {"messages": [  # with --chat
-        {"role": "user", "content": 'Write the body of this function.\ndef double(x):\n    """Twice x."""\n'},
+        {"role": "user", "content": 'Write the body of this function.\ndef double(x):\n    """Twice x."""'},
         {"role": "assistant", "content": "    y = x * 2\n    return y\n"}]}
     assert _functions_script().examples(source, longest=10) == []  # the body is 29 characters
 
@@ -108,9 +109,9 @@ def conversations(examples, tmp_path_factory):
 
 
 def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_path):
-    """Where the tokens count they decode to each assistant message (of weight 1) and the newline
-    that ends it; where they do not, to the role headers and the other messages, each ended by a
-    newline."""
+    """Where the tokens count they decode to each assistant message (of weight 1) and the end of
+    a message after it; where they do not, to the role headers and the other messages, each
+    ended alike."""
     lines = [json.loads(line) for line in conversations.read_text().splitlines()]
     data = prepare(Data(source=str(conversations), val_fraction=0.25), 512, 32, 0, tmp_path)
     tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"), 512)
@@ -124,10 +125,10 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
             context = ""
             for message in line["messages"]:
                 if message["role"] == "assistant" and message.get("weight") != 0:
-                    expected += [context + "Assistant: ", message["content"] + "\n"]
+                    expected += [context + "Assistant: ", message["content"] + "<|end|>\n"]
                     context = ""
                 else:
-                    context += f"{message['role'].title()}: {message['content']}\n"
+                    context += f"{message['role'].title()}: {message['content']}<|end|>\n"
         tokens, counted = data.splits[split], data.masks[split]
         parts = np.split(np.arange(len(tokens)), np.flatnonzero(np.diff(counted.astype(int))) + 1)
         assert not counted[0] and counted[-1]
@@ -140,7 +141,7 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
 def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(cli, pretrained, conversations, tmp_path, monkeypatch):
     """A file of conversations (and a prompt/response line) is fine-tuned on as any examples are;
     ``chat`` replies as greedy decoding by the whole logits does after the conversation so far,
-    each header, message and newline tokenized on its own as training tokenized them."""
+    each header, message and end tokenized on its own as training tokenized them."""
     run = tmp_path / "chat"
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", conversations,
                           "--steps", "2", "--set", "seq_len=64", "--set", "batch_size=4", "--set", "micro_batch_size=4")
@@ -154,28 +155,61 @@ def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(
     assert 0 <= float(row["acc"]) <= 1, stdout
 
     tokenizer, (_, model, _, _) = load_tokenizer(str(run / "tokenizer.json"), 256), load_trained(run)
-    end = tokenizer.encode("\n").ids
     messages, transcript = [{"role": "system", "content": "Be brief."}], ""
     for said in ("Write the body of this function.\ndef double(x):", "And another."):
         messages.append({"role": "user", "content": said})
-        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "\n") for i in tokenizer.encode(text).ids]
+        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n")
+                  for i in tokenizer.encode(text).ids]
         prompt += tokenizer.encode("Assistant: ").ids
         new = []
-        while len(new) < 6 and new[-1:] != end:
+        while len(new) < 6 and "<|end|>" not in tokenizer.decode(new):
             with torch.no_grad():
                 new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
-        messages.append({"role": "assistant", "content": tokenizer.decode(new[:-1] if new[-1:] == end else new)})
-        transcript += f"User: {said}\nAssistant: {messages[-1]['content']}\n"
+        messages.append({"role": "assistant", "content": tokenizer.decode(new).partition("<|end|>")[0]})
+        transcript += f"User: {said}\n\nAssistant: {messages[-1]['content']}\n" + ("" if messages[-1]["content"].endswith("\n") else "\n")
     monkeypatch.setattr(sys, "stdin", io.StringIO("Write the body of this function.\ndef double(x):\n\n\nAnd another.\n"))
     asked = []  # the conversation each reply follows, its replies included
     monkeypatch.setattr("archlab.train.data.reply_prompt",
                         lambda so_far, tokenizer: asked.append(copy.deepcopy(so_far)) or reply_prompt(so_far, tokenizer))
     code, stdout, stderr = cli("chat", run, "--system", "Be brief.", "--max-new-tokens", "6")
     assert code in (0, None) and "Traceback" not in stderr, stderr
-    assert stdout == transcript and asked == [messages[:2], messages[:4]]
+    assert stdout == transcript and asked == [messages[:1], messages[:2], messages[:4]]  # the system message checked first
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))  # Latin-1
     code, _, stderr = cli("chat", run)
     assert code == 1 and "the input is not UTF-8 text (byte 0xe9)" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrained, monkeypatch):
+    """A reply ends at the end of a message (as training wrote one after each), not at its first
+    newline: the end is not shown, nor anything that may begin it until it is known not to, and
+    the reply joins the conversation without it. The model's tokens are scripted."""
+    tokenizer = load_tokenizer(str(pretrained / "tokenizer.json"), 256)
+    replies = ["    a = [1 <| 2]\n\n    return a\n<|end|>\nUser: never read", "one line<|end|>"]
+    prompts, taken = [], []
+
+    def scripted(engine, given, max_new_tokens, sampling, cache=None):
+        prompts.append(tokenizer.decode(given[0].tolist()))
+        for token in tokenizer.encode(replies[len(prompts) - 1]).ids[:max_new_tokens]:
+            taken.append(token)
+            yield torch.tensor([token]), None, torch.tensor([False])
+
+    monkeypatch.setattr(Engine, "stream", scripted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Write it.\n\nAnd another.\n"))
+    code, stdout, stderr = cli("chat", pretrained)
+    assert code in (0, None) and "Traceback" not in stderr and "cut" not in stderr, stderr
+    assert stdout == "User: Write it.\n\nAssistant:     a = [1 <| 2]\n\n    return a\n\nUser: And another.\n\nAssistant: one line\n\n"
+    assert prompts[1] == "User: Write it.<|end|>\nAssistant:     a = [1 <| 2]\n\n    return a\n<|end|>\nUser: And another.<|end|>\nAssistant: "
+    assert len(taken) == len(tokenizer.encode("    a = [1 <| 2]\n\n    return a\n<|end|>" + replies[1]).ids)  # none read past an end
+
+    prompts.clear()
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Write it.\n"))
+    code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", "5")
+    assert code in (0, None) and stdout == "User: Write it.\n\nAssistant:     a\n\n", stdout
+    assert "(the reply was cut at --max-new-tokens 5)" in stderr
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
+    code, stdout, stderr = cli("chat", pretrained, "--system", "End with <|end|>.")
+    assert code == 1 and "the conversation: message 0 holds <|end|>, which ends a message" in stderr and "Traceback" not in stderr, stderr
+    assert stdout == "" and sys.stdin.tell() == 0  # refused before a message was read
 
 
 def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
@@ -186,7 +220,7 @@ def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
     tokenizer = train_tokenizer(read_texts("stdlib", 400_000), 2048)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write the body of this function.\ndef double(x):"},
                 {"role": "assistant", "content": "    return 2 * x", "weight": 0}, {"role": "user", "content": "And another."}]
-    pieces = [text for m in messages for text in (f"{m['role'].title()}: ", m["content"], "\n")] + ["Assistant: "]
+    pieces = [text for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n")] + ["Assistant: "]
     assert reply_prompt(messages, tokenizer) == [i for text in pieces for i in tokenizer.encode(text).ids]
     assert reply_prompt(messages, tokenizer) != tokenizer.encode("".join(pieces)).ids
 
@@ -339,6 +373,9 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
      'line 2 of {path!r}: message 0 has "weight": 0.5'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": true}]}'],
      'line 2 of {path!r}: message 0 has "weight": true'),
+    (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b<|end|>c"}]}'],
+     "line 2 of {path!r}: message 1 holds <|end|>, which ends a message (the model would learn to end it there); take it out of the"
+     " content"),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
 ])
 def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines, said):

@@ -250,7 +250,10 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
     return texts
 
 
-END = "\n"  # ends each response and each message: the run's BPE has no special tokens
+END = "\n"  # ends each prompt/response example's response: the run's BPE has no special tokens
+# Ends each message of a conversation, before a newline: a reply of many lines (code, paragraphs)
+# ends here, not at its first newline, as no message may hold it.
+MESSAGE_END = "<|end|>"
 HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # a message's role, as its text begins
 
 
@@ -288,9 +291,10 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
 
 def _example(value: object, where: str, line: str) -> tuple[list[tuple[str, bool]], int]:
     """One line's example as pieces of text, each with whether its tokens count, and how many
-    characters of text it gives. A prompt/response pair is its prompt, then its response and the
-    end; a conversation (``"messages"``, as chat datasets give them) is each message's role header,
-    then its content and the end, where an assistant's content and end count (``_conversation``)."""
+    characters of text it gives. A prompt/response pair is its prompt, then its response and
+    ``END``; a conversation (``"messages"``, as chat datasets give them) is each message's role
+    header, then its content and its end, where an assistant's content and end count
+    (``_conversation``)."""
     if isinstance(value, dict) and "messages" in value:
         return _conversation(value["messages"], where)
     if isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("prompt", "response")):
@@ -308,8 +312,9 @@ def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]],
 
 
 def _message_pieces(messages: object, where: str) -> list[tuple[str, bool]]:
-    """Each message's role header, content and end. An assistant's content and end count, but
-    where it has ``"weight": 0``: as in OpenAI's fine-tuning format, a turn given as context alone."""
+    """Each message's role header, content and end (``MESSAGE_END`` and a newline). An assistant's
+    content and end count, but where it has ``"weight": 0``: as in OpenAI's fine-tuning format, a
+    turn given as context alone."""
     if not (isinstance(messages, list) and messages):
         raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
     pieces = []
@@ -321,8 +326,11 @@ def _message_pieces(messages: object, where: str) -> list[tuple[str, bool]]:
         if weight not in (0, 1) or isinstance(weight, bool) or (message["role"] != "assistant" and "weight" in message):
             raise DataError(f'{where}: message {index} has "weight": {json.dumps(message["weight"])}; an assistant\'s message may'
                             " have a weight of 0 (context, not trained on) or 1")
+        if MESSAGE_END in message["content"]:
+            raise DataError(f"{where}: message {index} holds {MESSAGE_END}, which ends a message (the model would learn to end"
+                            " it there); take it out of the content")
         counts = message["role"] == "assistant" and weight == 1
-        pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (END, counts)]
+        pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (MESSAGE_END + "\n", counts)]
     return pieces
 
 
@@ -347,7 +355,7 @@ def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer) -> tuple[
 
 def _examples(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, resume: bool) -> TokenSource:
     """Fine-tuning examples as a token stream, packed one after another, where their responses (or
-    assistant messages) and the newlines that end them count (see ``_example``). The last
+    assistant messages) and the ends after them count (see ``_example``). The last
     ``val_fraction`` of the examples are held out. Tokenized at every start (examples are few),
     with ``cfg.tokenizer``, the run's own on a resume, or a BPE trained on them, which is written
     into ``data_dir`` for ``generate``."""

@@ -40,8 +40,11 @@ ASK = "Write the body of this function.\n"
 
 
 def conversation(example: dict) -> dict:
-    """A prompt/response example as a conversation: the user asks for the body, the assistant gives it."""
-    return {"messages": [{"role": "user", "content": ASK + example["prompt"]}, {"role": "assistant", "content": example["response"]}]}
+    """A prompt/response example as a conversation: the user asks for the body, the assistant gives
+    it. The request ends at its docstring's last character, as a message typed to ``archlab chat``
+    does (its lines joined)."""
+    return {"messages": [{"role": "user", "content": ASK + example["prompt"].rstrip("\n")},
+                         {"role": "assistant", "content": example["response"]}]}
 
 
 def main() -> None:

@@ -307,7 +307,7 @@ def generate(
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
     seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1,
                                              help="sampling seed; for a bare spec, also its random weights (default 0)")] = None,
-    stop: Annotated[list[str] | None, typer.Option(help="stop after this text (one token)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop once this text is written (shown too); may be given again")] = None,
     prefill_chunk: Annotated[int, typer.Option(min=1)] = 2048,
     page_size: PageSize = None,
     page_kernel: PageKernelOption = PageKernel("torch"),
@@ -317,7 +317,9 @@ def generate(
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
 
     sampling = _sampling(temperature, top_k, top_p, seed)
-    prompt, stop = _utf8("--prompt", prompt), [_utf8("--stop", text) for text in stop or ()]
+    prompt, stop = _utf8("--prompt", prompt), tuple(_utf8("--stop", text) for text in stop or ())
+    if "" in stop:
+        raise typer.BadParameter("--stop '' is empty; give text to stop at")
     if source.is_dir():
         spec, model, codec = _trained(source)
     else:
@@ -329,21 +331,14 @@ def generate(
     ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
     if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
-    stop_tokens = []
-    for text in stop:
-        stop_ids = codec.encode(text)
-        if len(stop_ids) != 1:
-            raise typer.BadParameter(f"--stop {text!r} is {len(stop_ids)} tokens; give text that is one token")
-        stop_tokens += stop_ids
     if model is None:
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
         model = _built(spec)
         err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
-    sampling = replace(sampling, stop_tokens=tuple(stop_tokens))
     sys.stdout.write(prompt)
-    written = _written(engine, ids, max_new_tokens, sampling, codec)
-    sys.stdout.write("\n")
+    written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop)
+    sys.stdout.write(f"{written.stop or ''}\n")
     size = written.cache.bytes_per_sequence()
     err.print(
         f"{written.tokens} tokens in {written.seconds:.2f}s; cache {size.global_:,} B global"
@@ -378,29 +373,31 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
 class Written(NamedTuple):
     """What ``_written`` generated and wrote out."""
 
-    text: str  # up to ``until`` where it was met, which is left out
-    ended: bool  # at ``until``
+    text: str  # up to the text of ``until`` it stopped at, which is left out
+    stop: str | None  # that text
     tokens: int
-    cache: Cache  # holds the prompt and the tokens (where it ended at ``until``, all but the last)
+    cache: Cache  # holds the prompt and the tokens (where it stopped, all but the last)
     seconds: float  # from once the cache was made
 
 
 def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec,
-             until: str | None = None) -> Written:
-    """The text generated after ``ids`` (up to its stop token, the last, or up to the text ``until``),
-    written out as it comes."""
+             until: tuple[str, ...] = ()) -> Written:
+    """The text generated after ``ids``, up to the first of the texts ``until`` to come (as
+    stop strings go: wherever it falls in a token), written out as it comes."""
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
-    start, new, shown, ended = time.perf_counter(), [], "", False
+    start, new, shown, stop = time.perf_counter(), [], "", None
     try:
-        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):  # one prompt: it ends at its stop
+        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):
             new.append(int(tokens[0]))
             text = codec.decode(new)
-            if until and until in text:
-                text, ended = text[: text.index(until)], True
+            met = [(text.index(end), end) for end in until if end in text]
+            if met:
+                place, stop = min(met)
+                text = text[:place]
                 break
-            if not text.endswith("\ufffd"):  # hold back a partly decoded character, and what may begin ``until``
-                text = text[: len(text) - _begun(text, until)]
+            if not text.endswith("\ufffd"):  # hold back a partly decoded character, and what may begin a text of ``until``
+                text = text[: len(text) - max((_begun(text, end) for end in until), default=0)]
                 sys.stdout.write(text[len(shown) :])
                 sys.stdout.flush()
                 shown = text
@@ -411,12 +408,12 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(text[len(shown) :])
-    return Written(text, ended, len(new), cache, time.perf_counter() - start)
+    return Written(text, stop, len(new), cache, time.perf_counter() - start)
 
 
-def _begun(text: str, until: str | None) -> int:
-    """How many characters at the end of ``text`` are the beginning of ``until``."""
-    return next((n for n in range(min(len(text), len(until or "")), 0, -1) if until.startswith(text[-n:])), 0)
+def _begun(text: str, end: str) -> int:
+    """How many characters at the end of ``text`` are the beginning of ``end``."""
+    return next((n for n in range(min(len(text), len(end)), 0, -1) if end.startswith(text[-n:])), 0)
 
 
 @app.command()
@@ -457,9 +454,9 @@ def chat(
             if not typed:  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(f"{HEADERS['user']}{message}\n\n")
             sys.stdout.write(HEADERS["assistant"])
-            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=MESSAGE_END)
+            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,))
             sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed
-            if not reply.ended:
+            if reply.stop is None:
                 err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
             messages.append({"role": "assistant", "content": reply.text})
     except DataError as exc:  # a message holding MESSAGE_END

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from archlab import build_model, load_spec
+from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import parse_budget, parse_length
 from archlab.train.checkpoint import CheckpointError, load
@@ -421,6 +422,48 @@ def test_generate_streams_text_with_a_notice(cli):
     assert warnings.showwarning is shown  # the notices' form was the command's alone, not its caller's after it
 
 
+def test_generate_stops_at_the_first_stop_text_to_come(cli, monkeypatch):
+    """``--stop`` takes any text: generation stops once the first of them is written, wherever it
+    falls among the tokens, and what may begin one is held back until it is known not to. The
+    tokens are scripted (a bare spec's are bytes)."""
+    script, taken = "x = [1 <| 2]\n\ndef f():\n    pass\n", []
+
+    def scripted(engine, prompts, max_new_tokens, sampling, cache=None):
+        for token in script.encode()[:max_new_tokens]:
+            taken.append(token)
+            yield torch.tensor([token]), None, torch.tensor([False])
+
+    monkeypatch.setattr(Engine, "stream", scripted)
+    for stops, shown in ((["\ndef", "<|end|>", "\n\n"], "x = [1 <| 2]\n\n"), (["pass"], "x = [1 <| 2]\n\ndef f():\n    pass"), (["z"], script)):
+        taken.clear()
+        code, stdout, stderr = cli("generate", "specs/tiny/yoco.yaml", "--prompt", "Hi", *(a for stop in stops for a in ("--stop", stop)))
+        assert code in (0, None), stderr
+        assert stdout == f"Hi{shown}\n" and len(taken) == len(shown) and f"{len(shown)} tokens in" in stderr, (stops, stdout)
+
+
+def test_of_stop_texts_that_one_token_completes_the_first_to_begin_stops(capsys):
+    """A token of many characters may complete two stop texts at once: the one that begins first
+    is where generation stops (as its text, up to there, is what came first)."""
+    from archlab.cli import _written
+    from archlab.engine import Sampling
+
+    class Words:  # a tokenizer of whole words
+        def decode(self, ids):
+            return "".join(["x = ", "abc", "d"][i] for i in ids)
+
+    class Scripted:
+        page_size = None
+
+        def cache_for(self, lengths, new_tokens):
+            return None
+
+        def stream(self, prompts, max_new_tokens, sampling, cache):
+            yield from ((torch.tensor([token]), None, None) for token in (0, 1, 2))
+
+    written = _written(Scripted(), [0], 3, Sampling(), Words(), until=("bc", "a"))
+    assert (written.text, written.stop, written.tokens, capsys.readouterr().out) == ("x = ", "a", 2, "x = ")
+
+
 def test_bench_json_and_plot(cli, tmp_path):
     png = tmp_path / "bench.png"
     code, out, stderr = cli("bench", "specs/tiny/yoco.yaml", "specs/tiny/yoco-u.yaml", "--seq-len", "256", "1K",
@@ -570,7 +613,7 @@ def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message):
 
 
 @pytest.mark.parametrize("option,message", [(["--prompt", ""], "--prompt '' encodes to no tokens"),
-                                            (["--stop", "ab"], "--stop 'ab' is 2 tokens; give text that is one token")])
+                                            (["--stop", ""], "--stop '' is empty; give text to stop at")])
 def test_generate_refuses_a_prompt_or_stop_it_cannot_use_before_drawing_weights(cli, option, message):
     code, stdout, stderr = cli("generate", "specs/tiny/yoco.yaml", *option)
     assert code == 2 and message in stderr, stderr

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import yaml
 
 from archlab.engine import Engine
+from archlab.study.definition import load_study
+from archlab.study.runner import StudyChanged, claim, join, planned_as, run_trial, storage_url
 from archlab.train.checkpoint import load_trained
 from archlab.train.config import Data, load_config
 from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
@@ -534,6 +536,7 @@ def study_file(path, variants, seeds, points=1, steps=2, baseline="yoco", **trai
     return path
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options, as join opens it
 def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, tmp_path, monkeypatch):
     """The paper's Figure 3 as a study: each variant's trial of each seed starts from the trial of
     that variant and seed which the pretraining study's report chose (its best learning rate), and
@@ -601,6 +604,21 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
         assert (f"yoco seed {seed} lr slot 0: started from study pre-tiny's trial {was} (lr {best:g}), would now start from study"
                 f" pre-tiny's trial {number} (lr {other:g})") in said, stderr
     assert "yoco-u seed" not in said
+
+    # where trials start is looked up as a worker joins: the pretraining study choosing again while they run moves none of them
+    study = load_study(str(study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1])))
+    out = tmp_path / "pinned"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)  # yoco's seeds start from its trials at the other rate
+    with sqlite3.connect(database) as db:  # which the pretraining study now scores as it did before: yoco's best rate is back
+        db.executemany("UPDATE trial_values SET value = ? WHERE trial_id = ?", [(t.value, t._trial_id) for t in moved.values()])
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
+    (first,) = optuna_study.get_trials(states=[optuna.trial.TrialState.COMPLETE])
+    variant, seed, _ = planned_as(first)
+    assert variant == "yoco" and first.user_attrs["started_from"]["trial"] in moved and first.user_attrs["started_from"]["lr"] == other
+    assert load_config(f"{first.user_attrs['run']}/config.yaml").init == first.user_attrs["started_from"]["checkpoint"]
+    with pytest.raises(StudyChanged, match=f"yoco seed {seed} lr slot 0: started from study pre-tiny's trial {first.user_attrs['started_from']['trial']}"):
+        join(study, out, url, grace_period=60)
 
 
 def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):

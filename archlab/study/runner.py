@@ -46,6 +46,7 @@ from archlab.train.trainer import Trainer
 
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
+STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
@@ -292,7 +293,9 @@ def _beside_sqlite(url: str) -> Path | None:
 
 def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     """Open the study, plan its trials and prepare its data, one worker at a time (the first one
-    also creates the storage's tables)."""
+    also creates the storage's tables). Where each fine-tuned variant's seeds start is looked up
+    here and recorded for the trials: a pretraining study that chooses another trial while they
+    run, or a run that gains a checkpoint, moves none of them (the next worker to join refuses)."""
     with planning_lock(url, out, study.key):
         optuna_study = open_study(study, url, grace_period)
         agreed = optuna_study.user_attrs.get("grace_period")  # the running workers'
@@ -302,6 +305,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
         # a trial whose starting run is missing would fail; the study stops now instead
         starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
         check_unchanged(study, optuna_study, starts)
+        optuna_study.set_user_attr(STARTS, {variant: {str(seed): start for seed, start in by_seed.items()}  # JSON's keys are text
+                                            for variant, by_seed in starts.items()})
         queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
@@ -443,7 +448,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
         trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
-    start = starts_of(study, variant, url)[seed] if definition.variants[variant].init else None
+    start = trial.study.user_attrs[STARTS][variant][str(seed)] if definition.variants[variant].init else None
     if start:
         trial.set_user_attr("started_from", start)  # for the report
     cfg = cfg.model_copy(

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from decimal import Decimal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, NamedTuple
@@ -462,8 +463,9 @@ def chat(
     except DataError as exc:  # a message holding MESSAGE_END
         _error(str(exc))
         raise typer.Exit(1) from None
-    except UnicodeDecodeError as exc:
-        _error(f"the input is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})")
+    except (UnicodeDecodeError, UnicodeEncodeError) as exc:  # read strictly, or with each byte that is not UTF-8 a surrogate
+        byte = exc.object[exc.start] if isinstance(exc, UnicodeDecodeError) else ord(exc.object[exc.start]) & 0xFF
+        _error(f"the input is not UTF-8 text (byte 0x{byte:02x})")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         sys.stdout.write("\n")
@@ -471,11 +473,13 @@ def chat(
 
 
 def _messages(lines) -> Iterator[str]:
-    """The messages typed: each its lines up to a blank line, or up to the end of the input."""
+    """The messages typed: each its lines up to a blank line, or up to the end of the input. A
+    byte that is not UTF-8, which a C.UTF-8 locale reads as a surrogate, raises UnicodeEncodeError."""
     message = []
     for line in lines:
+        line.encode("utf-8")
         if line.strip():
-            message.append(line.rstrip("\n"))
+            message.append(line.rstrip("\r\n"))
         elif message:
             yield "\n".join(message)
             message = []
@@ -640,7 +644,7 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
     if amount < per_step:
         say.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
     if steps > MAX_STEPS:
-        raise typer.BadParameter(f"{option} buys {steps:.3g} steps ({step_size}), more than the {MAX_STEPS:.0e} a run"
+        raise typer.BadParameter(f"{option} buys {Decimal(steps):.3g} steps ({step_size}), more than the {MAX_STEPS:.0e} a run"
                                  " may take; check its units")
     return max(1, steps)
 
@@ -687,6 +691,10 @@ def train(
                                  f"{'; ...' if len(changed) > 5 else ''}")
             cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
         else:
+            for option, path, written in (("--config", config, "config.yaml"), ("SPEC", _spec_file(spec_path), RUN_SPEC)):
+                if path is not None and Path(path).resolve() == (out / written).resolve():
+                    raise TrainError(f"{option} {path} is where the run writes its resolved {written}, over what it holds; keep it"
+                                     " outside --out")
             given = [*([f"data.source={data}"] if data else []), *([f"init={init}"] if init else [])]
             cfg = load_config(str(config) if config else None, [*(set_ or []), *given])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})

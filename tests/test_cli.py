@@ -584,6 +584,7 @@ BAD_OPTIONS = [
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "inf"], "--flops must be a finite number, got inf"),
     (["train", SPEC, "--out", "{tmp}/run", "--flops", "1e300"], "--flops 1e+300 buys 3.31e+290 steps"),
     (["train", SPEC, "--out", "{tmp}/run", "--tokens", "999999T"], "more than the 1e+12 a run may take; check its units"),
+    (["train", SPEC, "--out", "{tmp}/run", "--tokens", "1e400"], "--tokens 1e400 buys 4.88e+396 steps"),  # past any float
     (["train", SPEC, "--out", "{tmp}/run", "--steps", "2000000000000"], "Invalid value for '--steps'"),
     (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),

@@ -20,7 +20,7 @@ from archlab.engine import Engine
 from archlab.study.definition import load_study
 from archlab.study.runner import StudyChanged, claim, join, planned_as, run_trial, storage_url
 from archlab.train.checkpoint import load_trained
-from archlab.train.config import Data, load_config
+from archlab.train.config import Data, holds_examples, load_config
 from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
 from conftest import ROOT
 from test_train import SMALL, finished_run
@@ -176,9 +176,10 @@ def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(
     code, stdout, stderr = cli("chat", run, "--system", "Be brief.", "--max-new-tokens", "6")
     assert code in (0, None) and "Traceback" not in stderr, stderr
     assert stdout == transcript and asked == [messages[:1], messages[:2], messages[:4]]  # the system message checked first
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8"))  # Latin-1
-    code, _, stderr = cli("chat", run)
-    assert code == 1 and "the input is not UTF-8 text (byte 0xe9)" in stderr and "Traceback" not in stderr, stderr
+    for errors in ("strict", "surrogateescape"):  # as Python reads stdin in a UTF-8 locale, and in C.UTF-8
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors=errors))  # Latin-1
+        code, _, stderr = cli("chat", run)
+        assert code == 1 and "the input is not UTF-8 text (byte 0xe9)" in stderr and "Traceback" not in stderr, (errors, stderr)
 
 
 def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrained, monkeypatch):
@@ -204,9 +205,10 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert len(taken) == len(tokenizer.encode("    a = [1 <| 2]\n\n    return a\n<|end|>" + replies[1]).ids)  # none read past an end
 
     prompts.clear()
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Write it.\n"))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Write it.\r\n"))  # a line's \r\n ends it, as \n does
     code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", "5")
     assert code in (0, None) and stdout == "User: Write it.\n\nAssistant:     a\n\n", stdout
+    assert prompts == ["User: Write it.<|end|>\nAssistant: "]
     assert "(the reply was cut at --max-new-tokens 5)" in stderr
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
     code, stdout, stderr = cli("chat", pretrained, "--system", "End with <|end|>.")
@@ -379,11 +381,25 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
      "line 2 of {path!r}: message 1 holds <|end|>, which ends a message (the model would learn to end it there); take it out of the"
      " content"),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
+    (['{"prompt": "a", "response": "b"}', '{"prompt": "\\ud800", "response": "b"}'],
+     'line 2 of {path!r} holds "\\ud800", half of a UTF-16 surrogate pair, which is not text'),
+    (['{"prompt": "a", "response": "b"}', "[" * 100_000 + "]" * 100_000], "line 2 of {path!r} is not an example: its JSON nests too deeply"),
 ])
 def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines, said):
     path = tmp_path / "bad.jsonl"
     path.write_text("\n".join(lines) + "\n")
     refused(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", path], said.format(path=str(path)))
+
+
+def test_examples_read_whatever_their_files_suffix_case_or_byte_order_mark(examples, tmp_path):
+    """JSON Lines by either name, in either case, with or without a byte-order mark; too few examples
+    within max_bytes say that it cut them short."""
+    text = examples.read_text()
+    for name, data in (("upper.JSONL", text), ("lines.ndjson", text), ("marked.jsonl", "\ufeff" + text)):
+        (tmp_path / name).write_text(data, encoding="utf-8")
+        assert holds_examples(str(tmp_path / name)) and read_examples(str(tmp_path / name), 10**9) == read_examples(str(examples), 10**9)
+    with pytest.raises(DataError, match=r"holds 1 example\(s\) within data.max_bytes \(10 characters\)"):
+        read_examples(str(examples), 10)
 
 
 def test_examples_are_not_cached(cli, examples, tmp_path):

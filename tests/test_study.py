@@ -127,6 +127,14 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert (tmp_path / "copy" / "report.md").is_file()
     code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
     assert code in OK and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4, stderr
+    notes = tmp_path / "notes"  # a folder of someone's files, which the report and plots would overwrite
+    notes.mkdir()
+    (notes / "report.md").write_text("mine")
+    (notes / "todo.txt").write_text("mine")
+    for command in (["run", mini(tmp_path, "other")], ["report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}"]):
+        code, _, stderr = cli("study", *command, "--out", notes)
+        assert code == 1 and f"--out {notes} holds files that are not a study's (todo.txt), which its report" in " ".join(stderr.split()), stderr
+    assert sorted(p.name for p in notes.iterdir()) == ["report.md", "todo.txt"] and (notes / "report.md").read_text() == "mine"
 
 
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, cli):

@@ -480,6 +480,14 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
                     "--steps", "1", *attempt),
                 "holds files that are not a training run's (data/corpus.txt, data/other.txt)", "choose an empty or new --out")
         assert before == {p: p.read_bytes() for p in home.rglob("*") if p.is_file()}
+    mine = tmp_path / "mine"  # a config or spec kept in --out, which the run would write over
+    mine.mkdir()
+    (mine / "config.yaml").write_text("# mine\nsteps: 1\n")
+    shutil.copy("specs/tiny/transformer.yaml", mine / "spec.yaml")
+    for args, option in ((["specs/tiny/transformer.yaml", "--config", mine / "config.yaml"], "--config"), ([mine / "spec.yaml"], "SPEC")):
+        refused(cli("train", *args, "--out", mine, *SMALL), f"{option} {mine / args[-1].name} is where the run writes its resolved",
+                "keep it outside --out")
+    assert (mine / "config.yaml").read_text() == "# mine\nsteps: 1\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml", "spec.yaml"]
 
     shared, first, second = tmp_path / "shared", tmp_path / "first.txt", tmp_path / "second.txt"
     first.write_text("zzzz qqqq " * 400)

@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
-from archlab.study.runner import chosen, latest, learning_rate, planned_as, settled, shown
+from archlab.study.runner import chosen, latest, learning_rate, planned_as, refuse_foreign_files, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
 
@@ -205,6 +205,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     definition = study.definition
     trials = optuna_study.get_trials(deepcopy=False)
     failed = failures(study, trials)
+    refuse_foreign_files(out)
     out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
     plots = plot(study, trials, out)
     text = [

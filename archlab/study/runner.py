@@ -37,6 +37,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
+from archlab.files import written_as
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
@@ -47,6 +48,10 @@ from archlab.train.trainer import Trainer
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
 STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
+# What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
+# trials, a shared tokenized corpus, and the report with its plots
+STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
+               "tokenizer.json", "report.md", "curves.png", "loss_vs_flops.png"}
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
@@ -551,8 +556,18 @@ def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str)
     return f"{lr:.2g}", by_lr[lr]
 
 
+def refuse_foreign_files(out: Path) -> None:
+    """A study writes only its own files into its folder (its report and plots over those there),
+    so a folder holding anything else is someone's: a run, notes, another tool's."""
+    foreign = sorted(p.name for p in out.iterdir() if written_as(p.name) not in STUDY_FILES) if out.is_dir() else []
+    if foreign:
+        raise StorageError(f"--out {out} holds files that are not a study's ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}),"
+                           " which its report and plots could overwrite; choose an empty or new --out")
+
+
 def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:
     """Be one worker of the study until every planned trial has finished."""
+    refuse_foreign_files(out)
     url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
     optuna_study = join(study, out, url, grace_period)

@@ -76,7 +76,7 @@ def tokenized(source: str) -> bool:
 
 def holds_examples(source: str) -> bool:
     """Whether a data source is a file of examples (prompt/response pairs or conversations)."""
-    return Path(source).suffix == EXAMPLES
+    return Path(source).suffix.lower() in (EXAMPLES, ".ndjson")  # JSON Lines' other name; .JSONL from a case-blind system
 
 
 def anchored_source(source: str) -> str:

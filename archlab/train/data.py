@@ -260,18 +260,20 @@ HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  
 def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
     """The examples of a ``.jsonl`` file, one JSON object a line, in order, up to ``max_bytes``
     characters of their text: each as its pieces of text, with whether their tokens count (see
-    ``_example``). Blank lines are skipped, anything else wrong is named by its line."""
+    ``_example``). Blank lines (and a byte-order mark) are skipped, anything else wrong is named by
+    its line."""
     if not Path(source).is_file():
         raise DataError(f"data source {source!r}: no such file")
     try:
-        lines = Path(source).open(encoding="utf-8")
+        lines = Path(source).open(encoding="utf-8-sig")
     except OSError as exc:
         raise DataError(f"data source {source!r}: {exc.strerror or exc}") from None
-    examples, total = [], 0
+    examples, total, cut = [], 0, False
     with lines:
         try:
             for number, line in enumerate(lines, 1):
                 if total >= max_bytes:
+                    cut = True
                     break
                 if not line.strip():
                     continue
@@ -279,13 +281,16 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
                     value = json.loads(line)
                 except ValueError as exc:
                     raise DataError(f"line {number} of {source!r} is not JSON ({exc})") from None
+                except RecursionError:
+                    raise DataError(f"line {number} of {source!r} is not an example: its JSON nests too deeply") from None
                 pieces, chars = _example(value, f"line {number} of {source!r}", line)
                 examples.append(pieces)
                 total += chars
         except UnicodeDecodeError as exc:
             raise DataError(f"data source {source!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
     if len(examples) < 2:
-        raise DataError(f"data source {source!r} holds {len(examples)} example(s); training and validation need at least one each")
+        within = f" within data.max_bytes ({max_bytes:,} characters)" if cut else ""
+        raise DataError(f"data source {source!r} holds {len(examples)} example(s){within}; training and validation need at least one each")
     return examples
 
 
@@ -296,11 +301,18 @@ def _example(value: object, where: str, line: str) -> tuple[list[tuple[str, bool
     header, then its content and its end, where an assistant's content and end count
     (``_conversation``)."""
     if isinstance(value, dict) and "messages" in value:
-        return _conversation(value["messages"], where)
-    if isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("prompt", "response")):
-        return [(value["prompt"], False), (value["response"], True), (END, True)], len(value["prompt"]) + len(value["response"])
-    raise DataError(f'{where} is not an example: each line is a JSON object with "prompt" and "response" strings, or with'
-                    f' "messages", it has {line.strip()[:80]}')
+        pieces, chars = _conversation(value["messages"], where)
+    elif isinstance(value, dict) and all(isinstance(value.get(key), str) for key in ("prompt", "response")):
+        pieces, chars = [(value["prompt"], False), (value["response"], True), (END, True)], len(value["prompt"]) + len(value["response"])
+    else:
+        raise DataError(f'{where} is not an example: each line is a JSON object with "prompt" and "response" strings, or with'
+                        f' "messages", it has {line.strip()[:80]}')
+    for text, _ in pieces:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # JSON may escape half of a UTF-16 pair, which is no character
+            raise DataError(f"{where} holds {json.dumps(exc.object[exc.start])}, half of a UTF-16 surrogate pair, which is not text") from None
+    return pieces, chars
 
 
 def _conversation(messages: object, where: str) -> tuple[list[tuple[str, bool]], int]:

@@ -34,8 +34,8 @@ from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs
 from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
-from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained
-from archlab.train.config import MAX_STEPS, SEED_LIMIT, load_config
+from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
+from archlab.train.config import MAX_STEPS, SEED_LIMIT, holds_examples, load_config
 from archlab.train.curves import Axis, labels
 
 app = typer.Typer(
@@ -441,6 +441,11 @@ def chat(
         _error(f"{run} trained on token ids or a recall task, with no tokenizer to read a conversation with; chat with a run fine-tuned"
                " on a .jsonl of conversations")
         raise typer.Exit(1)
+    config = resolve(run)[0] / "config.yaml"
+    source = load_config(str(config)).data.source if config.is_file() else None  # _trained read it already
+    if source is not None and not holds_examples(source):
+        err.print(f"[yellow]notice[/]: {escape(str(run))} trained on {escape(source)}, not on conversations: its replies need not end"
+                  " where a message does", highlight=False)
     engine = Engine(model.to(_dtype(spec, dtype)).eval())
     messages = [] if system is None else [{"role": "system", "content": system}]
     typed = sys.stdin.isatty()

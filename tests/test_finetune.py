@@ -174,7 +174,7 @@ def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(
     monkeypatch.setattr("archlab.train.data.reply_prompt",
                         lambda so_far, tokenizer: asked.append(copy.deepcopy(so_far)) or reply_prompt(so_far, tokenizer))
     code, stdout, stderr = cli("chat", run, "--system", "Be brief.", "--max-new-tokens", "6")
-    assert code in (0, None) and "Traceback" not in stderr, stderr
+    assert code in (0, None) and "Traceback" not in stderr and "not on conversations" not in stderr, stderr
     assert stdout == transcript and asked == [messages[:1], messages[:2], messages[:4]]  # the system message checked first
     for errors in ("strict", "surrogateescape"):  # as Python reads stdin in a UTF-8 locale, and in C.UTF-8
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="utf-8", errors=errors))  # Latin-1
@@ -200,6 +200,7 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     monkeypatch.setattr(sys, "stdin", io.StringIO("Write it.\n\nAnd another.\n"))
     code, stdout, stderr = cli("chat", pretrained)
     assert code in (0, None) and "Traceback" not in stderr and "cut" not in stderr, stderr
+    assert f"{pretrained} trained on stdlib, not on conversations: its replies need not end where a message does" in " ".join(stderr.split())
     assert stdout == "User: Write it.\n\nAssistant:     a = [1 <| 2]\n\n    return a\n\nUser: And another.\n\nAssistant: one line\n\n"
     assert prompts[1] == "User: Write it.<|end|>\nAssistant:     a = [1 <| 2]\n\n    return a\n<|end|>\nUser: And another.<|end|>\nAssistant: "
     assert len(taken) == len(tokenizer.encode("    a = [1 <| 2]\n\n    return a\n<|end|>" + replies[1]).ids)  # none read past an end

@@ -13,7 +13,7 @@ from optuna.trial import TrialState
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
-from archlab.study.runner import chosen, latest, learning_rate, planned_as, refuse_foreign_files, settled, shown
+from archlab.study.runner import PLOTS, chosen, latest, learning_rate, planned_as, refuse_foreign_files, settled, shown
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
 
@@ -174,7 +174,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
 
     maximize = study.definition.maximize
     done = _reported(study, trials)
-    figures = {"curves": plt.subplots(figsize=(7, 4.5)), "loss_vs_flops": plt.subplots(figsize=(7, 4.5))}
+    figures = {name: plt.subplots(figsize=(7, 4.5)) for name in PLOTS}
     for variant in study.specs:
         complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
         if not complete:

@@ -48,10 +48,11 @@ from archlab.train.trainer import Trainer
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
 STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
+PLOTS = ("curves", "loss_vs_flops")  # the report's plots, each NAME.png beside it
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
 # trials, a shared tokenized corpus, and the report with its plots
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
-               "tokenizer.json", "report.md", "curves.png", "loss_vs_flops.png"}
+               "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS)}
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 

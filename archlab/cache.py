@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from archlab.kv import PageTable, pages_for, past_capacity
+from archlab.memory import check_room
 from archlab.plan import Step
 from archlab.registry import RegistryError
 
@@ -34,6 +35,10 @@ def _row_first(state: State, rows: int, block: str) -> State:
         raise RegistryError(f"block {block!r}: new_state({rows}, ...) must give a dict of tensors ({{}} for none) with a first"
                             f" dimension of {rows}, a row per sequence and stream; got {got}")
     return state
+
+
+def _size(state: State) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
 
 
 @dataclass
@@ -64,19 +69,23 @@ class Cache:
             pages = pages_for([capacity] * rows, page_size) if pages is None else pages
             self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
 
-        def new_global() -> State:
-            with torch.device(device):
+        def new_global(on: torch.device | str = device) -> State:
+            with torch.device(on):
                 if self.pages is None:
                     return model.global_kv.new_state(rows, capacity, dtype)
                 return model.global_kv.new_pool(pages, page_size, dtype)
 
-        def initial(key: tuple[int, int, int], rows: int) -> State:
+        def initial(key: tuple[int, int, int], rows: int, on: torch.device | str = device) -> State:
             """A layer's state as ``new_state`` makes it (again in ``start_over``)."""
-            with torch.device(device):
+            with torch.device(on):
                 return model.layers[key[2]].mixer.new_state(rows, capacity, dtype)
 
-        self.global_kv: dict[Step, State] = {step: new_global() for step in model.plan.steps if step.project}
-        states = {key: _row_first(initial(key, rows), rows, model.spec.block_at(key[2]).type) for key in model.plan.state_keys()}
+        projections, keys = [step for step in model.plan.steps if step.project], model.plan.state_keys()
+        shapes = [new_global("meta") for _ in projections]  # the meta device: shapes, no memory
+        shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
+        check_room(sum(map(_size, shapes)), device, "its states")
+        self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
+        states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
         self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
         self._initial = initial
@@ -84,12 +93,9 @@ class Cache:
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
-        def size(state: State) -> int:
-            return sum(t.numel() * t.element_size() for t in state.values())
-
-        global_ = sum(size(s) for s in self.global_kv.values())
-        global_ += sum(size(s) for key, s in self.layers.items() if self._grows[key])
-        local = sum(size(s) for key, s in self.layers.items() if not self._grows[key])
+        global_ = sum(_size(s) for s in self.global_kv.values())
+        global_ += sum(_size(s) for key, s in self.layers.items() if self._grows[key])
+        local = sum(_size(s) for key, s in self.layers.items() if not self._grows[key])
         return CacheBytes(global_ // self.sequences, local // self.sequences)
 
     def local_tensors(self) -> list[torch.Tensor]:

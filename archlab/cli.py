@@ -29,6 +29,7 @@ from archlab.cache import Cache
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
+from archlab.memory import NoRoom
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs
@@ -207,17 +208,20 @@ def _lengths(values: list[str], least: int = 1) -> list[int]:
 
 @contextmanager
 def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callable[[], str] | None = None):
-    """An allocation larger than the machine, named by what asked for it (``what``, in pages of
-    ``page_size`` if paged) and the options that size it, rather than by the allocator's internals;
-    ``kept`` says what of the work survives."""
+    """An allocation larger than the machine (or refused beforehand, ``archlab.memory``), named by
+    what asked for it (``what``, in pages of ``page_size`` if paged) and the options that size it,
+    rather than by the allocator's internals; ``kept`` says what of the work survives."""
     try:
         yield
     except (RuntimeError, TypeError) as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
         # (a size past int64 overflows instead: a RuntimeError, or a TypeError unpacking it)
         if not isinstance(exc, torch.OutOfMemoryError) and not re.search(r"can't allocate memory|overflow", str(exc), re.I):
             raise
-        asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
-        size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
+        if isinstance(exc, NoRoom):
+            size = f" ({exc})"
+        else:
+            asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
+            size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
         paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
         after = f"; {kept()}" if kept else ""
         err.print(f"[bold red]error[/]: {escape(what)}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
@@ -337,8 +341,7 @@ def generate(
         model = _built(spec)
         err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
-    sys.stdout.write(prompt)
-    written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop)
+    written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop, lead=prompt)
     sys.stdout.write(f"{written.stop or ''}\n")
     size = written.cache.bytes_per_sequence()
     err.print(
@@ -382,11 +385,13 @@ class Written(NamedTuple):
 
 
 def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec,
-             until: tuple[str, ...] = ()) -> Written:
+             until: tuple[str, ...] = (), lead: str = "") -> Written:
     """The text generated after ``ids``, up to the first of the texts ``until`` to come (as
-    stop strings go: wherever it falls in a token), written out as it comes."""
+    stop strings go: wherever it falls in a token), written out as it comes, after ``lead`` (the
+    prompt, a header: written once the cache is made, so that a cache refused leaves no line begun)."""
     with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
         cache = engine.cache_for([len(ids)], max_new_tokens)
+    sys.stdout.write(lead)
     start, new, shown, stop = time.perf_counter(), [], "", None
     try:
         for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):
@@ -459,8 +464,7 @@ def chat(
             prompt = reply_prompt(messages, codec.tokenizer)
             if not typed:  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(f"{HEADERS['user']}{message}\n\n")
-            sys.stdout.write(HEADERS["assistant"])
-            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,))
+            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,), lead=HEADERS["assistant"])
             sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed
             if reply.stop is None:
                 err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)

@@ -14,9 +14,11 @@ from torch import nn
 
 from archlab.block import BlockSpec, BuildContext, MixerInput
 from archlab.cache import Cache, State
+from archlab.cost import Cost
 from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
+from archlab.memory import check_room
 from archlab.ops.attention import append_kv
 from archlab.ops.common import float32_or_wider
 from archlab.ops.dispatch import Kernels, trains_on
@@ -239,6 +241,8 @@ class Model(nn.Module):
 
 def build_model(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Model:
     """Build the model for a validated spec (``device="meta"`` builds paper-scale shapes for free)."""
+    dtype_made = torch.get_default_dtype()  # built in it, then cast
+    check_room(Cost(spec).params_total * dtype_made.itemsize, device or "cpu", f"its weights in {str(dtype_made).removeprefix('torch.')}")
     with torch.device(device or "cpu"):
         model = Model(spec)
     return model if dtype is None else model.to(dtype)

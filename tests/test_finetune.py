@@ -217,6 +217,16 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert stdout == "" and sys.stdin.tell() == 0  # refused before a message was read
 
 
+def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrained, monkeypatch):
+    import archlab.memory
+
+    monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 8 * 2**20)  # the weights fit, 10,000 positions do not
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
+    code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", 10_000)
+    assert code == 1 and "new tokens does not fit in memory (its states ask for" in stderr and "Traceback" not in stderr, stderr
+    assert stdout == "User: Hi.\n\n"  # and no "Assistant: " left without its line's end
+
+
 def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
     """Piece by piece: with a BPE whose tokens join a space to the word after it, the conversation
     read as one text would start its messages with tokens training never saw there."""

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
+from archlab.memory import NoRoom
 
 RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
 NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else there is left alone
@@ -167,7 +168,10 @@ def load_trained(path: str | Path):
 
     run_dir, used = resolve(path)
     spec = load_spec(run_dir / RUN_SPEC)
-    model = build_model(spec)
+    try:
+        model = build_model(spec)
+    except NoRoom as exc:
+        raise CheckpointError(f"{spec.name}, the model of {run_dir}, does not fit in memory here ({exc})") from None
     load_weights(used, model)
     return spec, model, used, tokenizer_of(run_dir)
 

@@ -30,6 +30,7 @@ from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_
 from archlab.ffn import MoEFFN
 from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
+from archlab.memory import check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
@@ -181,6 +182,7 @@ class Trainer:
             )
         self.accumulation = per_process // cfg.micro_batch_size
         torch.manual_seed(cfg.seed)
+        check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")
         self.model = build_model(spec, device=self.device)
         self._refuse_untrainable_kernels()
         if cfg.compile:

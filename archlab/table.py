@@ -38,6 +38,8 @@ def _cell(value) -> str:
     if isinstance(value, Decimals):
         return f"{value:.{value.places}f}"
     if isinstance(value, float):
+        if abs(value) >= 2**53:  # past the integers a float holds: its digits would be made up
+            return f"{value:.2e}"
         return f"{value:,.1f}" if abs(value) >= 10 else _three_digits(value)
     if isinstance(value, int):
         return f"{value:,}"
@@ -65,7 +67,9 @@ def render(rows: list[dict], fmt: Format) -> str:
 def si(value: float) -> str:
     """1.29e9 -> '1.29G': three significant digits with an SI prefix."""
     value = float(f"{value:.3g}")  # round first, so 999.9 reads 1.00K, not 1.00e+03
-    for prefix, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+    if abs(value) >= 1e27:  # past the last prefix
+        return f"{value:.2e}"
+    for prefix, scale in (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(value) >= scale:
             return f"{_three_digits(value / scale)}{prefix}"
     return _three_digits(value)

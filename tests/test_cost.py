@@ -225,13 +225,21 @@ def test_the_readable_table_keeps_a_small_cache_visible():
 @pytest.mark.parametrize(
     "value, text",
     [(0, "0"), (4, "4.00"), (9.4e9, "9.40G"), (63e9, "63.0G"), (263e12, "263T"), (999.9, "1.00K"), (1.294e9, "1.29G"),
-     (1.45e18, "1.45E")],
+     (1.45e18, "1.45E"), (7.68e25, "76.8Y"), (999.96e24, "1.00e+27"), (5.12e48, "5.12e+48")],
 )
 def test_si_keeps_three_digits(value, text):
-    """Every figure in a column carries three digits, and rounding up moves to the next prefix."""
+    """Every figure in a column carries three digits, and rounding up moves to the next prefix;
+    past the last prefix the exponent is written out, not 7.68e+07E."""
     from archlab.table import si
 
     assert si(value) == text
+
+
+def test_a_cost_past_the_integers_a_float_holds_shows_no_made_up_digits():
+    from archlab.table import Format, render
+
+    said = render([{"KV MiB": 2.0**53 - 1}, {"KV MiB": 24414062499999997952.0}], Format.md).splitlines()[2:]
+    assert said == ["| 9,007,199,254,740,991.0 |", "| 2.44e+19 |"]  # not 24,414,062,499,999,997,952.0
 
 
 class StateSizedWork(TorchDispatchMode):

@@ -915,9 +915,8 @@ def downstream(
     over the tasks."""
     try:
         import lm_eval
-        from lm_eval.tasks import TaskManager
 
-        from archlab.train.downstream import ArchlabLM, average, metrics
+        from archlab.train.downstream import ArchlabLM, average, metrics, task_manager
     except ImportError:
         _error("downstream tasks need lm-evaluation-harness: pip install 'archlab[eval]'")
         raise typer.Exit(1) from None
@@ -925,14 +924,10 @@ def downstream(
 
     names = _named("--tasks", tasks, "task", "arc_easy,hellaswag")
     preferred = _named("--average", averaged, "metric", "acc_norm,acc")
-    own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
-    if own is None or any(name not in own.all_tasks for name in names):  # indexing the harness's own tasks takes seconds
-        manager = TaskManager(include_path=str(include_path) if include_path else None)
-    else:
-        manager = own
-    if unknown := [name for name in names if name not in manager.all_tasks]:
-        raise typer.BadParameter(f"--tasks: no task {', '.join(map(repr, unknown))} in lm-evaluation-harness"
-                                 f"{' or ' + str(include_path) if include_path else ''}")
+    try:
+        manager = task_manager(names, include_path)
+    except ValueError as exc:
+        raise typer.BadParameter(f"--tasks: {exc}") from None
     on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list:

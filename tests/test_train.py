@@ -1494,6 +1494,10 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
 
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_pick,no_such_task", "--include-path", tmp_path),
             "--tasks: no task 'no_such_task' in lm-evaluation-harness or")
+    (tmp_path / "broken.yaml").write_text("task: archlab_broken\ndataset_path: json\n  test_split: [\n")
+    refused(cli("downstream", trained_on_text, "--tasks", "archlab_broken", "--include-path", tmp_path),  # the harness skips it quietly
+            f"--tasks: no task 'archlab_broken' in lm-evaluation-harness or {tmp_path}, where lm-evaluation-harness skipped"
+            f" {tmp_path / 'broken.yaml'} (mapping values are not allowed in this context")
     refused(cli("downstream", trained_on_text, "--tasks", " , "), "--tasks ' , ' names no task")
     refused(cli("downstream", trained_on_mqar, "--tasks", "archlab_pick", "--include-path", tmp_path),
             "trained on a recall task and has no tokenizer")

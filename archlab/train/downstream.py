@@ -11,10 +11,13 @@ tokens. Generation is greedy, through the inference engine and its cache.
 
 from __future__ import annotations
 
+import logging
 import warnings
+from pathlib import Path
 
 import torch
 from lm_eval.api.model import TemplateLM
+from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from archlab.engine import Engine
@@ -89,6 +92,35 @@ class ArchlabLM(TemplateLM):
                         text = text.split(stop)[0]
                     out.append(text)
         return out
+
+
+def task_manager(names: list[str], include_path: Path | None) -> TaskManager:
+    """The harness's tasks, and those in ``include_path``, indexing the harness's own (seconds)
+    only where a name is not in ``include_path``; a ValueError names the tasks found in neither,
+    with the files of ``include_path`` the harness skipped and why (its debug log is all it says)."""
+    skipped: list[str] = []
+    log = logging.getLogger("lm_eval.tasks._index")
+    shown = log.getEffectiveLevel()
+
+    def note(record: logging.LogRecord) -> bool:  # keep its skips of files of ours; pass on only what it would have shown
+        if record.msg == "Skip %s (%s)" and include_path and Path(record.args[0]).resolve().is_relative_to(include_path.resolve()):
+            skipped.append(f"{record.args[0]} ({' '.join(str(record.args[1]).split())})")
+        return record.levelno >= shown
+
+    level = log.level
+    log.addFilter(note)
+    log.setLevel(logging.DEBUG)
+    try:
+        own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
+        manager = own if own and all(name in own.all_tasks for name in names) else TaskManager(include_path=include_path and str(include_path))
+    finally:
+        log.removeFilter(note)
+        log.setLevel(level)
+    if unknown := [name for name in names if name not in manager.all_tasks]:
+        where = f" or {include_path}" if include_path else ""
+        unread = f", where lm-evaluation-harness skipped {'; '.join(dict.fromkeys(skipped))}" if skipped else ""
+        raise ValueError(f"no task {', '.join(map(repr, unknown))} in lm-evaluation-harness{where}{unread}")
+    return manager
 
 
 def _scores(results: dict) -> list[tuple[str, str, float, float | None]]:

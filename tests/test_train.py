@@ -1081,14 +1081,37 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
     unsettled = tmp_path / "unsettled"
     shutil.copytree(trained_on_text, unsettled)
     (unsettled / "environment.yaml").write_text("[1\n")
-    for args, fragment in (([tmp_path / "absent"], f"{tmp_path / 'absent'} is not a folder"),
+    for args, fragment in (([tmp_path / "absent"], f"{tmp_path / 'absent'} does not exist"),
+                           ([damaged / "spec.yaml"], f"{damaged / 'spec.yaml'} is not a folder"),
                            ([tmp_path], f"{tmp_path} holds no metrics.jsonl: it is not a training run"),
                            ([unsettled], f"{unsettled / 'environment.yaml'} is not a list of the settings the run trained in"),
-                           ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record: {{\"step\": \"two\"}}"),
+                           ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record (its step 'two' does not follow"
+                                       f" step 1): {{\"step\": \"two\"}}"),
                            ([configless, "--x", "flops", "--plot", tmp_path / "c.png"], "lacks config.yaml, which training FLOPs are"),
                            ([trained_on_text, "--plot", tmp_path], "is a folder; give a file such as")):
         refused(cli("curves", *args), fragment)
     assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda records: records[1].update(eval_loss="x"), 'line 2, is not a metrics record (its eval_loss "x" is not a finite number)'),
+    (lambda records: records[0].update(tok_s=None), "line 1, is not a metrics record (its tok_s null is not a finite number)"),
+    (lambda records: records[2].update(loss=float("nan")), "line 3, is not a metrics record (its loss NaN is not a finite number)"),
+    (lambda records: records[1].update(eval_loss=float("inf")), "line 2, is not a metrics record (its eval_loss Infinity is not"),
+    (lambda records: records[0].update(loss=True), "line 1, is not a metrics record (its loss true is not a finite number)"),
+    (lambda records: records[0].update(tokens=-6144), "line 1, is not a metrics record (its tokens -6144 are fewer than none)"),
+    (lambda records: records.reverse(), "line 2, is not a metrics record (its step 3 does not follow step 4)"),
+    (lambda records: records.insert(1, dict(records[0])), "line 2, is not a metrics record (its step 1 does not follow step 1)"),
+    (lambda records: records[0].update(step=0), "line 1, is not a metrics record (its step 0 is not a step)"),
+], ids=["text", "null", "nan", "inf", "bool", "negative tokens", "reversed", "repeated", "step 0"])
+def test_curves_refuse_metrics_training_did_not_write_and_name_the_line(cli, trained_on_text, tmp_path, change, said):
+    """Each was read as a table (a NaN picked as the best loss, steps counted backwards) or failed with a traceback."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    change(records)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    refused(cli("curves", run, "--baseline", trained_on_text), f"{run / 'metrics.jsonl'}, {said}")
 
 
 def test_evaluate_scores_the_same_last_tokens_given_each_length_of_context(cli, trained_on_text, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from enum import Enum
@@ -20,23 +21,41 @@ class RunError(Exception):
     """A run folder that cannot be read back, said in words."""
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong_with(record: dict, after: int) -> str | None:
+    """What makes a record, which follows one of step ``after``, one that training did not write:
+    it logs a step past the one before, and finite numbers (a count of tokens not below 0)."""
+    if not _whole(record["step"]) or record["step"] <= after:
+        return f"its step {record['step']!r} does not follow step {after}" if after else f"its step {record['step']!r} is not a step"
+    for name, value in record.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return f"its {name} {json.dumps(value)} is not a finite number"
+    if record.get("tokens", 0) < 0:
+        return f"its tokens {record['tokens']} are fewer than none"
+    return None
+
+
 def read_metrics(file: Path) -> tuple[list[dict], list[str]]:
     """The records of a run's metrics.jsonl in order, and their lines as written. A last line that
     a kill cut short (no newline) is left out, as what came after the last record; any other line
-    that is not a record with a whole-number step raises ``RunError`` naming it."""
+    that is not a record training writes (steps in order, finite numbers) raises ``RunError``
+    naming it and what is wrong with it."""
     text = file.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
     lines = text.splitlines()
     records, kept = [], []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-            step = record["step"]
-        except (ValueError, TypeError, KeyError):
-            step = None
-        if not isinstance(step, int):
+            wrong = _wrong_with(record, records[-1]["step"] if records else 0) if "step" in record else "it logs no step"
+        except (ValueError, TypeError):  # not JSON, or JSON but not an object
+            wrong = ""
+        if wrong is not None:
             if number == len(lines) and not text.endswith("\n"):
                 continue
-            raise RunError(f"{file}, line {number}, is not a metrics record: {line[:60]}")
+            raise RunError(f"{file}, line {number}, is not a metrics record{f' ({wrong})' if wrong else ''}: {line[:60]}")
         records.append(record)
         kept.append(line)
     return records, kept
@@ -58,9 +77,12 @@ class Run:
     @classmethod
     def read(cls, folder: Path, label: str) -> Run:
         file = folder / "metrics.jsonl"
-        if not file.is_file():
-            what = "is not a folder" if not folder.is_dir() else "holds no metrics.jsonl: it is not a training run, or one that has logged no step yet"
-            raise RunError(f"{folder} {what}")
+        if not folder.is_dir():
+            raise RunError(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}")
+        if file.exists() and not file.is_file():
+            raise RunError(f"{file} is not a file")
+        if not file.exists():
+            raise RunError(f"{folder} holds no metrics.jsonl: it is not a training run, or one that has logged no step yet")
         try:
             settings = read_settings(folder)
         except SettingsError as exc:

@@ -8,6 +8,7 @@ import re
 import signal
 import sys
 import time
+import unittest.mock
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -916,7 +917,7 @@ def downstream(
     try:
         import lm_eval
 
-        from archlab.train.downstream import ArchlabLM, average, metrics, task_manager
+        from archlab.train.downstream import ArchlabLM, average, metrics, raised_by_model, task_manager
     except ImportError:
         _error("downstream tasks need lm-evaluation-harness: pip install 'archlab[eval]'")
         raise typer.Exit(1) from None
@@ -934,17 +935,25 @@ def downstream(
         err.print(f"{label}: {', '.join(names)}", highlight=False, markup=False)
         model = ArchlabLM(Loaded.of(run), on, batch, max_length)
         with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch", None):
-            try:
-                results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
-                                                  task_manager=manager, verbosity="ERROR")
-            except OSError as exc:  # a dataset that cannot be fetched or read
-                raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
-            except ValueError as exc:  # the harness's word on a task's configuration
-                raise EvaluationError(f"lm-evaluation-harness stopped: {exc}") from None
+            try:  # the harness records the commit of the folder it runs in, and outside a repository git says "fatal"
+                with unittest.mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
+                    results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
+                                                      task_manager=manager, verbosity="ERROR")
+            except Exception as exc:
+                if raised_by_model(exc):  # archlab's own: named where it is caught below, or a fault to see whole
+                    raise
+                if isinstance(exc, OSError):  # a dataset that cannot be fetched or read
+                    raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
+                # a task the harness cannot run: a template naming no field, a target past the choices, no documents
+                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise EvaluationError(f"lm-evaluation-harness could not run {', '.join(names)} ({detail})") from None
         mean, left_out = average(label, results, names, preferred)
         if mean is not None and left_out:
             err.print(f"{label}: the average leaves out {', '.join(left_out)}, which report none of {', '.join(preferred)}",
                       highlight=False, markup=False)
+        elif mean is None and len(names) > 1:
+            err.print(f"{label}: no average, as {len(names) - len(left_out)} of the {len(names)} tasks report any of"
+                      f" {', '.join(preferred)}", highlight=False, markup=False)
         return metrics(label, results) + ([mean] if mean else [])
 
     rows = [row for found in _each_trained_run(runs, None, None, score).values() for row in found]

@@ -1478,7 +1478,7 @@ def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_i
     assert average("r", results, ["piqa", "gsm8k"], ["acc"]) == (None, ["gsm8k"])  # one task: nothing to average
 
 
-def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch):
+def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch, capfd):
     pytest.importorskip("lm_eval")
     from tokenizers import Tokenizer
 
@@ -1514,9 +1514,23 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
     assert [row for row in rows if row["task"] == "archlab_pick_acc"][0]["value"] == round(np.mean(picked), 4)
     assert rows[-1] == {"run": rows[0]["run"], "task": "average of 2", "metric": "acc_norm, else acc",  # acc_norm where reported
                         "value": round((np.mean(picked_norm) + np.mean(picked)) / 2, 4), "stderr": None}
+    capfd.readouterr()
+    monkeypatch.chdir(tmp_path)  # outside a repository, whose commit the harness asks git for
+    code, _, stderr = cli("downstream", trained_on_text, "--tasks", "archlab_pick,archlab_pick_acc", "--include-path", tmp_path,
+                          "--average", "bogus")
+    assert code in (0, None) and "no average, as 0 of the 2 tasks report any of bogus" in stderr, stderr
+    assert "fatal" not in capfd.readouterr().err  # git's "not a git repository", on the process's own stderr
+    monkeypatch.chdir(ROOT)
 
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_pick,no_such_task", "--include-path", tmp_path),
             "--tasks: no task 'no_such_task' in lm-evaluation-harness or")
+    fieldless = yaml.safe_load((tmp_path / "pick.yaml").read_text()) | {"task": "archlab_fieldless", "doc_to_text": "{{no_field}}"}
+    (tmp_path / "fieldless.yaml").write_text(yaml.safe_dump(fieldless))
+    refused(cli("downstream", trained_on_text, "--tasks", "archlab_fieldless", "--include-path", tmp_path),
+            "lm-evaluation-harness could not run archlab_fieldless (UndefinedError: 'no_field' is undefined)")
+    with monkeypatch.context() as patch, pytest.raises(TypeError):  # a fault in scoring is not passed off as the harness's
+        patch.setattr("archlab.train.downstream.continuation_scores", lambda *args: torch.ones(()).item(1))
+        cli("downstream", trained_on_text, "--tasks", "archlab_pick", "--include-path", tmp_path)
     (tmp_path / "broken.yaml").write_text("task: archlab_broken\ndataset_path: json\n  test_split: [\n")
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_broken", "--include-path", tmp_path),  # the harness skips it quietly
             f"--tasks: no task 'archlab_broken' in lm-evaluation-harness or {tmp_path}, where lm-evaluation-harness skipped"

@@ -12,6 +12,7 @@ tokens. Generation is greedy, through the inference engine and its cache.
 from __future__ import annotations
 
 import logging
+import traceback
 import warnings
 from pathlib import Path
 
@@ -121,6 +122,12 @@ def task_manager(names: list[str], include_path: Path | None) -> TaskManager:
         unread = f", where lm-evaluation-harness skipped {'; '.join(dict.fromkeys(skipped))}" if skipped else ""
         raise ValueError(f"no task {', '.join(map(repr, unknown))} in lm-evaluation-harness{where}{unread}")
     return manager
+
+
+def raised_by_model(exc: BaseException) -> bool:
+    """Whether ``exc`` came up through ``ArchlabLM`` (archlab scoring or generating), rather than
+    from the harness's own handling of its tasks."""
+    return any(frame.f_code.co_filename == __file__ for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def _scores(results: dict) -> list[tuple[str, str, float, float | None]]:

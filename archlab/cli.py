@@ -592,6 +592,8 @@ def cost(
     (global, local), one row per spec and length."""
 
     lengths = _lengths(seq_len, TRAINING_LENGTH)
+    if doc is not None and not doc.is_dir() and doc.suffix.lower() != ".md":  # not a run's config.yaml, overwritten
+        raise typer.BadParameter(f"--doc {doc}: the cost page is markdown; give a file name ending in .md")
     good, bad = _load_all(paths)
     if bad or not good:
         raise typer.Exit(1)

@@ -59,18 +59,28 @@ PageKernelOption = Annotated[PageKernel, typer.Option(help="how decoding reads t
 CPU_CHECK_LIMIT = 20_000_000  # parameters; larger specs are built on the meta device only
 
 
+def _is_run(folder: Path) -> bool:
+    """A training run's folder: its spec, checkpoints or metrics (a run that lost its spec.yaml is
+    still one, and its config.yaml is no spec)."""
+    return (folder / RUN_SPEC).exists() or (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").exists()
+
+
 def _spec_file(path: Path) -> Path:
     """A training run's folder stands for the spec it trained."""
-    return path / RUN_SPEC if (path / RUN_SPEC).is_file() else path
+    return path / RUN_SPEC if _is_run(path) else path
 
 
 def _expand(paths: list[Path]) -> list[Path]:
     """Spec files; a folder gives its *.yaml, where a training run gives its spec alone (not its
     training config)."""
     files: list[Path] = []
-    for path in map(_spec_file, paths):
-        if path.is_dir():
-            files.extend(f for f in sorted(path.rglob("*.yaml")) if f.name == RUN_SPEC or not (f.parent / RUN_SPEC).is_file())
+    for path in paths:
+        if _is_run(path):
+            files.append(path / RUN_SPEC)
+        elif path.is_dir():
+            found = sorted(path.rglob("*.yaml"))
+            runs = {f.parent for f in found if _is_run(f.parent)}
+            files.extend(sorted([f for f in found if f.parent not in runs] + [run / RUN_SPEC for run in runs]))
         else:
             files.append(path)
     return files

@@ -603,6 +603,21 @@ def test_an_option_out_of_bounds_is_refused(cli, tmp_path, args, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_that_lost_its_spec_is_said_so_and_its_config_not_read_as_a_spec(cli, tmp_path):
+    """Its config.yaml and environment.yaml were read as specs: a screen of unknown keys."""
+    run = tmp_path / "exp" / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("steps: 4\nseq_len: 64\n")
+    shutil.copy(ROOT / SPEC, tmp_path / "exp" / "transformer.yaml")
+    for args in (["validate", run], ["cost", run], ["show", run], ["validate", tmp_path / "exp"]):
+        code, stdout, stderr = cli(*args)
+        assert code == 1 and f"error in {run / 'spec.yaml'}:\n  <file>: not found" in stderr and "unknown key" not in stderr, stderr
+    assert f"ok    {tmp_path / 'exp' / 'transformer.yaml'}  (transformer)" in stdout
+    (run / "spec.yaml").mkdir()
+    code, _, stderr = cli("validate", run)
+    assert code == 1 and f"error in {run / 'spec.yaml'}:\n  <file>: is a folder" in stderr and "unknown key" not in stderr, stderr
+
+
 @pytest.mark.parametrize("args,message,size", [  # a cache is sized before it is made; activations fail as they are
     (["generate", SPEC, "--max-new-tokens", 10**13], "a cache for 16 prompt + 10,000,000,000,000 new tokens does not fit in memory (its states ask for ",
      " TiB with "),

@@ -636,10 +636,15 @@ def equal_flops(
         raise typer.Exit(1)
     table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
     compared = [(_spec_file(reference), ref), *good]
+    stepless = []
     for label, (_, spec) in zip(_labels(compared), compared):
         matched = equal_flops_steps(ref, steps, spec, n)
         table.add_row(escape(label), si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
+        stepless += [label] if not matched else []
     out.print(table)
+    if stepless:
+        err.print(f"[yellow]notice[/]: {escape(', '.join(stepless))}: one step costs more FLOPs than the reference's {steps:,}"
+                  " step(s) in all; give more --steps", highlight=False)
 
 
 def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None, say: Console) -> int:

@@ -665,6 +665,12 @@ def test_lengths_given_after_an_equals_sign_are_all_taken(cli):
     assert code == 0 and [line.split(",")[1] for line in stdout.splitlines()[1:]] == ["2048", "4096"]
 
 
+def test_equal_flops_says_when_a_spec_gets_no_step(cli):
+    code, stdout, stderr = cli("equal-flops", SPEC, "specs/tiny/yoco-u.yaml", "specs/tiny/yoco.yaml", "--steps", "1", "--seq-len", "2")
+    assert code in (0, None) and "│ yoco-u      │ 2.44M             │ 0 " in stdout, stdout
+    assert "notice: yoco-u: one step costs more FLOPs than the reference's 1 step(s) in all; give more --steps" in stderr, stderr
+
+
 def test_a_length_option_given_twice_where_one_is_taken_is_refused(cli):
     code, stdout, stderr = cli("equal-flops", SPEC, "specs/tiny/yoco.yaml", "--seq-len", "8K", "--seq-len", "16")
     assert code == 2 and "--seq-len takes one length here; it is given twice" in stderr and not stdout, stderr

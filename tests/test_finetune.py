@@ -444,6 +444,10 @@ def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, t
     said = " ".join(stderr.split())
     assert code == 1 and "holds 1 example(s)" in said and "Traceback" not in said, stderr
     assert f"study tune reads it at scale tiny (scales.tiny.train.data in {tmp_path / 'tune.yaml'}" in said  # where to mend it
+    code, _, stderr = cli("study", "run", study(examples), "--out", tmp_path / "bad", "--data", bad)
+    said = " ".join(stderr.split())
+    assert code == 1 and "holds 1 example(s)" in said and said.endswith("(given with --data)"), stderr
+    assert "scales.tiny.train.data" not in said  # the study is not where to mend it
     out = tmp_path / "out"
     code, stdout, stderr = cli("study", "run", study(examples), "--out", out)
     assert code in (0, None), stderr

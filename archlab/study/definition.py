@@ -141,6 +141,7 @@ class Study:
         if scale not in definition.scales:
             raise SpecError(str(source), [Problem("scales", f"no scale {scale!r}; this study has {sorted(definition.scales)}")])
         self.definition, self.source, self.scale = definition, source, scale
+        self.data_given = data  # in place of the scale's own
         at = definition.scales[scale]
         self.spec_dir = (source.parent / at.specs).resolve()
         self.config = validate_as(TrainConfig, at.train, f"{source} (scales.{scale}.train)")

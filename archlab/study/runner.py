@@ -335,6 +335,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
             else:
                 read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)  # likewise a corpus that does not read
         except DataError as exc:
+            if study.data_given:
+                raise DataError(f"{exc} (given with --data)") from None
             raise DataError(f"{exc}; study {study.name} reads it at scale {study.scale} (scales.{study.scale}.train.data in {study.source},"
                             " whose question may say how to make it); give other data with --data") from None
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own

@@ -333,6 +333,7 @@ def generate(
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
 
     sampling = _sampling(temperature, top_k, top_p, seed)
+    _check_paging(page_size, page_kernel)
     prompt, stop = _utf8("--prompt", prompt), tuple(_utf8("--stop", text) for text in stop or ())
     if "" in stop:
         raise typer.BadParameter("--stop '' is empty; give text to stop at")
@@ -523,10 +524,17 @@ def _check_device(name: str) -> torch.device:
     return device
 
 
+def _check_paging(page_size: int | None, page_kernel: PageKernel) -> None:
+    """A page kernel named for a cache kept in rows would be ignored, and its measurement taken for the other's."""
+    if page_size is None and page_kernel.value != "torch":
+        raise typer.BadParameter(f"--page-kernel {page_kernel.value} reads a paged global K,V; give --page-size too (the paper's"
+                                 " serving stack uses 256)")
+
+
 def _check_plot_path(path: Path) -> None:
     """Refuse a plot that could not be written, before the benchmark spends its time."""
     if path.is_dir():
-        raise typer.BadParameter(f"--plot {path} is a folder; give a file such as {path / 'bench.png'}")
+        raise typer.BadParameter(f"--plot {path} is a folder; give a file in it, such as {path / 'plot.png'}")
     if path.suffix.lower() != ".png":
         raise typer.BadParameter(f"--plot {path}: the plot is a PNG; give a file name ending in .png")
     if not path.parent.is_dir():
@@ -561,6 +569,7 @@ def bench(
         raise typer.BadParameter(f"--prefill-rows {prefill_rows} must divide --batch {batch}")
     if cuda_graph and not device.startswith("cuda"):
         raise typer.BadParameter(f"--cuda-graph needs --device cuda, got {device}")
+    _check_paging(page_size, page_kernel)
     _check_device(device)
     if plot_path is not None:
         _check_plot_path(plot_path)
@@ -1093,7 +1102,9 @@ def study_report(
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         url = storage_url(where, storage)
-        if storage is None and not (where / "optuna.db").is_file():
+        if storage is None and (where / "optuna.db").is_dir():
+            raise SpecError(str(where), [Problem("<study>", "its optuna.db is a folder, not a study's database")])
+        if storage is None and not (where / "optuna.db").exists():
             raise SpecError(str(where), [Problem("<study>", "no study has run here yet (no optuna.db); run it first, or give"
                                                             " the --out (or --storage) it ran with")])
         optuna_study = open_study(loaded, url, create=False)

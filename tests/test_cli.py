@@ -590,6 +590,8 @@ BAD_OPTIONS = [
     (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["train", SPEC, "--out", "{tmp}/run", "--data", ""], "--data is empty; give stdlib, a path"),
+    (["bench", SPEC, "--page-kernel", "flex"], "--page-kernel flex reads a paged global K,V; give --page-size too"),
+    (["generate", SPEC, "--page-kernel", "flex"], "--page-kernel flex reads a paged global K,V; give --page-size too"),
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
     (["bench", SPEC, "--device", "meta"], "--device meta: archlab runs on cpu or cuda"),
     (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices

@@ -533,6 +533,11 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         load_study("loop-placement")
     code, _, stderr = cli("study", "run", "loop-placement")
     assert code == 1 and "shipped:" in stderr and "Traceback" not in stderr, stderr
+    code, _, stderr = cli("study", "run", path.parent)
+    assert code == 1 and "is a folder; give a study file (.yaml) or the name of a shipped study" in stderr, stderr
+    (path.parent / "out" / "optuna.db").mkdir(parents=True)
+    code, _, stderr = cli("study", "report", path, "--out", path.parent / "out")
+    assert code == 1 and "its optuna.db is a folder, not a study's database" in stderr, stderr
 
 
 def test_a_shipped_study_is_a_command(cli):

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
+from archlab.train.checkpoint import checkpoints
 from archlab.train.config import TrainConfig
 from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
 from archlab.train.trainer import Trainer, lr_factor
@@ -1088,7 +1089,7 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
                            ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record (its step 'two' does not follow"
                                        f" step 1): {{\"step\": \"two\"}}"),
                            ([configless, "--x", "flops", "--plot", tmp_path / "c.png"], "lacks config.yaml, which training FLOPs are"),
-                           ([trained_on_text, "--plot", tmp_path], "is a folder; give a file such as")):
+                           ([trained_on_text, "--plot", tmp_path], "is a folder; give a file in it, such as")):
         refused(cli("curves", *args), fragment)
     assert not (tmp_path / "c.png").exists()
 
@@ -1168,7 +1169,9 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                                                                       f" {held_out + 1:,} a window of {held_out:,}"),
                            ([trained_on_text, "--seq-len", "16", "64", "--last", "32"], "--last 32 is longer than the shortest length, 16"),
                            ([tmp_path, "--seq-len", "64"], f"{tmp_path} is not a training run with a checkpoint"),
-                           ([configless, "--seq-len", "64"], "has no config.yaml, which says what data it held out")):
+                           ([configless, "--seq-len", "64"], "has no config.yaml, which says what data it held out"),
+                           ([checkpoints(trained_on_text)[-1], "--seq-len", "64"],
+                            f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder, {trained_on_text}, whose")):
         refused(cli("evaluate", *args), fragment)
 
 

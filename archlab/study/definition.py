@@ -265,6 +265,8 @@ def find_study(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in YAML:
         return path
+    if path.is_dir():
+        raise SpecError(name_or_path, [Problem("<study>", "is a folder; give a study file (.yaml) or the name of a shipped study")])
     shipped = STUDIES / f"{name_or_path}.yaml"
     if not shipped.is_file():
         names = sorted(p.stem for p in STUDIES.glob("*.yaml"))

@@ -79,8 +79,11 @@ class Loaded:
     @classmethod
     def of(cls, run: Path, data: str | None = None) -> Loaded:
         _, model, _, tokenizer = load_trained(run)
+        if run.parent.name == "checkpoints":
+            raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says what data"
+                                  " it held out (its latest checkpoint is scored)")
         if not (run / "config.yaml").is_file():
-            raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to evaluate")
+            raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
         return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data)
 
     @property

@@ -501,6 +501,8 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         ({"name": "../../outside"}, "name: a study's name is letters, digits"),  # it names the default --out folder
         ({"scales": {**data["scales"], "a/b": data["scales"]["tiny"]}}, "scales.a/b: a scale's name is letters, digits"),
         ({"lr": {"low": 0.001, "high": 0.003, "points": 100_000_000}}, "lr.points: Input should be less than or equal to 1000"),
+        ({"scales": {"tiny": {**data["scales"]["tiny"], "specs": str(ROOT / "specs/tiny/yoco.yaml")}}},
+         f"scales.tiny.specs: {ROOT / 'specs/tiny/yoco.yaml'} is a file; give the folder holding the variants' specs"),
         ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),
     ]:  # the last stays in the file
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", **changes}))

@@ -144,6 +144,9 @@ class Study:
         self.data_given = data  # in place of the scale's own
         at = definition.scales[scale]
         self.spec_dir = (source.parent / at.specs).resolve()
+        if not self.spec_dir.is_dir():
+            raise SpecError(str(source), [Problem(f"scales.{scale}.specs", f"{self.spec_dir} is {'a file' if self.spec_dir.exists() else 'not there'};"
+                                                  " give the folder holding the variants' specs (relative to the study file)")])
         self.config = validate_as(TrainConfig, at.train, f"{source} (scales.{scale}.train)")
         if data:
             self.config = self.config.model_copy(update={"data": self.config.data.model_copy(update={"source": data})})

@@ -183,6 +183,14 @@ def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relativ
         assert "hunt" not in shown(url) and "***@" in shown(url)  # URLs the parser misreads or refuses
 
 
+def test_a_storage_whose_lock_file_cannot_be_made_is_named_as_the_storage(tmp_path, cli):
+    """/proc is a folder where no file can be made: it read only '/proc/x.db.lock: No such file or directory'."""
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", "sqlite:////proc/archlab-study.db", "--out", tmp_path / "out")
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "the workers' lock file /proc/archlab-study.db.lock beside the database of sqlite:////proc/archlab-study.db cannot be" \
+        " made: No such file or directory" in stderr
+
+
 def test_an_in_memory_storage_is_refused(tmp_path, cli):
     """It would vanish with the worker (and it failed inside Optuna with a traceback)."""
     code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")

@@ -266,7 +266,12 @@ def storage_lock(url: str, out: Path):
     they write to (a lock file beside the database), or of a study folder for other storages."""
     out.mkdir(parents=True, exist_ok=True)
     lock = _beside_sqlite(url) or out / ".plan.lock"
-    with open(lock, "w") as handle:
+    try:
+        handle = open(lock, "w")
+    except OSError as exc:
+        beside = f" beside the database of {url}" if lock != out / ".plan.lock" else ""
+        raise StorageError(f"the workers' lock file {lock}{beside} cannot be made: {exc.strerror}") from None
+    with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

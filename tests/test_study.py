@@ -191,6 +191,15 @@ def test_a_storage_whose_lock_file_cannot_be_made_is_named_as_the_storage(tmp_pa
         " made: No such file or directory" in stderr
 
 
+def test_a_damaged_storage_is_said_in_the_drivers_words_alone(tmp_path, cli):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "optuna.db").write_bytes(b"\x13\x37 not SQLite" * 400)
+    for command in ("run", "report"):
+        code, _, stderr = cli("study", command, mini(tmp_path), "--out", tmp_path / "out")
+        assert code == 1 and stderr.strip().endswith("optuna.db: file is not a database"), stderr  # no [SQL: ...], no link
+    assert (tmp_path / "out" / "optuna.db").read_bytes() == b"\x13\x37 not SQLite" * 400
+
+
 def test_an_in_memory_storage_is_refused(tmp_path, cli):
     """It would vanish with the worker (and it failed inside Optuna with a traceback)."""
     code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")

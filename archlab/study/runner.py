@@ -129,7 +129,9 @@ def shown(url: str) -> str:
 def _unopenable(url: str, exc: Exception) -> StorageError:
     if isinstance(exc, ImportError):
         return StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'")
-    return StorageError(f"cannot open the study storage {shown(url)}: {exc}")
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:  # the driver's word, without the SQL and a link
+        exc = exc.orig
+    return StorageError(f"cannot open the study storage {shown(url)}: {' '.join(str(exc).split())}")
 
 
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:

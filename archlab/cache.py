@@ -104,6 +104,16 @@ class Cache:
         the same rows."""
         return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
 
+    def mark(self) -> list[torch.Tensor]:
+        """A copy of the states that decoding changes in place, to ``rewind`` to: the cache then
+        holds again what it held here (a growing K,V needs none, as in ``start_over``)."""
+        return [t.clone() for t in self.local_tensors()]
+
+    def rewind(self, marked: list[torch.Tensor]) -> None:
+        """Put back the states ``mark`` copied, in place."""
+        for tensor, copy_ in zip(self.local_tensors(), marked, strict=True):
+            tensor.copy_(copy_)
+
     def start_over(self) -> None:
         """Put the states that do not grow back as ``new_state`` made them, in place (a captured
         CUDA graph keeps their memory): a prefill starts its sequences at position 0, where a

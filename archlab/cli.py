@@ -393,20 +393,30 @@ class Written(NamedTuple):
     stop: str | None  # that text
     tokens: int
     cache: Cache  # holds the prompt and the tokens (where it stopped, all but the last)
+    prompted: list[torch.Tensor]  # the cache's ``mark`` once it held the prompt, to rewind to
     seconds: float  # from once the cache was made
 
 
+def _cache_for(engine: Engine, prompt: int, max_new_tokens: int, room: int = 0) -> Cache:
+    """A cache for a prompt and its new tokens (and ``room`` more positions), or its size said in words."""
+    more = f" and room for {room:,} more" if room else ""
+    with _fits_in_memory(f"a cache for {prompt:,} prompt + {max_new_tokens:,} new tokens{more}", "--max-new-tokens", engine.page_size):
+        return engine.cache_for([prompt], max_new_tokens + room)
+
+
 def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int, sampling: Sampling, codec: TextCodec,
-             until: tuple[str, ...] = (), lead: str = "") -> Written:
+             until: tuple[str, ...] = (), lead: str = "", cache: Cache | None = None, held: int = 0) -> Written:
     """The text generated after ``ids``, up to the first of the texts ``until`` to come (as
     stop strings go: wherever it falls in a token), written out as it comes, after ``lead`` (the
-    prompt, a header: written once the cache is made, so that a cache refused leaves no line begun)."""
-    with _fits_in_memory(f"a cache for {len(ids):,} prompt + {max_new_tokens:,} new tokens", "--max-new-tokens", engine.page_size):
-        cache = engine.cache_for([len(ids)], max_new_tokens)
+    prompt, a header: written once the cache is made, so that a cache refused leaves no line begun).
+    ``cache``, ``held``: a cache that holds the first ``held`` tokens of ``ids`` already."""
+    cache = cache or _cache_for(engine, len(ids), max_new_tokens)
     sys.stdout.write(lead)
     start, new, shown, stop = time.perf_counter(), [], "", None
     try:
-        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache):
+        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache, held):
+            if not new:  # the first token: the cache holds the prompt alone
+                prompted = cache.mark()
             new.append(int(tokens[0]))
             text = codec.decode(new)
             met = [(text.index(end), end) for end in until if end in text]
@@ -426,7 +436,7 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(text[len(shown) :])
-    return Written(text, stop, len(new), cache, time.perf_counter() - start)
+    return Written(text, stop, len(new), cache, prompted, time.perf_counter() - start)
 
 
 def _begun(text: str, end: str) -> int:
@@ -448,7 +458,8 @@ def chat(
     """Talk with a run fine-tuned on conversations. Each message read (its lines up to a blank
     line) is the user's; the reply, the assistant's, ends where training ended a message (at
     <|end|>, which is not shown). The conversation so far is tokenized as training tokenized it,
-    piece by piece, which a prompt given to generate is not."""
+    piece by piece, which a prompt given to generate is not, and stays in the cache: a turn feeds
+    only the last reply (so tokenized) and the new message."""
     from archlab.train.data import HEADERS, MESSAGE_END, DataError, reply_prompt
 
     sampling = _sampling(temperature, top_k, top_p, seed)
@@ -471,12 +482,21 @@ def chat(
             reply_prompt(messages, codec.tokenizer)  # a system message that cannot be read is refused before any is typed
         if typed:
             err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
+        said: list[int] = []  # the last prompt, which the last reply's cache held before it
+        reply = None
         for message in _messages(sys.stdin):
             messages.append({"role": "user", "content": message})
             prompt = reply_prompt(messages, codec.tokenizer)
             if not typed:  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(f"{HEADERS['user']}{message}\n\n")
-            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,), lead=HEADERS["assistant"])
+            # the conversation so far stays in the cache: only the reply (as training tokenized it) and the message are fed
+            held = len(said) if reply and prompt[: len(said)] == said and len(prompt) + max_new_tokens <= reply.cache.capacity else 0
+            if held:
+                reply.cache.rewind(reply.prompted)
+            cache = reply.cache if held else _cache_for(engine, len(prompt), max_new_tokens, room=len(prompt) + max_new_tokens)
+            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,), lead=HEADERS["assistant"],
+                             cache=cache, held=held)
+            said = prompt
             sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed
             if reply.stop is None:
                 err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)

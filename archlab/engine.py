@@ -108,21 +108,17 @@ class CapturedDecode:
 
     def __init__(self, engine: Engine, cache: Cache, tokens: torch.Tensor, start: torch.Tensor):
         self.cache, self.tokens, self.start = cache, tokens.clone(), start.clone()
-        saved = [t.clone() for t in cache.local_tensors()]
+        marked = cache.mark()
         side = torch.cuda.Stream(engine.device)
         side.wait_stream(torch.cuda.current_stream(engine.device))
         with torch.cuda.stream(side):
             for _ in range(2):
                 engine.feed(self.tokens, self.start, cache, full=True)
-                self._restore(saved)
+                cache.rewind(marked)
         torch.cuda.current_stream(engine.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = engine.feed(self.tokens, self.start, cache, full=True)
-
-    def _restore(self, saved: list[torch.Tensor]) -> None:
-        for tensor, copy in zip(self.cache.local_tensors(), saved, strict=True):
-            tensor.copy_(copy)
 
     def __call__(self, tokens: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         self.tokens.copy_(tokens)
@@ -229,14 +225,20 @@ class Engine:
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         return prompts
 
-    def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0) -> None:
+    def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0, held: int = 0) -> None:
         """A cache the caller made must hold a sequence per prompt (a ValueError) and room for the
         longest with its new tokens, and paged, pages for them all (``CacheFull``): said before
         anything runs, where each would otherwise surface mid-run, as a shape or index error or
-        as pages running out with tokens already given out."""
+        as pages running out with tokens already given out. Tokens it is said to hold already
+        (``held``) must have been fed, with at least one token of each prompt after them."""
         if cache.sequences != len(prompts):
             raise ValueError(f"the cache's sequences ({cache.sequences}) must be one per prompt ({len(prompts)}); "
                              f"make it with new_cache({len(prompts)}, ...)")
+        if held and cache.fresh:
+            raise ValueError(f"held={held}, but nothing has been fed into this cache yet")
+        if not (_whole(held) and 0 <= held < min(len(p) for p in prompts)):
+            raise ValueError(f"held must be a whole number from 0 to one less than the shortest prompt"
+                             f" ({min(len(p) for p in prompts)} tokens), got {held!r}")
         longest = max(len(p) for p in prompts)
         need = longest + new_tokens
         if need > cache.capacity:
@@ -254,23 +256,25 @@ class Engine:
                 raise CacheFull(f"the prompts{new} need {pages} K,V pages of {cache.pages.page_size} positions; the cache has"
                                 f" {cache.pages.pages}: make it with pages={pages} or more")
 
-    def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache) -> torch.Tensor:
+    def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache, held: int = 0) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that
-        predict each prompt's next token."""
+        predict each prompt's next token. ``held``: the cache holds each prompt's first ``held``
+        tokens already, and nothing after them (a conversation's earlier turns, ``Cache.rewind``
+        to where they ended): only the rest are fed."""
         prompts = self.check_prompts(prompts)
-        self.check_cache(cache, prompts)
-        return self._prefill(prompts, cache)
+        self.check_cache(cache, prompts, held=held)
+        return self._prefill(prompts, cache, held)
 
     @torch.no_grad()
-    def _prefill(self, prompts: list[torch.Tensor], cache: Cache) -> torch.Tensor:
-        if not cache.fresh:  # a cache used before starts its sequences afresh
+    def _prefill(self, prompts: list[torch.Tensor], cache: Cache, held: int = 0) -> torch.Tensor:
+        if not held and not cache.fresh:  # a cache used before starts its sequences afresh
             cache.start_over()
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         for length in lengths.unique().tolist():
             group = (lengths == length).nonzero()[:, 0]
             sub = cache if len(group) == len(prompts) else cache.take(group)
             ids = torch.stack([prompts[i] for i in group.tolist()]).to(self.device)
-            for start in range(0, length - 1, self.prefill_chunk):
+            for start in range(held, length - 1, self.prefill_chunk):
                 chunk = ids[:, start : min(start + self.prefill_chunk, length - 1)]
                 self.feed(chunk, torch.full((len(group),), start, device=self.device), sub, full=False)
             if sub is not cache:
@@ -286,25 +290,29 @@ class Engine:
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         cache: Cache | None = None,
+        held: int = 0,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Yield (tokens [B], logits [B, V], stopped [B]) once per new token; ``stopped``: the row
         met a stop token before this one, so this one is to be ignored (rows keep decoding until
         every row has stopped; the stop token itself is the row's last). At the
         end the last tokens are written into the cache too, so it holds every token. A ``cache``
-        given is checked here, at the call."""
+        given is checked here, at the call; it may hold the prompts' first ``held`` tokens
+        already (``prefill``)."""
         prompts = self._check_call(prompts, max_new_tokens)
         if cache is not None:
-            self.check_cache(cache, prompts, max_new_tokens)
-        return self._stream(prompts, max_new_tokens, sampling, cache)
+            self.check_cache(cache, prompts, max_new_tokens, held)
+        elif held:
+            raise ValueError(f"held={held} needs the cache that holds them")
+        return self._stream(prompts, max_new_tokens, sampling, cache, held)
 
     @torch.no_grad()
-    def _stream(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, cache: Cache | None):
+    def _stream(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: Sampling, cache: Cache | None, held: int = 0):
         cache = cache or self.cache_for([len(p) for p in prompts], max_new_tokens)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         generator = torch.Generator(self.device).manual_seed(sampling.seed) if sampling.seed is not None else None
         stops = torch.tensor(sampling.stop_tokens, dtype=torch.long, device=self.device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
-        logits = self._prefill(prompts, cache)
+        logits = self._prefill(prompts, cache, held)
         for i in range(max_new_tokens):
             tokens = sampling.choose(logits, generator)
             done_before = finished.clone()

@@ -312,6 +312,32 @@ def test_a_cache_used_before_starts_its_sequences_afresh(name, page_size):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("page_size", [None, 8])
+@pytest.mark.parametrize("path", TINY, ids=ids(TINY))
+def test_a_conversation_continues_from_its_cache_as_a_fresh_prefill_of_all_of_it(path, page_size):
+    """A second turn rewinds the cache to where the first prompt ended (decoding ran past it) and
+    feeds only what follows: its reply decodes as one from the whole conversation fed afresh."""
+    spec = archlab.load_spec(path)
+    model = archlab.build_model(spec, dtype=torch.float64).eval()
+    engine = Engine(model, prefill_chunk=8, page_size=None if spec.layout.type != "yoco" else page_size)
+    first, second = prompts_for(spec, (21, 19))
+    cache = engine.new_cache(1, 70)
+    turn = engine.stream([first], 6, cache=cache)
+    _, logits, _ = next(turn)
+    marked = cache.mark()  # at the first new token: the cache holds the prompt alone
+    replied = [int(logits.argmax())] + [int(tokens[0]) for tokens, _, _ in turn]
+    cache.rewind(marked)
+    whole = torch.cat([first, torch.tensor(replied[:4]), second])  # the reply as the next prompt has it, cut short
+    continued = [logits for _, logits, _ in engine.stream([whole], 4, cache=cache, held=len(first))]
+    fresh = [logits for _, logits, _ in engine.stream([whole], 4)]
+    for got, expected in zip(continued, fresh, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="held must be a whole number from 0 to one less than the shortest prompt"):
+        engine.stream([first], 1, cache=cache, held=len(first))
+    with pytest.raises(ValueError, match="nothing has been fed into this cache yet"):
+        engine.stream([whole], 1, cache=engine.new_cache(1, 70), held=3)
+
+
 class RunningMax(torch.nn.Module):
     """A mixer whose empty state is not zeros: the running maximum of its input, from -inf."""
 

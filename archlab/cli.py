@@ -8,7 +8,6 @@ import re
 import signal
 import sys
 import time
-import unittest.mock
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -490,7 +489,7 @@ def chat(
             if not typed:  # the transcript shows what was said, as a terminal does
                 sys.stdout.write(f"{HEADERS['user']}{message}\n\n")
             # the conversation so far stays in the cache: only the reply (as training tokenized it) and the message are fed
-            held = len(said) if reply and prompt[: len(said)] == said and len(prompt) + max_new_tokens <= reply.cache.capacity else 0
+            held = len(said) if reply is not None and prompt[: len(said)] == said and len(prompt) + max_new_tokens <= reply.cache.capacity else 0
             if held:
                 reply.cache.rewind(reply.prompted)
             cache = reply.cache if held else _cache_for(engine, len(prompt), max_new_tokens, room=len(prompt) + max_new_tokens)
@@ -669,7 +668,8 @@ def equal_flops(
     for label, (_, spec) in zip(_labels(compared), compared):
         matched = equal_flops_steps(ref, steps, spec, n)
         table.add_row(escape(label), si(Cost(spec).train_flops_per_token(n)), f"{matched:,}", f"{matched / steps:.3f}x")
-        stepless += [label] if not matched else []
+        if not matched:
+            stepless.append(label)
     out.print(table)
     if stepless:
         err.print(f"[yellow]notice[/]: {escape(', '.join(stepless))}: one step costs more FLOPs than the reference's {steps:,}"
@@ -960,6 +960,8 @@ def downstream(
     """Downstream tasks through lm-evaluation-harness (the paper's Table 2) for runs trained on
     text: each run's scores by task and metric, with their standard errors, and their average
     over the tasks."""
+    import unittest.mock
+
     try:
         import lm_eval
 

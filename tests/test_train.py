@@ -1086,8 +1086,8 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
                            ([damaged / "spec.yaml"], f"{damaged / 'spec.yaml'} is not a folder"),
                            ([tmp_path], f"{tmp_path} holds no metrics.jsonl: it is not a training run"),
                            ([unsettled], f"{unsettled / 'environment.yaml'} is not a list of the settings the run trained in"),
-                           ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record (its step 'two' does not follow"
-                                       f" step 1): {{\"step\": \"two\"}}"),
+                           ([damaged], f"{damaged / 'metrics.jsonl'}, line 2, is not a metrics record (its step 'two' is not a step):"
+                                       f" {{\"step\": \"two\"}}"),
                            ([configless, "--x", "flops", "--plot", tmp_path / "c.png"], "lacks config.yaml, which training FLOPs are"),
                            ([trained_on_text, "--plot", tmp_path], "is a folder; give a file in it, such as")):
         refused(cli("curves", *args), fragment)

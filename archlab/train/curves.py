@@ -28,8 +28,11 @@ def _whole(value) -> bool:
 def _wrong_with(record: dict, after: int) -> str | None:
     """What makes a record, which follows one of step ``after``, one that training did not write:
     it logs a step past the one before, and finite numbers (a count of tokens not below 0)."""
-    if not _whole(record["step"]) or record["step"] <= after:
-        return f"its step {record['step']!r} does not follow step {after}" if after else f"its step {record['step']!r} is not a step"
+    step = record["step"]
+    if not _whole(step) or step < 1:
+        return f"its step {step!r} is not a step"
+    if step <= after:
+        return f"its step {step} does not follow step {after}"
     for name, value in record.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
             return f"its {name} {json.dumps(value)} is not a finite number"

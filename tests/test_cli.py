@@ -17,11 +17,12 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from archlab import build_model, load_spec
+from archlab.cache import Cache
 from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import parse_budget, parse_length
 from archlab.train.checkpoint import CheckpointError, load
-from conftest import ROOT
+from conftest import ROOT, tiny_model
 
 SPEC = "specs/tiny/transformer.yaml"
 
@@ -428,7 +429,7 @@ def test_generate_stops_at_the_first_stop_text_to_come(cli, monkeypatch):
     tokens are scripted (a bare spec's are bytes)."""
     script, taken = "x = [1 <| 2]\n\ndef f():\n    pass\n", []
 
-    def scripted(engine, prompts, max_new_tokens, sampling, cache=None):
+    def scripted(engine, prompts, max_new_tokens, sampling, cache=None, held=0):
         for token in script.encode()[:max_new_tokens]:
             taken.append(token)
             yield torch.tensor([token]), None, torch.tensor([False])
@@ -455,9 +456,9 @@ def test_of_stop_texts_that_one_token_completes_the_first_to_begin_stops(capsys)
         page_size = None
 
         def cache_for(self, lengths, new_tokens):
-            return None
+            return Cache(tiny_model("transformer")[1], 1, 4, torch.float32)
 
-        def stream(self, prompts, max_new_tokens, sampling, cache):
+        def stream(self, prompts, max_new_tokens, sampling, cache, held):
             yield from ((torch.tensor([token]), None, None) for token in (0, 1, 2))
 
     written = _written(Scripted(), [0], 3, Sampling(), Words(), until=("bc", "a"))

@@ -3,12 +3,17 @@
 On CUDA an allocation larger than the device raises ``torch.OutOfMemoryError``. On the CPU one
 larger than the machine's whole memory fails too, but several that each fit, and together do not,
 succeed and are then filled page by page until the kernel's OOM killer ends the process, with no
-word said. The CPU's free memory is therefore checked before a cache or a model is made.
+word said. The CPU's free memory is therefore checked before a cache or a model is made, and work
+whose memory is not known beforehand (activations) is watched as it runs (``Watched``).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def binary_units(size: int) -> str:
@@ -20,10 +25,13 @@ def binary_units(size: int) -> str:
 
 
 class NoRoom(torch.OutOfMemoryError):
-    """An allocation refused before it was tried: ``asked`` bytes for ``what``, ``free`` free."""
+    """An allocation refused before it was tried: ``asked`` bytes for ``what``, ``free`` free; or,
+    ``partway``, work stopped once it had taken ``asked`` bytes and wanted more."""
 
-    def __init__(self, asked: int, free: int, what: str):
-        super().__init__(f"{what} ask for {binary_units(asked)} with {binary_units(free)} free")
+    def __init__(self, asked: int, free: int, what: str, partway: bool = False):
+        taken = (f"had taken {binary_units(asked)} of the {binary_units(free)} free when they were stopped" if partway
+                 else f"ask for {binary_units(asked)} with {binary_units(free)} free")
+        super().__init__(f"{what} {taken}")
         self.asked, self.free, self.what = asked, free, what
 
 
@@ -46,3 +54,47 @@ def check_room(asked: int, device: torch.device | str, what: str) -> None:
     free = free_bytes(device)
     if free is not None and asked > free:
         raise NoRoom(asked, free, what)
+
+
+def resident_bytes() -> int:
+    """The memory this process holds now (Linux's resident set)."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+ACTIVATIONS = "its activations"  # what a watched forward pass holds, as its NoRoom says
+
+
+class Watched(TorchDispatchMode):
+    """Work watched as it runs on the CPU, op by op, forward and backward. The bytes of the tensors
+    each op makes are counted, and after every ``READ_EVERY`` of them the process's resident
+    memory is read. Once that has grown past nine tenths of what was free when the work began,
+    NoRoom stops it, so that the op in flight and the allocator still fit in the last tenth.
+    Where nothing says what is free (CUDA, whose allocator raises itself) it watches nothing."""
+
+    READ_EVERY = 16 * 2**20
+
+    def __init__(self, device: torch.device | str, what: str):
+        super().__init__()
+        self.device, self.what = device, what
+        self.free: int | None = None
+
+    def __enter__(self):
+        self.free = free_bytes(self.device)
+        if self.free is None:
+            return self
+        self.start, self.made = resident_bytes(), 0
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        return None if self.free is None else super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        if self.made >= self.READ_EVERY:
+            self.made = 0
+            grown = resident_bytes() - self.start
+            if grown > 0.9 * self.free:
+                raise NoRoom(grown, self.free, self.what, partway=True)
+        return out

@@ -2,6 +2,8 @@
 not refused but filled until the kernel's OOM killer ends the process without a word."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ import archlab
 import archlab.memory
 from archlab.cache import Cache
 from archlab.cost import Cost
-from archlab.memory import NoRoom, free_bytes
+from archlab.memory import NoRoom, Watched, free_bytes
+from archlab.train.checkpoint import checkpoints
 from conftest import ROOT, TINY, ids
 
 SPEC = "specs/tiny/transformer.yaml"  # 1 KiB of cache a position
@@ -87,3 +90,59 @@ def test_a_trained_model_without_room_is_said_in_words(cli, free, tmp_path):
     code, stdout, stderr = cli("generate", tmp_path / "run", "--prompt", "hi")
     assert code == 1 and f"transformer, the model of {tmp_path / 'run'}, does not fit in memory here (its weights in float32 ask for" \
         in stderr and "Traceback" not in stderr and not stdout, stderr
+
+
+def archlab_told_free(free: int, *args) -> subprocess.CompletedProcess:
+    """archlab in a process of its own, told that ``free`` bytes are free: its memory grows as its work's
+    does, with no heap freed by earlier tests to take again."""
+    told = f"import sys, archlab.memory, archlab.cli; archlab.memory.free_bytes = lambda device: {free}; archlab.cli.main()"
+    return subprocess.run([sys.executable, "-c", told, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "500"})
+
+
+def test_a_first_training_step_that_outgrows_the_memory_free_is_stopped_in_words(tmp_path):
+    """8 x 1,024 tokens of the transformer take about 200 MiB: stopped with 64 MiB free, run with 1 GiB."""
+    larger = ["--steps", "2", "--set", "seq_len=1024", "--set", "batch_size=8", "--set", "micro_batch_size=8",
+              "--set", "data.max_bytes=400000", "--set", "eval_batches=1"]
+    stopped = archlab_told_free(64 * 2**20, "train", SPEC, "--out", tmp_path / "stopped", *larger)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert f"training transformer ({WEIGHTS // 4:,} parameters) in micro-batches of 8 x 1,024 tokens does not fit in memory (its first" \
+        " step's activations, gradients and AdamW moments had taken" in stopped.stderr, stopped.stderr
+    assert "of the 64.0 MiB free when they were stopped); lower micro_batch_size, seq_len or the spec's sizes; no checkpoint" \
+        in stopped.stderr and not (tmp_path / "stopped" / "checkpoints").exists(), stopped.stderr
+    trained = archlab_told_free(2**30, "train", SPEC, "--out", tmp_path / "trained", *larger)
+    assert trained.returncode == 0 and len(checkpoints(tmp_path / "trained")) == 1, trained.stderr
+
+
+def test_scoring_that_outgrows_the_memory_free_is_stopped_in_words(cli, tmp_path):
+    code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", "--set", "batch_size=2",
+                          "--set", "micro_batch_size=2", "--set", "data.max_bytes=400000", "--set", "eval_batches=1")
+    assert code in (0, None), stderr
+    for command in (["evaluate", "--seq-len", "2K", "--sequences", "8"], ["layers", "--seq-len", "2K", "--sequences", "8"]):
+        stopped = archlab_told_free(8 * 2**20, command[0], tmp_path / "run", *command[1:])
+        assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
+        assert "run: 8 windows of 2,048 tokens does not fit in memory (its activations had taken" in stopped.stderr \
+            and "of the 8.0 MiB free when they were stopped); lower --seq-len or --batch" in stopped.stderr, stopped.stderr
+
+
+def test_a_watched_backward_pass_is_stopped_where_its_memory_grows(monkeypatch):
+    """The backward pass runs in autograd's engine, without a line of Python between its ops, and is
+    watched all the same; a pass with room is computed as unwatched."""
+    spec = archlab.load_spec(ROOT / SPEC)
+    model = archlab.build_model(spec)
+    tokens = torch.randint(0, spec.vocab_size, (2, 32))
+    expected = torch.autograd.grad(model(tokens, targets=tokens), model.embed.weight)[0]
+    with Watched("cpu", "its pass"):
+        assert torch.equal(torch.autograd.grad(model(tokens, targets=tokens), model.embed.weight)[0], expected)
+    with Watched("meta", "its pass") as watched:  # nothing says what the meta device (or CUDA) has free
+        assert watched.free is None
+
+    backward = []
+    monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 2**30)
+    monkeypatch.setattr(archlab.memory, "resident_bytes", lambda: 2**40 if backward else 2**20)  # grows once backward begins
+    monkeypatch.setattr(Watched, "READ_EVERY", 1)
+    with pytest.raises(NoRoom) as stopped, Watched("cpu", "its pass"):
+        loss = model(tokens, targets=tokens)
+        loss.register_hook(lambda grad: backward.append(True))
+        loss.backward()
+    assert backward and str(stopped.value) == "its pass had taken 1,024.0 GiB of the 1.0 GiB free when they were stopped"

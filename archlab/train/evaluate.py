@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from archlab.loss import IGNORE, scores
+from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import load_trained
@@ -142,8 +143,8 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     found = []
     with torch.no_grad(), autocast:
         for length, windows in batches.items():
-            totals = sum(_position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device))
-                         for i in range(0, len(windows.inputs), batch))
+            totals = sum(_position_scores(model, windows.inputs[i : i + batch].to(device), windows.counted_targets()[i : i + batch].to(device),
+                                          watched=i == 0) for i in range(0, len(windows.inputs), batch))
             lost, correct, counted = totals.tolist()
             if not counted:
                 raise EvaluationError(f"no response token is among the last {last:,} of the {length:,}-token windows; give a longer"
@@ -153,11 +154,13 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     return found
 
 
-def _position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _position_scores(model: Model, inputs: torch.Tensor, targets: torch.Tensor, watched: bool = False) -> torch.Tensor:
     """``loss.scores`` of the positions counted (targets not ``IGNORE``) alone: the head runs on
-    the last tokens of a long window, not on all of it."""
+    the last tokens of a long window, not on all of it. ``watched``: its memory is watched
+    (``archlab.memory.Watched``); the first batch of a length, which the others repeat."""
     counted = targets != IGNORE
-    return scores(model.hidden(inputs)[counted], model.head.weight, targets[counted])
+    with Watched(inputs.device, ACTIVATIONS) if watched else nullcontext():
+        return scores(model.hidden(inputs)[counted], model.head.weight, targets[counted])
 
 
 def continuation_scores(model: Model, sequences: list[list[int]], scored: list[int], device: torch.device) -> list[list[float]]:

@@ -19,6 +19,7 @@ from statistics import fmean
 import torch
 import torch.nn.functional as F
 
+from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.evaluate import Loaded
@@ -62,9 +63,10 @@ def angular_distances(model: Model, inputs: torch.Tensor, autocast=nullcontext()
     hooks = [layer.register_forward_hook(measure) for layer in model.layers]
     try:
         with torch.no_grad(), autocast:
-            for rows in inputs.split(batch):
+            for n, rows in enumerate(inputs.split(batch)):
                 seen.clear()
-                model.hidden(rows.to(device))
+                with Watched(device, ACTIVATIONS) if n == 0 else nullcontext():  # the others repeat the first batch's
+                    model.hidden(rows.to(device))
                 if len(seen) != len(order):
                     raise RuntimeError(f"the forward pass applied {len(seen)} layers where its plan has {len(order)}")
                 turned += torch.stack([angle for angle, _ in seen]).cpu()

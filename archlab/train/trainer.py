@@ -30,7 +30,7 @@ from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_
 from archlab.ffn import MoEFFN
 from archlab.files import write_text_whole, written_as
 from archlab.loss import scores
-from archlab.memory import check_room
+from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
@@ -484,7 +484,8 @@ class Trainer:
             timed_steps, timed_seconds = 0, 0.0  # training steps since the last logged one, and their time
             for step in range(start, steps):
                 began = time.perf_counter()
-                record = self._step(step, steps, data, model)
+                with Watched(self.device, "its first step's activations, gradients and AdamW moments") if step == start else nullcontext():
+                    record = self._step(step, steps, data, model)  # the others take what the first did
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record[name])), None)
                 if bad:
                     what = "loss" if bad == "loss" else "gradient norm"

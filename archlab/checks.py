@@ -16,6 +16,7 @@ from archlab.block import FLOP_KINDS, Flops
 from archlab.cache import Cache
 from archlab.cost import Cost
 from archlab.engine import Engine
+from archlab.memory import Watched
 from archlab.model import Model
 from archlab.registry import RegistryError
 
@@ -36,10 +37,11 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
     and decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) checked too."""
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
     tokens = torch.randint(0, model.spec.vocab_size, (2, n))
-    with torch.set_grad_enabled(not forward_only):
-        logits, aux = model(tokens, return_aux=True)
-    if not forward_only:
-        (logits.float().logsumexp(-1).mean() + aux).backward()
+    with Watched("cpu", "its activations and gradients"):
+        with torch.set_grad_enabled(not forward_only):
+            logits, aux = model(tokens, return_aux=True)
+        if not forward_only:
+            (logits.float().logsumexp(-1).mean() + aux).backward()
     passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
     finite = bool(logits.isfinite().all()) and all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
     if not finite:

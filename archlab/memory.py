@@ -68,9 +68,10 @@ ACTIVATIONS = "its activations"  # what a watched forward pass holds, as its NoR
 class Watched(TorchDispatchMode):
     """Work watched as it runs on the CPU, op by op, forward and backward. The bytes of the tensors
     each op makes are counted, and after every ``READ_EVERY`` of them the process's resident
-    memory is read. Once that has grown past nine tenths of what was free when the work began,
-    NoRoom stops it, so that the op in flight and the allocator still fit in the last tenth.
-    Where nothing says what is free (CUDA, whose allocator raises itself) it watches nothing."""
+    memory is read. NoRoom stops the work once that growth, with room for another op as large as
+    the largest yet, passes nine tenths of what was free when the work began (the kernel's
+    estimate of what is free is not exact). Where nothing says what is free (CUDA, whose
+    allocator raises itself) it watches nothing."""
 
     READ_EVERY = 16 * 2**20
 
@@ -83,7 +84,7 @@ class Watched(TorchDispatchMode):
         self.free = free_bytes(self.device)
         if self.free is None:
             return self
-        self.start, self.made = resident_bytes(), 0
+        self.start, self.made, self.largest = resident_bytes(), 0, 0
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -91,10 +92,11 @@ class Watched(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.made += sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        made = sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.made, self.largest = self.made + made, max(self.largest, made)
         if self.made >= self.READ_EVERY:
             self.made = 0
             grown = resident_bytes() - self.start
-            if grown > 0.9 * self.free:
+            if grown + self.largest > 0.9 * self.free:
                 raise NoRoom(grown, self.free, self.what, partway=True)
         return out

@@ -114,15 +114,16 @@ def test_a_first_training_step_that_outgrows_the_memory_free_is_stopped_in_words
     assert trained.returncode == 0 and len(checkpoints(tmp_path / "trained")) == 1, trained.stderr
 
 
-def test_scoring_that_outgrows_the_memory_free_is_stopped_in_words(cli, tmp_path):
+def test_scoring_or_a_build_check_that_outgrows_the_memory_free_is_stopped_in_words(cli, tmp_path):
     code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", "--set", "batch_size=2",
                           "--set", "micro_batch_size=2", "--set", "data.max_bytes=400000", "--set", "eval_batches=1")
     assert code in (0, None), stderr
-    for command in (["evaluate", "--seq-len", "2K", "--sequences", "8"], ["layers", "--seq-len", "2K", "--sequences", "8"]):
-        stopped = archlab_told_free(8 * 2**20, command[0], tmp_path / "run", *command[1:])
+    scoring = "run: 8 windows of 2,048 tokens does not fit in memory (its activations had taken"
+    for command, said in ((["evaluate", tmp_path / "run", "--sequences", "8"], scoring), (["layers", tmp_path / "run", "--sequences", "8"], scoring),
+                          (["build", SPEC], "transformer: a check of 2 x 2,048 tokens does not fit in memory (its activations and gradients had taken")):
+        stopped = archlab_told_free(8 * 2**20, *command, "--seq-len", "2K")
         assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
-        assert "run: 8 windows of 2,048 tokens does not fit in memory (its activations had taken" in stopped.stderr \
-            and "of the 8.0 MiB free when they were stopped); lower --seq-len or --batch" in stopped.stderr, stopped.stderr
+        assert said in stopped.stderr and "of the 8.0 MiB free when they were stopped); lower --seq-len" in stopped.stderr, stopped.stderr
 
 
 def test_a_watched_backward_pass_is_stopped_where_its_memory_grows(monkeypatch):
@@ -146,3 +147,17 @@ def test_a_watched_backward_pass_is_stopped_where_its_memory_grows(monkeypatch):
         loss.register_hook(lambda grad: backward.append(True))
         loss.backward()
     assert backward and str(stopped.value) == "its pass had taken 1,024.0 GiB of the 1.0 GiB free when they were stopped"
+
+
+def test_the_watch_leaves_room_for_another_op_as_large_as_the_largest_yet(monkeypatch):
+    """Grown by 50 MiB of 100 MiB free: ops of 4 MiB go on, and once one of 48 MiB has been made,
+    another as large would pass nine tenths of what was free."""
+    monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 100 * 2**20)
+    reads = iter([0] + [50 * 2**20] * 10)  # when the work begins, then as it goes
+    monkeypatch.setattr(archlab.memory, "resident_bytes", lambda: next(reads))
+    with Watched("cpu", "its pass"):
+        for _ in range(8):
+            torch.ones(2**20)  # 4 MiB each
+        with pytest.raises(NoRoom) as stopped:
+            torch.ones(12 * 2**20)
+    assert str(stopped.value) == "its pass had taken 50.0 MiB of the 100.0 MiB free when they were stopped"

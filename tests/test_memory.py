@@ -115,15 +115,19 @@ def test_a_first_training_step_that_outgrows_the_memory_free_is_stopped_in_words
 
 
 def test_scoring_or_a_build_check_that_outgrows_the_memory_free_is_stopped_in_words(cli, tmp_path):
+    """downstream's first batch is watched as these are (tests/test_train.py)."""
     code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", "--set", "batch_size=2",
                           "--set", "micro_batch_size=2", "--set", "data.max_bytes=400000", "--set", "eval_batches=1")
     assert code in (0, None), stderr
     scoring = "run: 8 windows of 2,048 tokens does not fit in memory (its activations had taken"
-    for command, said in ((["evaluate", tmp_path / "run", "--sequences", "8"], scoring), (["layers", tmp_path / "run", "--sequences", "8"], scoring),
-                          (["build", SPEC], "transformer: a check of 2 x 2,048 tokens does not fit in memory (its activations and gradients had taken")):
-        stopped = archlab_told_free(8 * 2**20, *command, "--seq-len", "2K")
+    for command, free, said in (
+            (["evaluate", tmp_path / "run", "--sequences", "8"], 8, scoring), (["layers", tmp_path / "run", "--sequences", "8"], 8, scoring),
+            (["niah", tmp_path / "run", "--sequences", "8", "--depths", "1"], 24,  # its cache, 15.5 MiB, is made
+             "run: 8 prompts of 2,048 tokens does not fit in memory (its caches and activations had taken"),
+            (["build", SPEC], 8, "transformer: a check of 2 x 2,048 tokens does not fit in memory (its activations and gradients had taken")):
+        stopped = archlab_told_free(free * 2**20, *command, "--seq-len", "2K")
         assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
-        assert said in stopped.stderr and "of the 8.0 MiB free when they were stopped); lower --seq-len" in stopped.stderr, stopped.stderr
+        assert said in stopped.stderr and f"of the {free}.0 MiB free when they were stopped); lower --seq-len" in stopped.stderr, stopped.stderr
 
 
 def test_a_watched_backward_pass_is_stopped_where_its_memory_grows(monkeypatch):

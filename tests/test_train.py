@@ -1,5 +1,6 @@
 """Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -1485,6 +1486,8 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
     pytest.importorskip("lm_eval")
     from tokenizers import Tokenizer
 
+    from archlab.memory import ACTIVATIONS
+    from archlab.train import downstream
     from archlab.train.checkpoint import load_trained
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -1498,9 +1501,11 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
         "doc_to_target": "{{answer}}", "target_delimiter": "", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}))
     only_acc = yaml.safe_load((tmp_path / "pick.yaml").read_text()) | {"task": "archlab_pick_acc", "metric_list": [{"metric": "acc"}]}
     (tmp_path / "pick_acc.yaml").write_text(yaml.safe_dump(only_acc))
+    watched = []  # the first batch of each call, the longest, whose memory is watched (tests/test_memory.py)
+    monkeypatch.setattr(downstream, "Watched", lambda device, what: watched.append(what) or contextlib.nullcontext())
     code, out, stderr = cli("downstream", trained_on_text, "--tasks", "archlab_pick,archlab_pick_acc", "--include-path", tmp_path,
                             "--format", "json")
-    assert code in (0, None), stderr
+    assert code in (0, None) and watched and set(watched) == {ACTIVATIONS}, stderr
     rows = json.loads(out)
     scores = {row["metric"]: row["value"] for row in rows if row["task"] == "archlab_pick"}
 

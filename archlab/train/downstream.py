@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import traceback
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from archlab.engine import Engine
+from archlab.memory import ACTIVATIONS, Watched
 from archlab.table import Decimals
 from archlab.train.data import load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
@@ -52,7 +54,8 @@ class ArchlabLM(TemplateLM):
         """For each (_, context, continuation) of token ids: the log-probability of the
         continuation after the context (its last ``max_length`` tokens), and whether greedy
         decoding would give it. Requests run ``batch`` at a time, longest first, padded on the
-        right, where a causal model's earlier positions do not see the padding."""
+        right, where a causal model's earlier positions do not see the padding; the first batch,
+        the longest, has its memory watched (``archlab.memory``)."""
         pairs = [(context, continuation) for _, context, continuation in requests]
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         found: dict[int, tuple[float, bool]] = {}
@@ -61,7 +64,9 @@ class ArchlabLM(TemplateLM):
                 some = order[first : first + self.batch]
                 wholes = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in some]
                 scored = [min(len(pairs[i][1]), len(whole) - 1) for i, whole in zip(some, wholes)]  # a continuation longer than the model reads: its last tokens
-                for i, (lost, correct, counted) in zip(some, continuation_scores(self.model, wholes, scored, self._device)):
+                with Watched(self._device, ACTIVATIONS) if first == 0 else nullcontext():
+                    scores = continuation_scores(self.model, wholes, scored, self._device)
+                for i, (lost, correct, counted) in zip(some, scores):
                     found[i] = (-lost, correct == counted)
         return [found[i] for i in range(len(pairs))]
 

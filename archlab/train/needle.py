@@ -19,6 +19,7 @@ import functools
 import math
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
@@ -26,6 +27,7 @@ from statistics import fmean
 import torch
 
 from archlab.engine import Engine
+from archlab.memory import Watched
 from archlab.table import Decimals
 from archlab.train.data import load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
@@ -169,16 +171,20 @@ class Found:
 
 def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batch: int, device: torch.device) -> list[Found]:
     """Each probe's greedy continuation (through the engine, with its cache) and the loss of its
-    answer's tokens after the prompt and after the control prompt, ``batch`` probes at a time."""
+    answer's tokens after the prompt and after the control prompt, ``batch`` probes at a time;
+    the memory of a batch with a longer prompt than any before is watched (``archlab.memory``)."""
     model, autocast = loaded.on(device)
     engine = Engine(model)
-    found = []
+    found, longest = [], 0
     with torch.no_grad(), autocast:
         for first in range(0, len(probes), batch):
             some = probes[first : first + batch]
-            generated = engine.generate([torch.tensor(p.prompt, device=device) for p in some], new_tokens).tokens
-            losses = [continuation_scores(model, [p.prompt + p.answer for p in some], [len(p.answer) for p in some], device),
-                      continuation_scores(model, [p.control + p.answer for p in some], [len(p.answer) for p in some], device)]
+            longer = max(len(p.prompt) for p in some) > longest
+            longest = max(longest, *(len(p.prompt) for p in some))
+            with Watched(device, "its caches and activations") if longer else nullcontext():
+                generated = engine.generate([torch.tensor(p.prompt, device=device) for p in some], new_tokens).tokens
+                losses = [continuation_scores(model, [p.prompt + p.answer for p in some], [len(p.answer) for p in some], device),
+                          continuation_scores(model, [p.control + p.answer for p in some], [len(p.answer) for p in some], device)]
             for probe, tokens, (answer, *_), (control, *_) in zip(some, generated, *losses, strict=True):
                 found.append(Found(probe, tokenizer.decode(tokens), answer, control))
     return found

@@ -74,6 +74,13 @@ class Watched(TorchDispatchMode):
     allocator raises itself) it watches nothing."""
 
     READ_EVERY = 16 * 2**20
+    supports_higher_order_operators = True  # FlexAttention's flex_attention is one: passed on, its output counted
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Compiled code (``compile: true``, FlexAttention's own tracing) compiles as it would unwatched;
+        its ops are not counted, and the resident memory read after the next counted ones."""
+        return True
 
     def __init__(self, device: torch.device | str, what: str):
         super().__init__()

@@ -165,3 +165,12 @@ def test_the_watch_leaves_room_for_another_op_as_large_as_the_largest_yet(monkey
         with pytest.raises(NoRoom) as stopped:
             torch.ones(12 * 2**20)
     assert str(stopped.value) == "its pass had taken 50.0 MiB of the 100.0 MiB free when they were stopped"
+
+
+def test_flex_attention_runs_watched(cli, tmp_path):
+    """FlexAttention is a higher-order op, traced by torch.compile even in eager mode: the watch
+    passes it on, and its tracing on."""
+    spec = tmp_path / "flexed.yaml"
+    spec.write_text(f"extends: {ROOT / SPEC}\nname: flexed\nlayout:\n  layers:\n    blocks: [{{type: attention, n_heads: 4, n_kv_heads: 2, backend: flex}}]\n")
+    code, stdout, stderr = cli("build", spec)
+    assert code in (0, None) and "ok fwd only (no CPU backward for attention: flex), costs, decoding" in " ".join(stdout.split()), stderr

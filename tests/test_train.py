@@ -721,7 +721,7 @@ def test_compiled_layers_train_as_eager(tmp_path):
         assert all((layer._compiled_call_impl is not None) == compile for layer in trainer.model.layers)
     # 8 layer calls a pass (2 looped 3 times, 2 cross-decoder), training and evaluation: 4 graphs,
     # one per layer kind, with or without gradients; the count does not grow with depth or loops
-    assert counters["stats"]["unique_graphs"] <= 4
+    assert counters["stats"]["unique_graphs"] == 4  # none would be made had the first step's memory watch kept torch.compile out
     assert not counters["graph_break"]  # the kernels were chosen before tracing
     for eager, compiled in zip(runs[False], runs[True]):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)

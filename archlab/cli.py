@@ -1172,6 +1172,9 @@ def _show_notice(message, category, filename, lineno, file=None, line=None) -> N
 
 
 def main() -> None:
+    for stream, mode in (("stdin", "r"), ("stdout", "w"), ("stderr", "w")):  # closed (<&-, >&-): Python makes it None
+        if getattr(sys, stream) is None:
+            setattr(sys, stream, open(os.devnull, mode))  # read as empty, written nowhere, as rich's consoles already do
     with warnings.catch_warnings():  # the notices' form for this command only, not for a caller's code after it
         warnings.showwarning = _show_notice
         try:

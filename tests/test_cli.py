@@ -826,3 +826,16 @@ def test_bench_refuses_a_cuda_graph_for_a_model_that_cannot_be_captured(cli, mon
     monkeypatch.setattr(command, "_check_device", lambda name: None)
     code, _, stderr = cli("bench", "specs/tiny/yoco-u-moe.yaml", "--seq-len", "64", "--device", "cuda", "--cuda-graph")
     assert code == 1 and "error: cuda_graph: yoco-u-moe cannot decode from a CUDA graph: its MoEFFN picks its experts" in stderr, stderr
+
+
+def test_a_closed_stream_reads_as_empty_and_takes_what_is_written_nowhere(cli, tmp_path):
+    """``<&-`` and ``>&-`` close a stream, which Python then gives as None: each command runs as with
+    /dev/null there, as rich's consoles already wrote nowhere, rather than failing on None."""
+    code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=16", "--set", "batch_size=2",
+                          "--set", "micro_batch_size=2", "--set", "data.max_bytes=20000", "--set", "eval_batches=1")
+    assert code in (0, None), stderr
+    for command, closed in ((["show", SPEC], [1]), (["generate", tmp_path / "run", "--prompt", "hi", "--max-new-tokens", "2"], [1]),
+                            (["chat", tmp_path / "run", "--max-new-tokens", "2"], [0, 1])):
+        result = subprocess.run([sys.executable, "-m", "archlab", *map(str, command)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: [os.close(fd) for fd in closed])
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (command, result.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -29,7 +30,7 @@ from archlab.cache import Cache
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
-from archlab.memory import NoRoom
+from archlab.memory import ACTIVATIONS, NoRoom, Watched
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs
@@ -407,13 +408,20 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
              until: tuple[str, ...] = (), lead: str = "", cache: Cache | None = None, held: int = 0) -> Written:
     """The text generated after ``ids``, up to the first of the texts ``until`` to come (as
     stop strings go: wherever it falls in a token), written out as it comes, after ``lead`` (the
-    prompt, a header: written once the cache is made, so that a cache refused leaves no line begun).
-    ``cache``, ``held``: a cache that holds the first ``held`` tokens of ``ids`` already."""
+    prompt, a header: written once the prompt is in the cache, so that a cache refused, or a
+    prefill stopped for memory, leaves no line begun). ``cache``, ``held``: a cache that holds
+    the first ``held`` tokens of ``ids`` already. The prefill's memory is watched
+    (``archlab.memory.Watched``): its activations grow with the prompt's chunks and the spec."""
     cache = cache or _cache_for(engine, len(ids), max_new_tokens)
-    sys.stdout.write(lead)
     start, new, shown, stop = time.perf_counter(), [], "", None
+    stream = engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache, held)
+    fed, chunk = len(ids) - held, engine.prefill_chunk
+    passes, lower = (f" in passes of {chunk:,}", "--prefill-chunk") if fed > chunk else ("", "the prompt")
     try:
-        for tokens, _, _ in engine.stream([torch.as_tensor(ids)], max_new_tokens, sampling, cache, held):
+        with _fits_in_memory(f"a prefill of {fed:,} tokens{passes}", f"{lower} or the spec's sizes", None), Watched(engine.device, ACTIVATIONS):
+            first = next(stream)
+        sys.stdout.write(lead)
+        for tokens, _, _ in itertools.chain([first], stream):
             if not new:  # the first token: the cache holds the prompt alone
                 prompted = cache.mark()
             new.append(int(tokens[0]))
@@ -431,7 +439,7 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
         else:
             text = codec.decode(new)
     except FloatingPointError as exc:  # weights that give NaN
-        sys.stdout.write("\n")
+        sys.stdout.write("\n" if new else "")  # after the line begun
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(text[len(shown) :])

@@ -453,7 +453,7 @@ def test_of_stop_texts_that_one_token_completes_the_first_to_begin_stops(capsys)
             return "".join(["x = ", "abc", "d"][i] for i in ids)
 
     class Scripted:
-        page_size = None
+        page_size, prefill_chunk, device = None, 2048, torch.device("cpu")
 
         def cache_for(self, lengths, new_tokens):
             return Cache(tiny_model("transformer")[1], 1, 4, torch.float32)

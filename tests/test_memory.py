@@ -174,3 +174,17 @@ def test_flex_attention_runs_watched(cli, tmp_path):
     spec.write_text(f"extends: {ROOT / SPEC}\nname: flexed\nlayout:\n  layers:\n    blocks: [{{type: attention, n_heads: 4, n_kv_heads: 2, backend: flex}}]\n")
     code, stdout, stderr = cli("build", spec)
     assert code in (0, None) and "ok fwd only (no CPU backward for attention: flex), costs, decoding" in " ".join(stdout.split()), stderr
+
+
+def test_a_prefill_that_outgrows_the_memory_free_is_stopped_before_the_prompt_is_written(tmp_path):
+    """64 ParScale streams make a 400-token prompt's prefill 25,600 rows of activations (the cache,
+    checked before it is made, takes 25.1 MiB): stopped with 48 MiB free, run with 1 GiB."""
+    spec = tmp_path / "streams.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/parscale.yaml'}\nname: streams\nparscale: {{streams: 64, prefix_len: 4}}\n")
+    prompt = "the prompt " * 36 + "abcd"
+    stopped = archlab_told_free(48 * 2**20, "generate", spec, "--prompt", prompt, "--max-new-tokens", 2)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr and stopped.stdout == "", stopped.stderr
+    assert "a prefill of 400 tokens does not fit in memory (its activations had taken" in stopped.stderr \
+        and "of the 48.0 MiB free when they were stopped); lower the prompt or the spec's sizes" in stopped.stderr, stopped.stderr
+    written = archlab_told_free(2**30, "generate", spec, "--prompt", prompt, "--max-new-tokens", 2)
+    assert written.returncode == 0 and written.stdout.startswith(prompt), written.stderr

@@ -175,7 +175,7 @@ def build(
         if params <= CPU_CHECK_LIMIT:
             model = _built(spec)
             start = time.perf_counter()
-            with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len", None):
+            with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len or the spec's sizes", None):
                 result = cpu_check(model, n)
             problems += [f"{label}: {problem}" for problem in result.problems]
             ok = result.finite and not result.problems

@@ -292,6 +292,9 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(cli, tmp_p
         refused(resumed, fragment, "remove it to resume from the one before")
         assert "weights_only" not in resumed[2]  # torch's advice to load it unsafely is not passed on
         assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    shutil.rmtree(sorted((run / "checkpoints").glob("step-*"))[0])  # the one before: none left to go back to
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "8"), "is damaged (SafetensorError",
+            "and no checkpoint before it is kept: train the run again into a new --out (or remove this one's checkpoints and metrics.jsonl)")
     other = cli("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
     refused(other, "was trained with a different spec than specs/tiny/yoco.yaml: name transformer -> yoco;")
 
@@ -993,6 +996,9 @@ def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tm
     tokens.write_bytes(tokens.read_bytes()[:30_000])
     refused_untouched(cli, run, f"{str(tokens)!r} is not the data the run trained on: its checkpoint records 190000+10000 tokens,",
                       "the data now gives 14250+750 tokens", "put the run's data back to resume")
+    tokens.write_bytes(tokens.read_bytes()[:2_000])  # too few for a sequence: not "use a shorter seq_len", which a resume keeps
+    refused_untouched(cli, run, f"{str(tokens)!r} is not the data the run trained on: its validation split has 50 tokens, fewer than"
+                      " one of the run's 64-token sequences needs; put the run's data back to resume")
 
     text = tmp_path / "text"
     text.mkdir()

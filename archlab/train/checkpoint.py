@@ -104,7 +104,11 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
 
 
 def _damaged(path: Path, why: str) -> CheckpointError:
-    return CheckpointError(f"checkpoint {path} is damaged ({why}); remove it to resume from the one before")
+    """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps one."""
+    if any(step_of(kept) < step_of(path) for kept in checkpoints(path.parent.parent)):
+        return CheckpointError(f"checkpoint {path} is damaged ({why}); remove it to resume from the one before")
+    return CheckpointError(f"checkpoint {path} is damaged ({why}), and no checkpoint before it is kept: train the run again"
+                           " into a new --out (or remove this one's checkpoints and metrics.jsonl)")
 
 
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:

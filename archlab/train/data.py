@@ -49,6 +49,15 @@ def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) 
     return np.random.default_rng([seed, SPLITS[split], step])
 
 
+class ShortSplit(DataError):
+    """A split with fewer tokens than one sequence needs: ``have`` tokens in the ``split`` split of ``describe``."""
+
+    def __init__(self, split: str, have: int, seq_len: int, describe: str):
+        super().__init__(f"sequence length {seq_len} needs at least {seq_len + 1} tokens, but the {split} split of {describe}"
+                         f" has {have}; use a shorter seq_len or more data")
+        self.split, self.have, self.describe = split, have, describe
+
+
 class TokenSource:
     """Train and validation token arrays, sampled at random offsets; with ``masks`` (a bool array
     beside each split's tokens), only the tokens marked count: the responses of fine-tuning
@@ -58,10 +67,7 @@ class TokenSource:
                  masks: dict[str, np.ndarray] | None = None):
         for name, tokens in (("training", train), ("validation", val)):
             if len(tokens) < seq_len + 1:
-                raise DataError(
-                    f"sequence length {seq_len} needs at least {seq_len + 1} tokens, but the {name} split of"
-                    f" {describe} has {len(tokens)}; use a shorter seq_len or more data"
-                )
+                raise ShortSplit(name, len(tokens), seq_len, describe)
         self.splits, self.seq_len, self.seed, self.describe = {"train": train, "val": val}, seq_len, seed, describe
         self.masks = masks
         self.reports_accuracy = masks is not None  # of the counted tokens; where every next token counts, loss says it all

@@ -37,7 +37,7 @@ from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yam
 from archlab.train import checkpoint
 from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, load_config, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import CORPUS_FILES, Batch, DataSource, load_tokenizer, prepare
+from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare
 
 
 T = TypeVar("T")
@@ -390,13 +390,22 @@ class Trainer:
         data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
         args = (self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
 
+        def put_back() -> str:
+            tokenized = data_dir / "data"
+            again = f" (and remove {tokenized}, tokenized from it, to tokenize it again)" if tokenized.is_dir() else ""
+            return f"put the run's data back{again} to resume"
+
         def first():
-            data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume)  # a fresh start may replace a failed attempt's corpus
+            try:
+                data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume)  # a fresh start may replace a failed attempt's corpus
+            except ShortSplit as exc:
+                if self.resumed_corpus is None:  # a fresh start, or a run of a recall task
+                    raise
+                raise TrainError(f"{exc.describe} is not the data the run trained on: its {exc.split} split has {exc.have:,} tokens,"
+                                 f" fewer than one of the run's {self.cfg.seq_len:,}-token sequences needs; {put_back()}") from None
             if self.resumed_corpus not in (None, data.fingerprint):
-                tokenized = data_dir / "data"
-                again = f" (and remove {tokenized}, tokenized from it, to tokenize it again)" if tokenized.is_dir() else ""
                 raise TrainError(f"{data.describe} is not the data the run trained on: its checkpoint records"
-                                 f" {self.resumed_corpus}, the data now gives {data.fingerprint}; put the run's data back{again} to resume")
+                                 f" {self.resumed_corpus}, the data now gives {data.fingerprint}; {put_back()}")
             return data
 
         data = self.world.from_main(first)

@@ -87,7 +87,7 @@ def parse_length(text: str) -> int:
     """'16384', '16K' or '1M' as a sequence length in tokens (K = 1024, as 256K contexts are counted)."""
     scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)
     number = text[:-1] if scale > 1 else text
-    if not number.isdigit() or int(number) < 1:
+    if not (number.isascii() and number.isdigit()) or int(number) < 1:  # not "²", which int() refuses
         raise ValueError(f"{text!r} is not a token count (examples: 2048, 16K, 256K)")
     return int(number) * scale
 

@@ -506,6 +506,9 @@ def test_bench_rejects_a_bad_length(cli):
 
 def test_lengths_count_in_powers_of_two_and_budgets_in_powers_of_ten():
     assert [parse_length(text) for text in ("2048", "16K", "256k", "1M")] == [2048, 16384, 262144, 1048576]
+    for bad in ("", "0", "1.5K", "²", "٣٢", "-2K"):  # digits Python's int() refuses, or reads, beyond ASCII's
+        with pytest.raises(ValueError, match="is not a token count"):
+            parse_length(bad)
     assert [parse_budget(text) for text in ("2048", "50M", "1.5B", "300b", "2T", "1e9")] == [2048, 5 * 10**7, 15 * 10**8, 3 * 10**11, 2 * 10**12, 10**9]
     for bad in ("", "lots", "1.5", "0.0004K", "0", "-2M", "nanM", "infB", "50Mi"):
         with pytest.raises(ValueError, match="is not a whole number of tokens"):

@@ -492,6 +492,13 @@ def chat(
         said: list[int] = []  # the last prompt, which the last reply's cache held before it
         reply = None
         for message in _messages(sys.stdin):
+            if MESSAGE_END in message:
+                refused = f"a message cannot hold {MESSAGE_END}, which ends a message where the model reads it"
+                if not typed:
+                    _error(refused)
+                    raise typer.Exit(1)
+                err.print(f"{refused}; type it again without it", highlight=False, markup=False)  # a slip, not the conversation's end
+                continue
             messages.append({"role": "user", "content": message})
             prompt = reply_prompt(messages, codec.tokenizer)
             if not typed:  # the transcript shows what was said, as a terminal does
@@ -508,7 +515,7 @@ def chat(
             if reply.stop is None:
                 err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
             messages.append({"role": "assistant", "content": reply.text})
-    except DataError as exc:  # a message holding MESSAGE_END
+    except DataError as exc:  # a --system message holding MESSAGE_END
         _error(str(exc))
         raise typer.Exit(1) from None
     except (UnicodeDecodeError, UnicodeEncodeError) as exc:  # read strictly, or with each byte that is not UTF-8 a surrogate

@@ -215,6 +215,16 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert code in (0, None) and stdout == "User: Write it.\n\nAssistant:     a\n\n", stdout
     assert prompts == ["User: Write it.<|end|>\nAssistant: "]
     assert "(the reply was cut at --max-new-tokens 5)" in stderr
+    typed = io.StringIO("Say <|end|>.\n\nHi.\n")
+    typed.isatty = lambda: True  # at a terminal, a message holding the end is typed again, the conversation going on
+    monkeypatch.setattr(sys, "stdin", typed)
+    prompts.clear()
+    code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", "5")
+    assert code in (0, None) and "a message cannot hold <|end|>, which ends a message where the model reads it; type it again" \
+        in stderr and prompts == ["User: Hi.<|end|>\nAssistant: "], stderr
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Say <|end|>.\n"))
+    code, stdout, stderr = cli("chat", pretrained)
+    assert code == 1 and "error: a message cannot hold <|end|>, which ends a message where the model reads it" in stderr, stderr  # piped
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
     code, stdout, stderr = cli("chat", pretrained, "--system", "End with <|end|>.")
     assert code == 1 and "the conversation: message 0 holds <|end|>, which ends a message" in stderr and "Traceback" not in stderr, stderr

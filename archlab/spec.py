@@ -523,7 +523,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
     if not path.is_file():
         origin = f"extended from {chain[-1]}" if chain else "no such file"
-        raise SpecError(str(path), [Problem("<file>", f"not found ({origin})")])
+        found = "is not a regular file (a device, a pipe or a socket)" if path.exists() else f"not found ({origin})"
+        raise SpecError(str(path), [Problem("<file>", found)])
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
@@ -543,7 +544,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
     if parent is None:
         _note(data, str(path), origins)
         return data
-    if not isinstance(parent, str):
+    if not isinstance(parent, str) or not parent.strip():
         raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
     if len(chain) >= MAX_EXTENDS:
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])

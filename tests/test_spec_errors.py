@@ -147,7 +147,13 @@ CASES = [
      ["its aliases expand to over 100,000 values"]),
     ("nested past reading", {"s.yaml": BASE + "deep: " + "[" * 3000 + "]" * 3000 + "\n"}, "s.yaml", ["<yaml>: nested too deeply to read"]),
     ("extends a folder", {"s.yaml": "extends: d\nname: x\n", "d/t.yaml": BASE}, "s.yaml", ["is a folder, not a YAML file (extended from"]),
+    ("extends nothing", {"s.yaml": "extends: ' '\nname: x\n"}, "s.yaml", ["extends: must be a path to another spec file"]),  # not "." read as a folder
 ]
+
+
+def test_a_spec_that_is_no_regular_file_is_not_said_to_be_missing():
+    with pytest.raises(archlab.SpecError, match="<file>: is not a regular file"):
+        archlab.load_spec("/dev/null")
 
 
 @pytest.mark.parametrize("name,files,target,fragments", CASES, ids=[c[0] for c in CASES])

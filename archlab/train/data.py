@@ -414,7 +414,7 @@ def load_tokenizer(path: str, vocab_size: int):
     from tokenizers import Tokenizer
 
     if not Path(path).is_file():
-        raise DataError(f"tokenizer {path!r}: no such file")
+        raise DataError(f"tokenizer {path!r}: {'not a file' if Path(path).exists() else 'no such file'}")
     try:
         tokenizer = Tokenizer.from_file(path)
     except Exception as exc:

@@ -1554,3 +1554,12 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
             "trained on a recall task and has no tokenizer")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where it is not installed
     refused(cli("downstream", trained_on_text, "--tasks", "arc_easy"), "pip install 'archlab[eval]'")
+
+
+def test_a_tokenizer_path_that_is_a_folder_is_not_said_to_be_missing(tmp_path):
+    from archlab.train.data import load_tokenizer
+
+    with pytest.raises(DataError, match="not a file"):
+        load_tokenizer(str(tmp_path), 256)
+    with pytest.raises(DataError, match="no such file"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"), 256)

@@ -1563,3 +1563,23 @@ def test_a_tokenizer_path_that_is_a_folder_is_not_said_to_be_missing(tmp_path):
         load_tokenizer(str(tmp_path), 256)
     with pytest.raises(DataError, match="no such file"):
         load_tokenizer(str(tmp_path / "tokenizer.json"), 256)
+
+
+def test_weights_changed_on_the_disk_are_found_before_training_goes_on_from_them(cli, tmp_path):
+    """A bit of a weight flipped still reads as a number; the hash state.json records finds it, on
+    resuming and on fine-tuning. A checkpoint saved before hashes were recorded loads as it did."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "2")[0] in (0, None)
+    saved = checkpoints(run)[-1]
+    weights = bytearray((saved / "model.safetensors").read_bytes())
+    weights[-1] ^= 1  # the lowest bit of the last weight
+    (saved / "model.safetensors").write_bytes(weights)
+    for target, given in ((run, ["--resume", "--steps", "3"]), (tmp_path / "tuned", ["--init", saved, "--steps", "1"])):
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", target, *SMALL, *given),
+                f"checkpoint {saved} is damaged (its model.safetensors is not the file saved with it: a hash of its bytes differs)")
+    assert not (tmp_path / "tuned").exists() and checkpoints(run) == [saved]
+    state = json.loads((saved / "state.json").read_text())
+    del state["weights_blake2b"]
+    (saved / "state.json").write_text(json.dumps(state))
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
+    assert code in (0, None) and "weights_blake2b" in json.loads((checkpoints(run)[-1] / "state.json").read_text()), stderr

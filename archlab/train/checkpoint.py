@@ -2,14 +2,16 @@
 
 A checkpoint is a folder such as ``checkpoints/step-00000100`` holding ``model.safetensors`` (weights),
 ``trainer.pt`` (optimizer and RNG state; tensors, numbers and lists only, loaded with
-``weights_only=True``) and ``state.json``. It is written under a temporary name and renamed into
-place, so a folder with the final name is always complete; older ones beyond ``keep`` are
-removed only after a newer one is in place.
+``weights_only=True``) and ``state.json``, which records a hash of the weights' file: bytes
+changed on the disk that still read as numbers are found before training goes on from them. It
+is written under a temporary name and renamed into place, so a folder with the final name is
+always complete; older ones beyond ``keep`` are removed only after a newer one is in place.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -62,7 +64,8 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         tmp.mkdir(parents=True)
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **info}, indent=2))
+        info = {"step": step, **info, "weights_blake2b": weights_hash(tmp)}
+        (tmp / "state.json").write_text(json.dumps(info, indent=2))
         shutil.copymode(tmp / "state.json", tmp / "model.safetensors")  # safetensors writes 0600; the rest follow the umask
         for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
             with open(file, "rb") as f:
@@ -103,6 +106,25 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
         )
 
 
+def weights_hash(path: Path) -> str:
+    """A hash of checkpoint ``path``'s model.safetensors, byte for byte."""
+    with open(path / "model.safetensors", "rb") as weights:
+        return hashlib.file_digest(weights, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+
+
+def check_weights_hash(path: Path) -> None:
+    """A CheckpointError if the weights of ``path`` are not the bytes its state.json recorded (a
+    checkpoint saved before hashes were recorded, or without a state.json, is taken as it is)."""
+    if not (path / "state.json").is_file():
+        return
+    try:
+        recorded = json.loads((path / "state.json").read_text()).get("weights_blake2b")
+        if recorded is not None and recorded != weights_hash(path):
+            raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs")
+    except (OSError, ValueError, AttributeError) as exc:  # state.json unreadable, not JSON, or not a mapping
+        raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+
+
 def _damaged(path: Path, why: str) -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps one."""
     if any(step_of(kept) < step_of(path) for kept in checkpoints(path.parent.parent)):
@@ -131,6 +153,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
         raise _damaged(path, f"its state.json is at step {step}")
+    check_weights_hash(path)
     broken = non_finite(model)
     if broken:  # resuming would train on from NaN
         raise _damaged(path, f"non-finite weights: {', '.join(broken[:3])}")

@@ -235,6 +235,7 @@ class Trainer:
         embeddings learned."""
         run_dir, used = checkpoint.resolve(init)
         try:
+            checkpoint.check_weights_hash(used)  # what the run goes on from, changed on the disk, would be trained on in silence
             checkpoint.load_weights(used, self.model)
         except checkpoint.WeightsDoNotFit as exc:
             raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"

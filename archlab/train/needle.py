@@ -179,12 +179,12 @@ def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batc
     with torch.no_grad(), autocast:
         for first in range(0, len(probes), batch):
             some = probes[first : first + batch]
-            longer = max(len(p.prompt) for p in some) > longest
-            longest = max(longest, *(len(p.prompt) for p in some))
-            with Watched(device, "its caches and activations") if longer else nullcontext():
+            prompt = max(len(p.prompt) for p in some)
+            with Watched(device, "its caches and activations") if prompt > longest else nullcontext():
                 generated = engine.generate([torch.tensor(p.prompt, device=device) for p in some], new_tokens).tokens
                 losses = [continuation_scores(model, [p.prompt + p.answer for p in some], [len(p.answer) for p in some], device),
                           continuation_scores(model, [p.control + p.answer for p in some], [len(p.answer) for p in some], device)]
+            longest = max(longest, prompt)
             for probe, tokens, (answer, *_), (control, *_) in zip(some, generated, *losses, strict=True):
                 found.append(Found(probe, tokenizer.decode(tokens), answer, control))
     return found

@@ -105,7 +105,7 @@ class Watched(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        made = sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        made = out.nbytes if isinstance(out, torch.Tensor) else sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         self.made, self.largest = self.made + made, max(self.largest, made)
         if self.made >= self.READ_EVERY:
             self.made = 0

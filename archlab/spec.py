@@ -692,6 +692,11 @@ def validate_spec(data: dict, source: str = "<spec>", origins: dict[str, str] | 
     return validate_as(ModelSpec, data, source, origins)
 
 
+def _is_index(part: str) -> bool:
+    """Whether a part of a dotted path is a list index: ASCII digits ("²" is a digit int() refuses)."""
+    return part.isascii() and part.isdigit()
+
+
 def set_dotted(data: dict, key: str, value: Any) -> dict:
     """A copy of ``data`` with ``value`` at the dotted path ``key``; a number indexes a list
     (``layout.self_decoder.blocks.0.window``). Missing mappings on the way are created."""
@@ -701,7 +706,7 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
         if isinstance(node, list):
-            if not (part.isascii() and part.isdigit()) or int(part) >= len(node):
+            if not _is_index(part) or int(part) >= len(node):
                 raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
             part = int(part)
         elif isinstance(node, str) and _holder(parts[:depth]) in _unions():  # a shorthand, such as a block named by its type
@@ -715,7 +720,7 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             node[part] = value
         else:
             if isinstance(node, dict) and node.get(part) is None:  # a value there (a shorthand) is named next round
-                if parts[depth + 1].isascii() and parts[depth + 1].isdigit():
+                if _is_index(parts[depth + 1]):
                     where = ".".join(parts[: depth + 1])
                     raise SpecError(key, [Problem(where, f"is not given, so its item {parts[depth + 1]} cannot be set alone:"
                                                          f" give it whole, as {where}=[...]")])
@@ -762,7 +767,7 @@ def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | 
 
 def _holder(path: list[str]) -> str | None:
     """The named key a dotted path ends in, past list indices (``blocks`` for ``...blocks.0``)."""
-    return next((part for part in reversed(path) if not (part.isascii() and part.isdigit())), None)
+    return next((part for part in reversed(path) if not _is_index(part)), None)
 
 
 def load_spec(path: str | Path, overrides: list[str] = ()) -> ModelSpec:

@@ -112,17 +112,12 @@ def weights_hash(path: Path) -> str:
         return hashlib.file_digest(weights, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
-def check_weights_hash(path: Path) -> None:
-    """A CheckpointError if the weights of ``path`` are not the bytes its state.json recorded (a
-    checkpoint saved before hashes were recorded, or without a state.json, is taken as it is)."""
-    if not (path / "state.json").is_file():
-        return
-    try:
-        recorded = json.loads((path / "state.json").read_text()).get("weights_blake2b")
-        if recorded is not None and recorded != weights_hash(path):
-            raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs")
-    except (OSError, ValueError, AttributeError) as exc:  # state.json unreadable, not JSON, or not a mapping
-        raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+def _check_weights_hash(path: Path, info: dict) -> None:
+    """A CheckpointError if the weights of ``path`` are not the bytes its state.json (``info``)
+    recorded; a checkpoint saved before hashes were recorded is taken as it is."""
+    recorded = info.get("weights_blake2b")
+    if recorded is not None and recorded != weights_hash(path):
+        raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs")
 
 
 def _damaged(path: Path, why: str) -> CheckpointError:
@@ -153,7 +148,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
         raise _damaged(path, f"its state.json is at step {step}")
-    check_weights_hash(path)
+    _check_weights_hash(path, info)
     broken = non_finite(model)
     if broken:  # resuming would train on from NaN
         raise _damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
@@ -176,11 +171,16 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     return run_dir, found[-1]
 
 
-def load_weights(path: Path, model: torch.nn.Module) -> None:
-    """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape."""
+def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -> None:
+    """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape;
+    ``check_hash``: checked against the hash its state.json records, where it has one (a run
+    going on from them would train on bytes changed on the disk in silence)."""
     try:
+        if check_hash and (path / "state.json").is_file():
+            info = json.loads((path / "state.json").read_text())
+            _check_weights_hash(path, info if isinstance(info, dict) else {})
         _load_weights(path, model)
-    except (SafetensorError, OSError, RuntimeError) as exc:
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:  # ValueError: a state.json that is not JSON
         raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None
     broken = non_finite(model)
     if broken:  # generating from it would print garbage and succeed

@@ -235,8 +235,7 @@ class Trainer:
         embeddings learned."""
         run_dir, used = checkpoint.resolve(init)
         try:
-            checkpoint.check_weights_hash(used)  # what the run goes on from, changed on the disk, would be trained on in silence
-            checkpoint.load_weights(used, self.model)
+            checkpoint.load_weights(used, self.model, check_hash=True)
         except checkpoint.WeightsDoNotFit as exc:
             raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
                                              f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None

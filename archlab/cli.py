@@ -294,10 +294,10 @@ class TextCodec:
     def __init__(self, tokenizer_file: Path | None, vocab_size: int):
         self.tokenizer = None
         if tokenizer_file is not None:
-            from tokenizers import Tokenizer
+            from archlab.train.data import read_tokenizer
 
             try:
-                self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+                self.tokenizer = read_tokenizer(str(tokenizer_file))
             except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
                 raise CheckpointError(f"tokenizer {tokenizer_file} does not load ({exc})") from None
             if self.tokenizer.get_vocab_size() > vocab_size:

@@ -264,6 +264,65 @@ def test_a_window_counts_the_targets_its_mask_marks():
     assert torch.equal(batch.counted_targets() == -100, torch.from_numpy(~counted[batch.targets.numpy()]))
 
 
+def test_the_share_of_windows_that_count_nothing_is_that_of_the_windows_batches_draw():
+    counted = np.random.default_rng(1).random(2000) < 0.02
+    data = TokenSource(np.arange(2000), np.arange(2000), 24, 0, "numbers", masks={"train": counted, "val": counted})
+    drawn = np.concatenate([data.batch("train", step, 64).mask.numpy() for step in range(200)])  # 12,800 windows
+    share = data.uncounted_share()
+    assert share == np.mean([not counted[s + 1 : s + 25].any() for s in range(2000 - 24)])
+    assert 0.3 < share < 0.9 and abs(np.mean(~drawn.any(axis=1)) - share) < 0.02
+
+
+def test_a_tokenizers_template_adds_no_token_inside_examples_or_prompts(tmp_path):
+    """A tokenizer.json that puts a start token before every encoding, as Llama's does: examples
+    are joined from pieces tokenized apart, so it would stand before each response, and count."""
+    from tokenizers import processors
+
+    from archlab.cli import TextCodec
+    from archlab.train.data import _example_tokens, train_tokenizer
+
+    tokenizer = train_tokenizer(["Q: one two three\nA: four five\n"] * 20, 300)
+    tokenizer.add_special_tokens(["<s>"])
+    start = tokenizer.token_to_id("<s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", start)])
+    assert tokenizer.encode("four").ids[0] == start
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (ids,), (counted,) = _example_tokens([[("Q: one two", False), ("A: four five", True), ("\n", True)]],
+                                         load_tokenizer(str(tmp_path / "tokenizer.json"), 512))
+    assert start not in ids and counted.sum() == len(tokenizer.encode("A: four five\n", add_special_tokens=False).ids)
+    assert start not in TextCodec(tmp_path / "tokenizer.json", 512).encode("Q: one two")
+
+
+def test_a_step_whose_windows_count_no_token_makes_no_update(pretrained, tmp_path):
+    """Prompts longer than seq_len: many windows lie inside them. A step whose whole batch counts
+    no token logs no loss and leaves the weights as they were, which AdamW's weight decay and
+    momentum would move with nothing learned."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from archlab.spec import load_spec
+    from archlab.train.config import TrainConfig
+    from archlab.train.trainer import Trainer
+
+    long = write_examples(tmp_path / "long.jsonl", [{"prompt": f"x{i} = {i}\n" * 12, "response": f"y = {i} * 2 + 1"} for i in range(8)])
+    cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "log_interval": 1, "eval_interval": 100,
+                                      "checkpoint_interval": 1, "keep_checkpoints": 8, "init": str(pretrained),
+                                      "data": {"source": str(long), "val_fraction": 0.25}})
+    console = Console(file=io.StringIO(), width=500)
+    records = Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", console).fit(8)
+    data = prepare(load_config(str(tmp_path / "run/config.yaml")).data, 256, 16, 0, tmp_path / "run", resume=True)
+    counts = [int(data.batch("train", step, 2).mask.sum()) for step in range(8)]
+    assert 0 in counts and any(counts)
+    assert [("loss" in record, "grad_norm" in record) for record in records] == [(bool(c), bool(c)) for c in counts]
+    weights = [load_file(pretrained / "checkpoints/step-00000004/model.safetensors")]
+    weights += [load_file(tmp_path / f"run/checkpoints/step-{step:08d}/model.safetensors") for step in range(1, 9)]
+    unchanged = [all(torch.equal(before[name], after[name]) for name in before) for before, after in zip(weights, weights[1:])]
+    assert unchanged == [not c for c in counts]
+    said = " ".join(console.file.getvalue().split())
+    assert f"{data.uncounted_share():.0%} of the training windows of 16 tokens hold no token that counts" in said
+    assert "no token counted, no update" in said
+
+
 def test_fine_tuning_starts_from_the_runs_weights_and_counts_the_responses(cli, pretrained, examples, tmp_path):
     """The first step's loss is the pretrained model's cross-entropy on the responses of the
     first batch, from the whole logits; the run records the checkpoint it started from and reads

@@ -86,6 +86,15 @@ class TokenSource:
                 digest.update(np.ascontiguousarray(tokens[start : start + piece], dtype=np.uint32).tobytes())
         return f"{len(self.splits['train'])}+{len(self.splits['val'])} tokens, {digest.hexdigest()}"
 
+    def uncounted_share(self) -> float:
+        """The share of the training windows ``batch`` draws from in which no target counts: with
+        prompts longer than ``seq_len``, many fall inside them."""
+        if self.masks is None:
+            return 0.0
+        counted = np.concatenate([[0], np.cumsum(self.masks["train"], dtype=np.int64)])  # counted targets before each position
+        n = self.seq_len
+        return float(np.mean(counted[n + 1 :] == counted[1 : len(counted) - n]))  # a window from s counts targets s+1..s+n
+
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         tokens = self.splits[split]
         rng = _global_batch_rng(self.seed, split, step, batch, world)
@@ -117,6 +126,9 @@ class RecallTask:
         self.kind, self.vocab, self.seq_len, self.seed = kind, vocab_size, seq_len, seed
         self.describe = f"the synthetic {kind} task"
         self.fingerprint = None  # drawn from the config alone, which a resume keeps
+
+    def uncounted_share(self) -> float:
+        return 0.0  # every sequence asks for its answers
 
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         rng = _global_batch_rng(self.seed, split, step, batch, world)
@@ -410,13 +422,23 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-def load_tokenizer(path: str, vocab_size: int):
+def read_tokenizer(path: str):
+    """A tokenizer.json without its post-processor. archlab joins what it trains on and prompts
+    with from pieces tokenized apart (a prompt and its response, a header and a message, a
+    document and the next), so a template's special tokens, such as the start token ``<s>`` that
+    Llama's adds to every encoding, would land inside them, where the loss counts them."""
     from tokenizers import Tokenizer
 
+    tokenizer = Tokenizer.from_file(path)
+    tokenizer.post_processor = None
+    return tokenizer
+
+
+def load_tokenizer(path: str, vocab_size: int):
     if not Path(path).is_file():
         raise DataError(f"tokenizer {path!r}: {'not a file' if Path(path).exists() else 'no such file'}")
     try:
-        tokenizer = Tokenizer.from_file(path)
+        tokenizer = read_tokenizer(path)
     except Exception as exc:
         raise DataError(f"tokenizer {path!r} could not be read: {exc}") from None
     if tokenizer.get_vocab_size() > vocab_size:

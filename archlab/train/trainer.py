@@ -129,7 +129,8 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
 
 def status_line(record: dict) -> str:
     """What the console shows of a record: the step's numbers and its evaluation, if it had one."""
-    parts = [f"loss {record['loss']:.3f}", f"lr {record['lr']:.2e}", f"{record['tok_s']:,.0f} tok/s"]
+    parts = [f"loss {record['loss']:.3f}" if "loss" in record else "no token counted, no update", f"lr {record['lr']:.2e}"]
+    parts += [f"{record['tok_s']:,.0f} tok/s"] if "tok_s" in record else []
     parts += [f"MFU {record['mfu']:.1%}"] if "mfu" in record else []
     parts += [f"eval {record['eval_loss']:.3f}"] if "eval_loss" in record else []
     parts += [f"acc {record['eval_acc']:.1%}"] if "eval_acc" in record else []
@@ -479,6 +480,10 @@ class Trainer:
             self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
                       " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")
         data = self._prepare(resume)
+        if (uncounted := data.uncounted_share()) >= 0.01:
+            self._say(f"[yellow]notice[/]: {uncounted:.0%} of the training windows of {self.cfg.seq_len:,} tokens hold no token that"
+                      " counts (they lie inside prompts): they teach nothing, and a step that draws only such windows makes no"
+                      " update; a longer seq_len holds more of each example")
         if resume:
             self.world.from_main(lambda: self._continue_record(start, steps))
         model = self.model
@@ -495,16 +500,18 @@ class Trainer:
                 began = time.perf_counter()
                 with Watched(self.device, "its first step's activations, gradients and AdamW moments") if step == start else nullcontext():
                     record = self._step(step, steps, data, model)  # the others take what the first did
-                bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record[name])), None)
+                bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record.get(name, 0.0))), None)
                 if bad:
                     what = "loss" if bad == "loss" else "gradient norm"
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it,"
                                      f" {_kept(last_saved, step)}")
-                timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
-                steps_per_s = timed_steps / timed_seconds  # evaluations and saves not counted
-                record["tok_s"] = self.tokens_per_step * steps_per_s
-                if self.peak:
-                    record["mfu"] = self.flops_per_step * steps_per_s / self.peak
+                if "loss" in record:  # a step that counted no token did no work to time
+                    timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
+                if timed_steps:
+                    steps_per_s = timed_steps / timed_seconds  # evaluations and saves not counted
+                    record["tok_s"] = self.tokens_per_step * steps_per_s
+                    if self.peak:
+                        record["mfu"] = self.flops_per_step * steps_per_s / self.peak
                 done = step + 1
                 if on_step is not None:
                     on_step(done, record)
@@ -533,17 +540,17 @@ class Trainer:
                 progress.update(task, completed=done, status=status_line(record))
         return records
 
-    def _token_weights(self, parts: list[Batch]) -> list[float]:
+    def _token_weights(self, parts: list[Batch]) -> list[float] | None:
         """What each pass's mean loss is weighed by, so that a step's loss is the mean over every
         counted token of the global batch, however it is split into passes and processes: its
         share of those tokens times the number of passes. Where every pass counts as many tokens
         (text, recall tasks) each is exactly 1.0, and the loss is computed as it always was;
-        examples' responses fill passes unevenly."""
+        examples' responses fill passes unevenly. None where the global batch counts no token."""
         if all(part.mask is None for part in parts):
             return [1.0] * len(parts)
         counted = [int(part.mask.sum()) for part in parts]
         everywhere = int(self.world.total(torch.tensor(sum(counted), device=self.device)))
-        return [c * len(parts) * self.world.size / max(everywhere, 1) for c in counted]
+        return [c * len(parts) * self.world.size / everywhere for c in counted] if everywhere else None
 
     def _step(self, step: int, steps: int, data: DataSource, model: torch.nn.Module) -> dict:
         cfg = self.cfg
@@ -553,6 +560,9 @@ class Trainer:
         batch = data.batch("train", step, cfg.batch_size, self.world.rank, self.world.size)
         parts = micro_batches(batch, cfg.micro_batch_size)
         weights = self._token_weights(parts)
+        record = {"step": step + 1, "lr": lr, "tokens": (step + 1) * self.tokens_per_step}
+        if weights is None:  # every window fell inside prompts: no loss to learn from, and AdamW would only decay the weights
+            return record
         total = torch.zeros((), device=self.device)
         for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
@@ -565,7 +575,7 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):  # clipping leaves a NaN gradient NaN
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": (step + 1) * self.tokens_per_step}
+        record.update(loss=loss, grad_norm=grad_norm)
         if self.moe_layers:  # of the last micro-batch (a looped layer: its last pass); 1.0 is balance, E/top_k collapse
             record["moe_max_load"] = max(float(m.last_load.max()) * m.last_load.numel() for m in self.moe_layers)
         return record

@@ -58,6 +58,14 @@ class Sampling:
         names them, at the host read it makes anyway."""
         if self.temperature == 0 or self.top_k == 1:
             return logits.argmax(dim=-1)
+        # torch.multinomial's draw for one sample (argmax of p / q, q ~ Exp(1)), the same tokens
+        # from the same generator, without its host read to check p or its error on a nan
+        probs = self.drawn_from(logits).softmax(dim=-1)
+        return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)
+
+    def drawn_from(self, logits: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [B, V] a token is drawn from: tempered, with those top-k and top-p
+        leave out at -inf."""
         # Less each row's max first, and at most 1 / float32's smallest normal (its division may be
         # a multiplication by the reciprocal): the rest then go to -inf at worst, never the max to
         # inf or nan, however small the temperature.
@@ -66,15 +74,14 @@ class Sampling:
         if self.top_k is not None:  # by rank: the tokens tied with the k-th are not all kept
             kept = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
             logits = torch.full_like(logits, float("-inf")).scatter(-1, kept.indices, kept.values)
-        if self.top_p is not None:
+        if self.top_p is not None and self.top_p < 1:  # 1 keeps every token
             ordered, order = logits.sort(dim=-1, descending=True)
-            probs = ordered.softmax(dim=-1)
+            # in float64: float32's running sum over a large vocabulary reaches 1 thousands of tokens
+            # before its end (11 to 14 thousand of 100,352 random logits), and its rounding moves any cut
+            probs = ordered.double().softmax(dim=-1)
             drop_sorted = probs.cumsum(dim=-1) - probs >= self.top_p  # the mass before it already reaches p
             logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-        # torch.multinomial's draw for one sample (argmax of p / q, q ~ Exp(1)), the same tokens
-        # from the same generator, without its host read to check p or its error on a nan
-        probs = logits.softmax(dim=-1)
-        return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)
+        return logits
 
 
 def check_capturable(model: Model) -> None:

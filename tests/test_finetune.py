@@ -293,18 +293,24 @@ def test_a_tokenizers_template_adds_no_token_inside_examples_or_prompts(tmp_path
     assert start not in TextCodec(tmp_path / "tokenizer.json", 512).encode("Q: one two")
 
 
-def test_a_step_whose_windows_count_no_token_makes_no_update(pretrained, tmp_path):
+def test_a_step_whose_windows_count_no_token_makes_no_update(pretrained, tmp_path, monkeypatch):
     """Prompts longer than seq_len: many windows lie inside them. A step whose whole batch counts
     no token logs no loss and leaves the weights as they were, which AdamW's weight decay and
-    momentum would move with nothing learned."""
+    momentum would move with nothing learned. The memory watch waits for a step that runs."""
+    from contextlib import nullcontext
+
     from rich.console import Console
     from safetensors.torch import load_file
 
+    import archlab.train.trainer
     from archlab.spec import load_spec
     from archlab.train.config import TrainConfig
     from archlab.train.trainer import Trainer
 
-    long = write_examples(tmp_path / "long.jsonl", [{"prompt": f"x{i} = {i}\n" * 12, "response": f"y = {i} * 2 + 1"} for i in range(8)])
+    watched = []
+    monkeypatch.setattr(archlab.train.trainer, "Watched", lambda device, what: watched.append(what) or nullcontext())
+
+    long = write_examples(tmp_path / "long.jsonl", [{"prompt": f"x{i} = {i}\n" * 16, "response": f"y = {i} * 2 + 1"} for i in range(8)])
     cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 1, "seq_len": 16, "log_interval": 1, "eval_interval": 100,
                                       "checkpoint_interval": 1, "keep_checkpoints": 8, "init": str(pretrained),
                                       "data": {"source": str(long), "val_fraction": 0.25}})
@@ -312,7 +318,8 @@ def test_a_step_whose_windows_count_no_token_makes_no_update(pretrained, tmp_pat
     records = Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", console).fit(8)
     data = prepare(load_config(str(tmp_path / "run/config.yaml")).data, 256, 16, 0, tmp_path / "run", resume=True)
     counts = [int(data.batch("train", step, 2).mask.sum()) for step in range(8)]
-    assert 0 in counts and any(counts)
+    assert counts[0] == 0 and any(counts)
+    assert len(watched) == [bool(c) for c in counts].index(True) + 1
     assert [("loss" in record, "grad_norm" in record) for record in records] == [(bool(c), bool(c)) for c in counts]
     weights = [load_file(pretrained / "checkpoints/step-00000004/model.safetensors")]
     weights += [load_file(tmp_path / f"run/checkpoints/step-{step:08d}/model.safetensors") for step in range(1, 9)]

@@ -496,10 +496,12 @@ class Trainer:
         with Progress(*columns, console=self.console, disable=not (live and self.world.main)) as progress:
             task = progress.add_task("train", total=steps, completed=start, status="")
             timed_steps, timed_seconds = 0, 0.0  # training steps since the last logged one, and their time
+            watched = True  # until a step has run the model (one whose batch counts no token does not)
             for step in range(start, steps):
                 began = time.perf_counter()
-                with Watched(self.device, "its first step's activations, gradients and AdamW moments") if step == start else nullcontext():
+                with Watched(self.device, "its first step's activations, gradients and AdamW moments") if watched else nullcontext():
                     record = self._step(step, steps, data, model)  # the others take what the first did
+                watched = watched and "loss" not in record
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record.get(name, 0.0))), None)
                 if bad:
                     what = "loss" if bad == "loss" else "gradient norm"

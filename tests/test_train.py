@@ -1307,10 +1307,15 @@ def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(t
                 lines = prompt[len(head) : -len(question.format(key=probe.key))].split("\n")
                 assert lines.count(needle) == 1 and prompt.count(probe.value) == 1
                 haystack_lines = [line for line in lines if line != needle]
-                assert lines.index(needle) == int(len(haystack_lines) * depth / 100)
+                sizes = [len(tokenizer.encode(line).ids) + 1 for line in haystack_lines]  # with its newline
+                before, wanted = sum(sizes[: lines.index(needle)]), sum(sizes) * depth / 100
+                assert abs(before - wanted) <= max(sizes) / 2  # the needle sits at the line boundary nearest its depth in tokens
+                assert probe.placed == pytest.approx(100 * before / sum(sizes))
                 assert len(probe.prompt) + 12 <= length  # the prompt and what is generated fit
                 start = haystack.lines.index(haystack_lines[0])
-                longer = PROMPT.format(context=haystack.context(len(haystack_lines) + 1, start, needle, depth), key=probe.key)
+                more = haystack.lines_from(start, len(haystack_lines) + 1)
+                more.insert(drawn.place(more, depth)[0], needle)
+                longer = PROMPT.format(context="\n".join(more), key=probe.key)
                 assert len(tokenizer.encode(longer).ids) + 12 > length  # and one more line would not
                 control = tokenizer.decode(probe.control)
                 assert probe.value not in control and control.replace(re.search(rf"for {probe.key} is: (\d+)\.", control)[1], probe.value) == prompt
@@ -1367,6 +1372,7 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     rows = json.loads(out)
     assert [(row["length"], row["depth %"], row["probes"]) for row in rows] == [(n, d, 2) for n in (512, 600) for d in (25.0, 75.0)]
     assert rows[0]["loss/digit"] == round(statistics.fmean(f.loss_per_digit for f in found[:2]), 4)
+    assert rows[0]["placed %"] == round(statistics.fmean(f.probe.placed for f in found[:2]), 1)
     assert f"{sum(f.hit for f in found)} of 8 probes found" in stderr
     assert (tmp_path / "niah.png").read_bytes().startswith(b"\x89PNG")
     refused(cli("niah", trained_on_mqar, "--seq-len", "512"), "trained on a recall task and has no tokenizer")

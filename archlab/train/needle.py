@@ -16,6 +16,7 @@ reading the needle is worth; 0 is a model that does not use it.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import random
 from collections.abc import Callable
@@ -58,6 +59,7 @@ class Probe:
     prompt: list[int]
     control: list[int]  # the prompt with another number in the needle
     answer: list[int]  # the value's tokens, encoded on their own after a space: what the prompt should go on with
+    placed: float  # percent of the haystack's tokens before the needle: near ``depth``, as near as whole lines come
 
 
 class Haystack:
@@ -77,12 +79,9 @@ class Haystack:
             raise EvaluationError(f"{what} has no text to hide a needle in")
         return cls(lines)
 
-    def context(self, count: int, start: int, needle: str, depth: float) -> str:
-        """``count`` lines from line ``start`` on (round again from the first where they run out),
-        the needle among them after ``depth`` percent of them."""
-        lines = [self.lines[(start + i) % len(self.lines)] for i in range(count)]
-        lines.insert(int(count * depth / 100), needle)
-        return "\n".join(lines)
+    def lines_from(self, start: int, count: int) -> list[str]:
+        """``count`` lines from line ``start`` on, round again from the first where they run out."""
+        return [self.lines[(start + i) % len(self.lines)] for i in range(count)]
 
 
 class Probes:
@@ -90,9 +89,22 @@ class Probes:
 
     def __init__(self, haystack: Haystack, tokenizer, new_tokens: int, seed: int):
         self.haystack, self.tokenizer, self.new_tokens, self.rng = haystack, tokenizer, new_tokens, random.Random(seed)
+        self.sizes: dict[str, int] = {}  # tokens of each haystack line, and its newline
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
+
+    def place(self, lines: list[str], depth: float) -> tuple[int, float]:
+        """Where among ``lines`` the needle goes, and the percent of their tokens before it: the
+        line boundary nearest ``depth`` percent of their tokens. Counting lines instead put it
+        before the one line of noise that fits in 512 tokens at every depth, and lines of text
+        are of all lengths."""
+        for line in lines:
+            if line not in self.sizes:
+                self.sizes[line] = len(self.encode(line)) + 1
+        before = list(itertools.accumulate((self.sizes[line] for line in lines), initial=0))
+        at = min(range(len(lines) + 1), key=lambda i: abs(before[i] - before[-1] * depth / 100))
+        return at, 100 * before[at] / before[-1] if lines else 0.0
 
     def draw(self, length: int, depth: float) -> Probe:
         key = f"{self.rng.choice(ADJECTIVES)}-{self.rng.choice(NOUNS)}"
@@ -101,8 +113,9 @@ class Probes:
 
         @functools.lru_cache(maxsize=4)  # the longest that fits, among the last asked, is not encoded again for the probe
         def prompt(count: int, hidden: str = value) -> list[int]:
-            context = self.haystack.context(count, start, NEEDLE.format(key=key, value=hidden), depth)
-            return self.encode(PROMPT.format(context=context, key=key))
+            lines = self.haystack.lines_from(start, count)
+            lines.insert(self.place(lines, depth)[0], NEEDLE.format(key=key, value=hidden))
+            return self.encode(PROMPT.format(context="\n".join(lines), key=key))
 
         budget = length - self.new_tokens
         if (least := len(prompt(0))) > budget:
@@ -112,7 +125,8 @@ class Probes:
         other = value
         while other == value:
             other = self._number()
-        return Probe(length, depth, key, value, prompt(fits), prompt(fits, other), self.encode(f" {value}"))
+        return Probe(length, depth, key, value, prompt(fits), prompt(fits, other), self.encode(f" {value}"),
+                     self.place(self.haystack.lines_from(start, fits), depth)[1])
 
     def _number(self) -> str:
         return str(self.rng.randint(10 ** (DIGITS - 1), 10**DIGITS - 1))
@@ -215,7 +229,8 @@ def rows(run: str, found: list[Found]) -> list[dict]:
     cells: dict[tuple[int, float], list[Found]] = {}
     for f in found:
         cells.setdefault((f.probe.length, f.probe.depth), []).append(f)
-    return [{"run": run, "length": length, "depth %": Decimals(depth, 1), "probes": len(some),
+    return [{"run": run, "length": length, "depth %": Decimals(depth, 1), "placed %": Decimals(fmean(f.probe.placed for f in some), 1),
+             "probes": len(some),
              "found": Decimals(fmean(f.hit for f in some), 4), "loss/digit": Decimals(fmean(f.loss_per_digit for f in some), 4),
              "gain/digit": Decimals(fmean(f.gain_per_digit for f in some), 4)}
             for (length, depth), some in cells.items()]

@@ -1436,7 +1436,7 @@ def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
     from tokenizers import Tokenizer
 
     from archlab.train.downstream import ArchlabLM
-    from archlab.train.evaluate import Loaded
+    from archlab.train.evaluate import EvaluationError, Loaded
 
     lm = ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=2, max_length=40)
     model, tokenizer = lm.model, Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
@@ -1477,6 +1477,21 @@ def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
         for _ in range(3):
             sequence.append(model(torch.tensor(sequence)[None])[0, -1].argmax().item())
     assert empty == tokenizer.decode(sequence[1:])
+
+    long = "x = 1\n" * 20  # past the 40 tokens the model reads: each request keeps 40 less its own new tokens
+    both = lm.generate_until([Instance("generate_until", {}, (long, {"until": [], "max_gen_toks": new}), i) for i, new in enumerate((4, 10))],
+                             disable_tqdm=True)
+    for new, text in zip((4, 10), both, strict=True):
+        sequence = encode(long)[-(40 - new) :]
+        with torch.no_grad():
+            for _ in range(new):
+                sequence.append(model(torch.tensor(sequence)[None])[0, -1].argmax().item())
+        assert text == tokenizer.decode(sequence[40 - new :])
+    with pytest.raises(EvaluationError, match="a task asks for 40 new tokens, and the model reads 40 \\(--max-length\\)"):
+        lm.generate_until([Instance("generate_until", {}, ("import", {"until": [], "max_gen_toks": 40}), 0)], disable_tqdm=True)
+    with pytest.raises(EvaluationError, match="a task's continuation of 41 tokens is longer than the 40 the model reads"):
+        lm._loglikelihood_tokens([(None, [1], list(range(41)))])
+    assert lm._loglikelihood_tokens([(None, [1], list(range(40)))])[0][0] < 0  # as long as it reads: scored whole
 
 
 def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_it_reports():

@@ -6,7 +6,9 @@ tokenizer, scored in bfloat16 on a GPU as it trained. The run's byte-level BPE h
 tokens, and training concatenates documents as they are, so a newline stands where the harness
 wants an end-of-text token (before an empty context, and before each document's first token).
 Contexts longer than ``max_length`` (by default the length the run trained on) keep their last
-tokens. Generation is greedy, through the inference engine and its cache.
+tokens: as many as leave room for what a request generates. Generation is greedy, through the
+inference engine and its cache. A continuation longer than ``max_length``, or a request to
+generate as many tokens, is refused (lm-evaluation-harness's own models assert it).
 """
 
 from __future__ import annotations
@@ -57,13 +59,16 @@ class ArchlabLM(TemplateLM):
         right, where a causal model's earlier positions do not see the padding; the first batch,
         the longest, has its memory watched (``archlab.memory``)."""
         pairs = [(context, continuation) for _, context, continuation in requests]
+        if (longest := max((len(continuation) for _, continuation in pairs), default=0)) > self.max_length:
+            raise EvaluationError(f"a task's continuation of {longest:,} tokens is longer than the {self.max_length:,} the model"
+                                  " reads (--max-length): only its last tokens could be scored; give a larger --max-length")
         order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
         found: dict[int, tuple[float, bool]] = {}
         with torch.no_grad(), self.autocast:
             for first in range(0, len(order), self.batch):
                 some = order[first : first + self.batch]
                 wholes = [(pairs[i][0] + pairs[i][1])[-(self.max_length + 1) :] for i in some]
-                scored = [min(len(pairs[i][1]), len(whole) - 1) for i, whole in zip(some, wholes)]  # a continuation longer than the model reads: its last tokens
+                scored = [len(pairs[i][1]) for i in some]
                 with Watched(self._device, ACTIVATIONS) if first == 0 else nullcontext():
                     scores = continuation_scores(self.model, wholes, scored, self._device)
                 for i, (lost, correct, counted) in zip(some, scores):
@@ -81,18 +86,22 @@ class ArchlabLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, cut at the first of each request's ``until`` strings."""
+        """Greedy continuations, cut at the first of each request's ``until`` strings, each after
+        the last ``max_length`` less its ``max_gen_toks`` tokens of its context."""
         engine, out = Engine(self.model), []
         if any(request.args[1].get("do_sample") or request.args[1].get("temperature", 0) > 0 for request in requests):
             warnings.warn("archlab generates greedily for downstream tasks; the tasks' sampling settings are ignored", stacklevel=2)
         with torch.no_grad(), self.autocast:
             for first in range(0, len(requests), self.batch):
                 some = [request.args for request in requests[first : first + self.batch]]
-                new = max(kwargs.get("max_gen_toks", 256) for _, kwargs in some)
-                prompts = [torch.tensor((self.tok_encode(context) or [self.newline])[-max(1, self.max_length - new) :],
-                                        device=self._device) for context, _ in some]  # an empty context: the end-of-text newline
-                for (_, kwargs), tokens in zip(some, engine.generate(prompts, new).tokens):
-                    text = self.tokenizer.decode(tokens[: kwargs.get("max_gen_toks", 256)])
+                wanted = [kwargs.get("max_gen_toks", 256) for _, kwargs in some]
+                if max(wanted) >= self.max_length:
+                    raise EvaluationError(f"a task asks for {max(wanted):,} new tokens, and the model reads {self.max_length:,}"
+                                          " (--max-length): no context would be left before them; give a larger --max-length")
+                prompts = [torch.tensor((self.tok_encode(context) or [self.newline])[-(self.max_length - new) :],
+                                        device=self._device) for (context, _), new in zip(some, wanted)]  # an empty context: the end-of-text newline
+                for (_, kwargs), new, tokens in zip(some, wanted, engine.generate(prompts, max(wanted)).tokens):
+                    text = self.tokenizer.decode(tokens[:new])
                     stops = kwargs.get("until") or []
                     for stop in [stops] if isinstance(stops, str) else stops:
                         text = text.split(stop)[0]

@@ -491,6 +491,11 @@ def test_a_pruned_trial_is_logged_with_where_it_was_cut(tmp_path, monkeypatch):
     (trial,) = work(load_study(str(path)), tmp_path / "out", None, Console(file=log, width=200), grace_period=60).get_trials()
     assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [2]
     assert f"trial 0 (yoco seed 0 lr slot 0): pruned at step 2 (val_loss {trial.intermediate_values[2]:.4f} there)" in log.getvalue()
+    definition = yaml.safe_load(path.read_text())
+    definition["scales"]["tiny"]["train"]["steps"] = 2  # its first evaluation is its last
+    path.write_text(yaml.safe_dump({**definition, "name": "whole"}))
+    (trial,) = work(load_study(str(path)), tmp_path / "whole", None, Console(file=io.StringIO()), grace_period=60).get_trials()
+    assert trial.state.name == "COMPLETE" and trial.value == trial.intermediate_values[2]  # its last evaluation: trained whole
 
 
 def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp_path, cli):

@@ -480,7 +480,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
 
     def on_eval(step: int, record: dict) -> None:  # a metric that is not a number stops the trainer, with why
         trial.report(record[metric], step)
-        if trial.should_prune():
+        if step < steps and trial.should_prune():  # at the last step there is nothing left to save: the trial is complete
             raise optuna.TrialPruned(f"pruned at step {step}")
 
     folder = trial_folder(trials_folder(out, trial.study.study_name, url), trial.number, key)

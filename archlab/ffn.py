@@ -22,8 +22,10 @@ class SwiGLUFFN(nn.Module):
 
 
 class MoEFFN(nn.Module):
-    """Softmax router, top-k of ``n_experts`` SwiGLU experts (weights renormalised), plus
-    ``n_shared`` experts every token uses. Appends the Switch-style balance loss
+    """Softmax router, top-k of ``n_experts`` SwiGLU experts, plus ``n_shared`` experts every
+    token uses. Top-k weights are renormalised to sum to one when k > 1; a single expert is
+    scaled by its router probability, as in Switch, since renormalised it would be 1 and the
+    router would learn from the balance loss alone. Appends the Switch-style balance loss
     ``weight * E * sum_e(fraction routed to e * mean router probability of e)`` to ``aux_losses``."""
 
     not_capturable = "picks its experts on the host, each step"  # forward's chosen.unique().tolist(): Engine(cuda_graph=True) refuses
@@ -50,7 +52,9 @@ class MoEFFN(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         probs = self.route(tokens).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
         out = torch.zeros_like(tokens)
         for expert in chosen.unique().tolist():
             rows, slot = (chosen == expert).nonzero(as_tuple=True)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from archlab.block import BuildContext, MixerInput
 from archlab.ops.attention import attend, band_mask, local_attend
@@ -184,3 +185,29 @@ def test_windowed_attention_with_parscale_prefix_matches_dense():
     prefix = (module.prefix_k.repeat(2, 1, 1, 1), module.prefix_v.repeat(2, 1, 1, 1))
     dense = attend(*with_prefix(q, k, v, band_mask(positions, positions, 5), prefix))
     torch.testing.assert_close(got, module.o_proj(dense.reshape(4, 70, 32)), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
+    """Each token's output is its chosen experts' SwiGLU outputs weighted as Switch (k = 1: the
+    router probability) or Mixtral (k > 1: renormalised top-k) weight them, so the language-model
+    loss alone reaches the router. Renormalising a single expert made its weight 1, and the
+    router then learnt from the balance loss only."""
+    from archlab.ffn import MoEFFN
+    from archlab.spec import MoE
+
+    torch.manual_seed(0)
+    moe = MoEFFN(16, MoE(type="moe", n_experts=4, top_k=top_k, expert_hidden=8, aux_loss_weight=0.0), 0.5).double()
+    tokens = torch.randn(32, 16, dtype=torch.float64)
+    out = moe(tokens, aux_losses=[])
+    for token, got in zip(tokens, out):
+        probs = (moe.router.weight @ token).softmax(-1)
+        top = probs.topk(top_k)
+        weights = top.values / top.values.sum() if top_k > 1 else top.values
+        expected = 0
+        for weight, expert in zip(weights, top.indices):
+            gate, up = (token @ moe.gate_up[expert]).chunk(2)
+            expected = expected + weight * ((F.silu(gate) * up) @ moe.down[expert])
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    out.square().sum().backward()
+    assert moe.router.weight.grad.abs().max() > 1e-3

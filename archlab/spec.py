@@ -1,8 +1,8 @@
 """The spec language: pydantic models of an architecture, and YAML loading with ``extends``.
 
 A spec file is YAML. ``extends: other.yaml`` (relative to the file) deep-merges the file over
-its parent; a mapping whose ``type``/``position`` tag changes replaces the parent's instead of
-merging into it. Validation runs in two passes: pydantic checks types and keys, then
+its parent; a mapping whose ``type``/``position`` tag changes keeps only the parent's fields its
+new kind also has. Validation runs in two passes: pydantic checks types and keys, then
 ``ModelSpec.problems()`` checks combinations that need the whole model (heads vs width, loop
 range vs stack, ...). Both report through ``SpecError`` with dotted field paths.
 """
@@ -444,14 +444,31 @@ class ModelSpec(HoldsBlocks):
 # --- loading --------------------------------------------------------------------------------
 
 
+def _tag_of(key: str | None) -> str:
+    """The field that tells apart the members of the union under ``key`` (a half's ``position``
+    is a union of its own, tagged by ``type``)."""
+    return "position" if key == "loop" else "type"
+
+
+def _retagged(mapping: dict, key: str | None, tag: str) -> dict:
+    """``mapping`` (held under ``key``) turned into the union's member tagged ``tag``: the fields
+    that member also has carry over (a loop's ``times``, a block's ``n_heads``); the rest do not
+    apply to it (a SwiGLU's ``hidden`` in an MoE)."""
+    fields = next((m.model_fields for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), {})
+    return {name: value for name, value in mapping.items() if name in fields and name != _tag_of(key)} | {_tag_of(key): tag}
+
+
 def _deep_merge(base: Any, over: Any, key: str | None = None) -> Any:
-    """``over`` laid on ``base`` (the mapping under ``key``), key by key."""
+    """``over`` laid on ``base`` (the mapping under ``key``), key by key. A shorthand on either
+    side stands for its mapping (``layernorm`` for ``{type: layernorm}``), so it merges as one."""
+    tag = _tag_of(key)
+    if key in _unions() and isinstance(base, dict) != isinstance(over, dict):
+        base, over = ({tag: side} if isinstance(side, str) else side for side in (base, over))
     if not (isinstance(base, dict) and isinstance(over, dict)):
         return over
-    tag = "position" if key == "loop" else "type"  # what tells a union's members apart (a half's position is a field)
     old, new = base.get(tag), over.get(tag)
-    if isinstance(old, str) and isinstance(new, str) and old != new:
-        return over  # a different member: the parent's fields do not apply
+    if isinstance(new, str) and old != new:  # another member, or one named over its union's default
+        base = _retagged(base, key, new)
     merged = dict(base)
     for name, value in over.items():
         merged[name] = _deep_merge(base[name], value, name) if name in base else value
@@ -644,14 +661,19 @@ def _unions() -> dict[str, Any]:
     return {"layout": Layout, "ffn": FFN, "norm": Norm, "position": Position, "loop": Loop, "blocks": block_union()}
 
 
+def _members(key: str | None) -> tuple[type[BaseModel], ...]:
+    """The member classes of the union held under ``key`` (none for another key)."""
+    union = _unions().get(key)
+    if union is None:
+        return ()
+    inner = get_args(union)[0]
+    return get_args(inner) or (inner,)  # a lone block class is no Union
+
+
 def _union_tags(loc: tuple, tag: str) -> list[str]:
     """The tags a discriminated union at ``loc`` takes: of the union its nearest named key holds."""
-    unions = _unions()
-    key = next((part for part in reversed(loc) if part in unions), None)
-    if key is None:
-        return []
-    members = get_args(get_args(unions[key])[0])
-    return [tag_value for member in members for tag_value in get_args(member.model_fields[tag].annotation)]
+    key = next((part for part in reversed(loc) if part in _unions()), None)
+    return [tag_value for member in _members(key) for tag_value in get_args(member.model_fields[tag].annotation)]
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -699,10 +721,17 @@ def _is_index(part: str) -> bool:
 
 def set_dotted(data: dict, key: str, value: Any) -> dict:
     """A copy of ``data`` with ``value`` at the dotted path ``key``; a number indexes a list
-    (``layout.self_decoder.blocks.0.window``). Missing mappings on the way are created."""
+    (``layout.self_decoder.blocks.0.window``). Missing mappings on the way are created. A new
+    tag (``layout.self_decoder.blocks.0.type=attention``) keeps only the fields its kind has, as
+    ``extends`` does."""
+    return _set_dotted(data, key, value)[0]
+
+
+def _set_dotted(data: dict, key: str, value: Any) -> tuple[dict, list[str]]:
+    """``set_dotted``, and the paths of the fields a new tag dropped."""
     data = copy.deepcopy(data)
     node: Any = data
-    parts = key.split(".")
+    parts, dropped = key.split("."), []
     for depth, part in enumerate(parts):
         last = depth == len(parts) - 1
         if isinstance(node, list):
@@ -711,12 +740,18 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
             part = int(part)
         elif isinstance(node, str) and _holder(parts[:depth]) in _unions():  # a shorthand, such as a block named by its type
             field = f"{part}: {_flow(value)}" if last else f"{part}: ..."
-            tag = "position" if parts[depth - 1] == "loop" else "type"
+            tag = _tag_of(parts[depth - 1])
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is the shorthand {node!r}: to set {part!r} in it, give the "
                                           f"item whole, as {'.'.join(parts[:depth])}='{{{tag}: {node}, {field}}}'")])
         elif not isinstance(node, dict):
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
         if last:
+            holder = _holder(parts[:depth])
+            if holder in _unions() and part == _tag_of(holder) and isinstance(value, str) and node.get(part) != value:
+                kept = _retagged(node, holder, value)
+                dropped = [".".join((*parts[:depth], name)) for name in node if name not in kept]
+                node.clear()
+                node.update(kept)
             node[part] = value
         else:
             if isinstance(node, dict) and node.get(part) is None:  # a value there (a shorthand) is named next round
@@ -726,18 +761,21 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
                                                          f" give it whole, as {where}=[...]")])
                 node[part] = {}
             node = node[part]
-    return data
+    return data, dropped
 
 
 def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -> dict:
     """``set_dotted`` for each (key, value) in turn. A key that would replace, whole, what an
     earlier one set inside it (``...blocks.0`` after ``...blocks.0.window``) is refused: the
-    earlier value would be lost without a word."""
+    earlier value would be lost without a word. So is a new tag that drops a field set before
+    (``blocks.0.type=attention`` after ``blocks.0.window``)."""
     done: list[str] = []
     for key, value in items:
+        data, dropped = _set_dotted(data, key, value)
         if lost := [k for k in done if k.startswith(f"{key}.")]:
             raise SpecError(source, [Problem(key, f"replaces whole what {', '.join(lost)} set inside it before; set {key} first")])
-        data = set_dotted(data, key, value)
+        if lost := [k for k in done if any(k == d or k.startswith(f"{d}.") for d in dropped)]:
+            raise SpecError(source, [Problem(key, f"is a kind without what {', '.join(lost)} set before; set {key} first")])
         done.append(key)
     return data
 

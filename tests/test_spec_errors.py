@@ -133,9 +133,9 @@ CASES = [
      ["n_heads: 5 query heads", "(n_heads unset: d_model // layout.global_kv.head_dim = 40 // 8 = 5; give n_heads)"]),
     ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
      "s.yaml", ["d_model: Input should be greater than 0 (got -4) (set in ", "base.yaml)"]),
-    ("a parent's loop replaced by another kind",  # the parent's kv_cache is gone with its loop: not blamed on it
-     {"s.yaml": "extends: base.yaml\nname: c\nloop: {position: prefix, n_layers: 2, times: 2}\n",
-      "base.yaml": STACK + "loop: {position: all, times: 2, kv_cache: per_iteration}\n"}, "s.yaml", ["loop.kv_cache: required"]),
+    ("a parent's ffn turned into another kind",  # the SwiGLU's hidden is gone with its kind: neither reported nor blamed
+     {"s.yaml": "extends: base.yaml\nname: c\nffn: {type: moe, n_experts: 4, top_k: 2}\n",
+      "base.yaml": STACK + "ffn: {type: swiglu, hidden: -4}\n"}, "s.yaml", ["ffn.expert_hidden: Field required"]),
     ("a parent's value replaced by a list", {"s.yaml": "extends: base.yaml\nname: [1, 2]\n", "base.yaml": STACK}, "s.yaml",
      ["name: Input should be a valid string"]),
     ("a bad value of the file's own", {"s.yaml": "extends: base.yaml\nd_model: -4\n", "base.yaml": BASE}, "s.yaml",
@@ -269,6 +269,26 @@ def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):
     assert (cross.position.type, cross.n_layers, cross.blocks[0].n_heads) == ("rope", 2, 2)
     assert spec.ffn.type == "moe" and spec.ffn.n_experts == 4  # new variant: swiglu's hidden not merged in
     assert (spec.loop.position, spec.loop.times) == ("lower", 4)
+
+
+def test_a_new_kind_keeps_the_fields_it_shares_and_a_shorthand_merges_as_its_mapping(tmp_path):
+    """A child's new tag drops only the fields the new kind lacks; a shorthand in the parent merges
+    with the child's mapping (it stood alone: "missing 'type'"). ``--set`` does as ``extends``."""
+    (tmp_path / "base.yaml").write_text(STACK + "norm: layernorm\nloop: {position: all, times: 3, kv_cache: per_iteration}\n"
+                                        + "ffn: {type: swiglu, hidden: 48}\n")
+    (tmp_path / "child.yaml").write_text("extends: base.yaml\nname: child\nnorm: {eps: 1.0e-3}\n"
+                                         "loop: {position: prefix, n_layers: 2}\n")
+    spec = archlab.load_spec(tmp_path / "child.yaml")
+    assert (spec.norm.type, spec.norm.eps) == ("layernorm", 1e-3)
+    assert (spec.loop.position, spec.loop.n_layers, spec.loop.times, spec.loop.kv_cache) == ("prefix", 2, 3, "per_iteration")
+    overridden = archlab.load_spec(tmp_path / "child.yaml", ["loop.position=range", "loop.start=1", "loop.end=3", "ffn.type=moe",
+                                                             "ffn.n_experts=4", "ffn.top_k=2", "ffn.expert_hidden=16"])
+    assert (overridden.loop.position, overridden.loop.start, overridden.loop.times) == ("range", 1, 3)
+    assert (overridden.ffn.type, overridden.ffn.expert_hidden) == ("moe", 16)  # the SwiGLU's hidden did not follow
+    with pytest.raises(archlab.SpecError) as caught:  # the other order would lose the start set first
+        archlab.load_spec(tmp_path / "child.yaml", ["loop.position=range", "loop.start=1", "loop.end=3", "loop.position=all"])
+    assert "loop.position: is a kind without what loop.start, loop.end set before; set loop.position first" in str(caught.value)
+    assert archlab.load_spec(tmp_path / "child.yaml", ["norm.eps=0.1", "norm.type=rmsnorm"]).norm == archlab.spec.RMSNorm(eps=0.1)
 
 
 def test_show_output_is_a_valid_spec(tmp_path):

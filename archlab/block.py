@@ -132,6 +132,7 @@ class BlockSpec(Strict):
     shares_kv: ClassVar[bool] = False  # honours MixerInput.kv_memo (loops with kv_cache: shared)
     keeps_state: ClassVar[bool] = True  # has inference state, so a prefill must run it
     supports_streams: ClassVar[bool] = False  # can give ParScale streams their own prefix K,V
+    reads_position: ClassVar[bool] = True  # rotates by its half's position encoding (BuildContext.rope_theta)
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
         """Report combinations that are impossible for this block in this model."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 
 from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
 from archlab.registry import block_specs
@@ -179,6 +179,14 @@ class Half(HoldsBlocks):
         if not blocks:
             raise ValueError("give at least one block")
         return blocks
+
+    @model_validator(mode="after")
+    def _no_position_unread(self) -> Half:
+        """Left out, a half's position is none when no block of it reads one (gdn, mamba2): RoPE
+        there would be shown and costed as if it were used."""
+        if "position" not in self.model_fields_set and not any(block.reads_position for block in self.blocks):
+            return self.model_copy(update={"position": NoPosition(type="none")})
+        return self
 
     def block_at(self, i: int) -> BlockSpec:
         return self.blocks[i % len(self.blocks)]
@@ -360,6 +368,10 @@ class ModelSpec(HoldsBlocks):
             if len(half.blocks) > half.n_layers:
                 root.at(f"{path}.blocks").add(f"{len(half.blocks)} blocks for {half.n_layers} layers: the pattern's blocks"
                                               f" past layer {half.n_layers} would never be built")
+            if isinstance(half.position, RoPE) and not any(block.reads_position for block in half.blocks):
+                unread = sorted({block.type for block in half.blocks})
+                root.at(f"{path}.position").add(f"RoPE, but no block of this half reads a position ({', '.join(unread)}: order lives"
+                                                " in their state): give position: none, or leave it out")
             for i, block in enumerate(half.blocks):
                 at = root.at(f"{path}.blocks").at(i)
                 block.check(ctx, at)

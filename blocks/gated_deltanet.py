@@ -8,7 +8,7 @@ output is per-head RMSNorm gated by silu(W_gate x), projected back to the width.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from archlab.ops.dispatch import Kernels, check_chunk_size
 
 class GatedDeltaNetSpec(BlockSpec):
     type: Literal["gdn"]
+    reads_position: ClassVar[bool] = False  # order lives in the decaying state
     n_heads: PositiveInt = 4
     head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
     expand_v: PositiveFloat = 2.0  # value head size = expand_v * head_dim

@@ -7,7 +7,7 @@ RMSNorm(y * silu(z)) (grouped by ``n_groups``), projected back to the width.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,7 @@ from archlab.ops.dispatch import Kernels, check_chunk_size
 
 class Mamba2Spec(BlockSpec):
     type: Literal["mamba2"]
+    reads_position: ClassVar[bool] = False  # order lives in the decaying state
     d_state: PositiveInt = 128
     d_conv: PositiveInt = 4
     expand: PositiveInt = 2

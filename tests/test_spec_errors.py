@@ -133,6 +133,8 @@ CASES = [
      ["n_heads: 5 query heads", "(n_heads unset: d_model // layout.global_kv.head_dim = 40 // 8 = 5; give n_heads)"]),
     ("a bad value from the file extended", {"s.yaml": "extends: base.yaml\nname: child\n", "base.yaml": BASE.replace("d_model: 32", "d_model: -4")},
      "s.yaml", ["d_model: Input should be greater than 0 (got -4) (set in ", "base.yaml)"]),
+    ("rope that no block reads", {"s.yaml": BASE.replace("type: swa, window: 8", "type: gdn").replace("n_heads: 4}]}", "n_heads: 4}], position: rope}")},
+     "s.yaml", ["layout.self_decoder.position: RoPE, but no block of this half reads a position (gdn: order lives in their state)"]),
     ("a parent's ffn turned into another kind",  # the SwiGLU's hidden is gone with its kind: neither reported nor blamed
      {"s.yaml": "extends: base.yaml\nname: c\nffn: {type: moe, n_experts: 4, top_k: 2}\n",
       "base.yaml": STACK + "ffn: {type: swiglu, hidden: -4}\n"}, "s.yaml", ["ffn.expert_hidden: Field required"]),
@@ -289,6 +291,14 @@ def test_a_new_kind_keeps_the_fields_it_shares_and_a_shorthand_merges_as_its_map
         archlab.load_spec(tmp_path / "child.yaml", ["loop.position=range", "loop.start=1", "loop.end=3", "loop.position=all"])
     assert "loop.position: is a kind without what loop.start, loop.end set before; set loop.position first" in str(caught.value)
     assert archlab.load_spec(tmp_path / "child.yaml", ["norm.eps=0.1", "norm.type=rmsnorm"]).norm == archlab.spec.RMSNorm(eps=0.1)
+
+
+@pytest.mark.parametrize("blocks,position", [("[gdn]", "none"), ("[mamba2, gdn]", "none"), ("[gdn, swa]", "rope")])
+def test_a_half_left_without_position_has_rope_only_where_a_block_reads_it(tmp_path, blocks, position):
+    (tmp_path / "s.yaml").write_text(STACK.replace("blocks: [{type: attention, n_heads: 4}]", f"blocks: {blocks}"))
+    spec = archlab.load_spec(tmp_path / "s.yaml")
+    assert spec.layout.layers.position.type == position
+    assert (spec.build_context(0).rope_theta is None) == (position == "none")
 
 
 def test_show_output_is_a_valid_spec(tmp_path):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import math
 import os
 import re
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -244,19 +246,35 @@ class Terminated(KeyboardInterrupt):
 
 
 @contextmanager
-def _stopped_by_sigterm():
+def _interruptible():
     """SIGTERM (from timeout, docker stop, a scheduler, or torchrun stopping its other workers) stops
-    long work as Ctrl-C does, saying what was kept, where it would end the process without a word."""
+    long work as Ctrl-C does, saying what was kept, where it would end the process without a word.
+    Either signal that lands while Python runs a finalizer (a ``__del__``, a weakref callback) raises
+    there, where Python prints the interrupt and drops it and the work would go on as if none came:
+    it is delivered again a moment later, from another thread, once the finalizer is done."""
 
-    def interrupt(signum, frame):
+    def terminate(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process, as if none were caught
         raise Terminated
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    def deliver_again(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return previous_hook(unraisable)
+        signum = signal.SIGINT
+        if isinstance(unraisable.exc_value, Terminated):
+            signum = signal.SIGTERM
+            signal.signal(signum, terminate)
+        later = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))  # not in this hook, where it would be dropped too
+        later.daemon = True
+        later.start()
+
+    previous_signal, previous_hook = signal.signal(signal.SIGTERM, terminate), sys.unraisablehook
+    sys.unraisablehook = deliver_again
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous_signal)
+        sys.unraisablehook = previous_hook
 
 
 def _interrupted_code(exc: KeyboardInterrupt) -> int:
@@ -771,7 +789,7 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _stopped_by_sigterm():
+                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _interruptible():
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -1105,7 +1123,7 @@ def study_run(
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         try:
-            with _stopped_by_sigterm():
+            with _interruptible():
                 optuna_study = work(loaded, where, storage, err, grace_period)
         except KeyboardInterrupt as exc:
             err.print("interrupted; finished trials are kept, and the trial this worker was training is run again by the next"

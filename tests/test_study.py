@@ -456,7 +456,7 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
         time.sleep(0.1)
     worker.send_signal(signal.SIGINT)
     _, stderr = worker.communicate(timeout=60)
-    assert worker.returncode == 130 and "Traceback" not in stderr
+    assert worker.returncode == 130 and "Traceback" not in stderr, stderr
     assert ("interrupted; finished trials are kept, and the trial this worker was training is run again by the next `study run`"
             " once it has sent no heartbeat for --grace-period (60 s)") in " ".join(stderr.split())
 

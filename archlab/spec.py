@@ -371,7 +371,7 @@ class ModelSpec(HoldsBlocks):
             if isinstance(half.position, RoPE) and not any(block.reads_position for block in half.blocks):
                 unread = sorted({block.type for block in half.blocks})
                 root.at(f"{path}.position").add(f"RoPE, but no block of this half reads a position ({', '.join(unread)}: order lives"
-                                                " in their state): give position: none, or leave it out")
+                                                " in their state): give position: none")
             for i, block in enumerate(half.blocks):
                 at = root.at(f"{path}.blocks").at(i)
                 block.check(ctx, at)

@@ -236,8 +236,9 @@ class _Loop(Strict):
     times: Annotated[int, Field(ge=1, le=MAX_LOOP_TIMES, description="iterations T of the looped layers")]
     kv_cache: KVCache | None = Field(
         None,
-        description="for loops over layers with a length-growing K,V cache: one cache for all"
-        " iterations ('shared') or one per iteration ('per_iteration'); required there, not allowed elsewhere",
+        description="one K,V cache for all iterations ('shared') or one per iteration ('per_iteration'):"
+        " required for loops over layers with a length-growing K,V cache, optional over window attention"
+        " (left out: per iteration), not allowed elsewhere",
     )
 
 
@@ -438,9 +439,9 @@ class ModelSpec(HoldsBlocks):
         if loop.kv_cache == "shared" and unshared:  # they would each keep a cache per iteration, whatever the spec says
             at.at("kv_cache").add(f"'shared' is not possible: {', '.join(unshared)} cannot share a K,V cache across iterations"
                                   " (shares_kv is False); use 'per_iteration'")
-        if not with_cache and loop.kv_cache is not None:
+        if not with_cache and not any(b.shares_kv for b in looped) and loop.kv_cache is not None:
             at.at("kv_cache").add(
-                f"not applicable: layers {start}..{end - 1} have no global attention or growing K,V cache"
+                f"not applicable: layers {start}..{end - 1} keep no K,V cache that iterations could share"
                 f" (blocks: {', '.join(sorted({b.type for b in looped}))}); remove it"
             )
 

@@ -42,9 +42,10 @@ def test_t1_twin_of_yoco_u_is_yoco():
 
 
 @pytest.mark.parametrize(
-    "path, loop",  # and an attention loop sharing its own K,V (kv_memo), which no tiny spec has
-    [(p, {}) for p in LOOPED] + [(ROOT / "specs/tiny/rins.yaml", {"kv_cache": "shared"})],
-    ids=ids(LOOPED) + ["tiny/rins-shared-kv"],
+    "path, loop",  # and attention and window loops sharing their own K,V (kv_memo), which no tiny spec has
+    [(p, {}) for p in LOOPED] + [(ROOT / "specs/tiny/rins.yaml", {"kv_cache": "shared"}),
+                                 (ROOT / "specs/tiny/yoco-u.yaml", {"kv_cache": "shared"})],
+    ids=ids(LOOPED) + ["tiny/rins-shared-kv", "tiny/yoco-u-shared-window-kv"],
 )
 def test_gradients_reach_shared_weights_from_every_iteration(path, loop):
     """Per application of a looped layer, recompute its weight-gradient contribution from the
@@ -129,3 +130,34 @@ def test_shared_kv_in_an_attention_loop_writes_k_v_once():
         outs.append(model(tokens))
         assert len(qkv_calls) == (3 if kv_cache == "per_iteration" else 1)
     assert not torch.allclose(*outs)
+
+
+def test_a_window_attention_loop_may_share_its_k_v():
+    """Over window attention alone, ``kv_cache`` is a choice: left out or ``per_iteration``, each
+    iteration keeps its own window; ``shared``, the first iteration's window K,V serve all T, in the
+    forward pass and in a cache of one window per layer, and decoding gives what a recompute does."""
+    from archlab.cost import Cost
+    from archlab.engine import Engine
+    from test_engine import recompute_greedy
+
+    base = archlab.load_spec(ROOT / "specs/tiny/yoco-u.yaml")
+    shared, own = with_loop(base, kv_cache="shared"), with_loop(base, kv_cache="per_iteration")
+    assert Cost(own).cache_bytes(64) == Cost(base).cache_bytes(64)
+    assert Cost(own).cache_bytes(64).local == base.loop.times * Cost(shared).cache_bytes(64).local > 0
+    tokens = torch.randint(0, base.vocab_size, (1, 40))  # longer than the window (16)
+    outs, weights = [], archlab.build_model(own, dtype=torch.float64).state_dict()
+    for spec in (own, shared):
+        model = archlab.build_model(spec, dtype=torch.float64).eval()
+        model.load_state_dict(weights)  # same weights: a difference can only come from the cache rule
+        qkv_calls = count_calls(model.layers[0].mixer.qkv_proj)
+        outs.append(model(tokens))
+        assert len(qkv_calls) == (1 if spec is shared else spec.loop.times)
+    assert not torch.allclose(*outs)
+    prompts = [tokens[0, :37], tokens[0, :21]]
+    generated = Engine(model, prefill_chunk=8).generate(prompts, 6, keep_logits=True)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            expected_tokens, expected_logits = recompute_greedy(model, prompt, 6)
+            assert generated.tokens[row] == expected_tokens
+            for step, expected in enumerate(expected_logits):
+                torch.testing.assert_close(generated.logits[step][row], expected, rtol=1e-9, atol=1e-10)

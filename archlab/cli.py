@@ -251,7 +251,8 @@ def _interruptible():
     long work as Ctrl-C does, saying what was kept, where it would end the process without a word.
     Either signal that lands while Python runs a finalizer (a ``__del__``, a weakref callback) raises
     there, where Python prints the interrupt and drops it and the work would go on as if none came:
-    it is delivered again a moment later, from another thread, once the finalizer is done."""
+    it is delivered again a moment later, from another thread, once the finalizer is done, unless
+    the work has ended by then (what it would have stopped has been done)."""
 
     def terminate(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process, as if none were caught
@@ -267,12 +268,15 @@ def _interruptible():
         later = threading.Timer(0.05, _thread.interrupt_main, args=(signum,))  # not in this hook, where it would be dropped too
         later.daemon = True
         later.start()
+        pending.append(later)
 
     previous_signal, previous_hook = signal.signal(signal.SIGTERM, terminate), sys.unraisablehook
-    sys.unraisablehook = deliver_again
+    sys.unraisablehook, pending = deliver_again, []
     try:
         yield
     finally:
+        for later in pending:  # else it would land in whatever runs next, outside any handler
+            later.cancel()
         signal.signal(signal.SIGTERM, previous_signal)
         sys.unraisablehook = previous_hook
 

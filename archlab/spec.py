@@ -183,7 +183,7 @@ class Half(HoldsBlocks):
     @model_validator(mode="after")
     def _no_position_unread(self) -> Half:
         """Left out, a half's position is none when no block of it reads one (gdn, mamba2): RoPE
-        there would be shown and costed as if it were used."""
+        there would be shown as if it were used. Given, it is kept: a run saved with it loads."""
         if "position" not in self.model_fields_set and not any(block.reads_position for block in self.blocks):
             return self.model_copy(update={"position": NoPosition(type="none")})
         return self
@@ -369,10 +369,6 @@ class ModelSpec(HoldsBlocks):
             if len(half.blocks) > half.n_layers:
                 root.at(f"{path}.blocks").add(f"{len(half.blocks)} blocks for {half.n_layers} layers: the pattern's blocks"
                                               f" past layer {half.n_layers} would never be built")
-            if isinstance(half.position, RoPE) and not any(block.reads_position for block in half.blocks):
-                unread = sorted({block.type for block in half.blocks})
-                root.at(f"{path}.position").add(f"RoPE, but no block of this half reads a position ({', '.join(unread)}: order lives"
-                                                " in their state): give position: none")
             for i, block in enumerate(half.blocks):
                 at = root.at(f"{path}.blocks").at(i)
                 block.check(ctx, at)
@@ -467,7 +463,9 @@ def _retagged(mapping: dict, key: str | None, tag: str) -> dict:
     """``mapping`` (held under ``key``) turned into the union's member tagged ``tag``: the fields
     that member also has carry over (a loop's ``times``, a block's ``n_heads``); the rest do not
     apply to it (a SwiGLU's ``hidden`` in an MoE)."""
-    fields = next((m.model_fields for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), {})
+    fields = next((m.model_fields for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), None)
+    if fields is None:  # an unknown kind keeps everything, for validation to name the kind alone
+        fields = mapping
     return {name: value for name, value in mapping.items() if name in fields and name != _tag_of(key)} | {_tag_of(key): tag}
 
 
@@ -741,40 +739,47 @@ def set_dotted(data: dict, key: str, value: Any) -> dict:
 
 
 def _set_dotted(data: dict, key: str, value: Any) -> tuple[dict, list[str]]:
-    """``set_dotted``, and the paths of the fields a new tag dropped."""
+    """``set_dotted``, and the paths it took away: the fields a new tag dropped, or ``key`` itself
+    where its value was replaced whole."""
     data = copy.deepcopy(data)
     node: Any = data
-    parts, dropped = key.split("."), []
+    parts = _canonical(key).split(".")
     for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
         if isinstance(node, list):
             if not _is_index(part) or int(part) >= len(node):
                 raise SpecError(key, [Problem(".".join(parts[: depth + 1]), f"no item {part} in a list of {len(node)}")])
             part = int(part)
-        elif isinstance(node, str) and _holder(parts[:depth]) in _unions():  # a shorthand, such as a block named by its type
-            field = f"{part}: {_flow(value)}" if last else f"{part}: ..."
-            tag = _tag_of(parts[depth - 1])
-            raise SpecError(key, [Problem(".".join(parts[:depth]), f"is the shorthand {node!r}: to set {part!r} in it, give the "
-                                          f"item whole, as {'.'.join(parts[:depth])}='{{{tag}: {node}, {field}}}'")])
         elif not isinstance(node, dict):
             raise SpecError(key, [Problem(".".join(parts[:depth]), f"is {node!r}, not a mapping or list")])
-        if last:
-            holder = _holder(parts[:depth])
-            if holder in _unions() and part == _tag_of(holder) and isinstance(value, str) and node.get(part) != value:
-                kept = _retagged(node, holder, value)
-                dropped = [".".join((*parts[:depth], name)) for name in node if name not in kept]
+        path, holder = ".".join(parts[: depth + 1]), _holder(parts[: depth + 1])
+        if depth == len(parts) - 1:
+            old = node[part] if isinstance(node, list) or part in node else None
+            if holder in _unions() and isinstance(value, str) and isinstance(old, dict):  # a shorthand: a new tag
+                node[part] = _retagged(old, holder, value)
+                return data, [f"{path}.{name}" for name in old if name not in node[part]]
+            parent_holder = _holder(parts[:depth])
+            if parent_holder in _unions() and part == _tag_of(parent_holder) and isinstance(value, str) and node.get(part) != value:
+                kept = _retagged(node, parent_holder, value)
+                gone = [f"{'.'.join(parts[:depth])}.{name}" for name in node if name not in kept]
                 node.clear()
                 node.update(kept)
+                return data, gone
             node[part] = value
-        else:
-            if isinstance(node, dict) and node.get(part) is None:  # a value there (a shorthand) is named next round
-                if _is_index(parts[depth + 1]):
-                    where = ".".join(parts[: depth + 1])
-                    raise SpecError(key, [Problem(where, f"is not given, so its item {parts[depth + 1]} cannot be set alone:"
-                                                         f" give it whole, as {where}=[...]")])
-                node[part] = {}
-            node = node[part]
-    return data, dropped
+            return data, [path]
+        if isinstance(node, dict) and node.get(part) is None:
+            if _is_index(parts[depth + 1]):
+                raise SpecError(key, [Problem(path, f"is not given, so its item {parts[depth + 1]} cannot be set alone:"
+                                                    f" give it whole, as {path}=[...]")])
+            node[part] = {}
+        elif isinstance(node[part], str) and holder in _unions():  # a shorthand stands for its mapping
+            node[part] = {_tag_of(holder): node[part]}
+        node = node[part]
+    return data, []
+
+
+def _canonical(key: str) -> str:
+    """``key`` with each list index written as int() reads it: ``blocks.00`` is ``blocks.0``."""
+    return ".".join(str(int(part)) if _is_index(part) else part for part in key.split("."))
 
 
 def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -> dict:
@@ -784,18 +789,13 @@ def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -
     (``blocks.0.type=attention`` after ``blocks.0.window``)."""
     done: list[str] = []
     for key, value in items:
-        data, dropped = _set_dotted(data, key, value)
-        if lost := [k for k in done if k.startswith(f"{key}.")]:
-            raise SpecError(source, [Problem(key, f"replaces whole what {', '.join(lost)} set inside it before; set {key} first")])
-        if lost := [k for k in done if any(k == d or k.startswith(f"{d}.") for d in dropped)]:
-            raise SpecError(source, [Problem(key, f"is a kind without what {', '.join(lost)} set before; set {key} first")])
+        key = _canonical(key)
+        data, taken = _set_dotted(data, key, value)
+        if lost := [k for k in done if any(k.startswith(f"{t}.") or k == t != key for t in taken)]:
+            said = "replaces whole what {} set inside it before" if taken == [key] else "is a kind without what {} set before"
+            raise SpecError(source, [Problem(key, f"{said.format(', '.join(lost))}; set {key} first")])
         done.append(key)
     return data
-
-
-def _flow(value: Any) -> str:
-    """``value`` as one line of YAML."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | None = None) -> dict:

@@ -73,10 +73,8 @@ def test_a_backend_a_block_does_not_have_is_a_spec_error(tmp_path):
 
 
 def _chunk_spec(tmp_path, block: str) -> Path:
-    """A tiny YOCO-U spec whose self-decoder is ``block`` (YAML flow mapping), without RoPE, which
-    gdn and mamba2 do not read."""
-    (tmp_path / "s.yaml").write_text(f"extends: {ROOT / 'specs/tiny/yoco-u.yaml'}\n"
-                                     f"layout: {{self_decoder: {{blocks: [{block}], position: none}}}}\n")
+    """A tiny YOCO-U spec whose self-decoder is ``block`` (YAML flow mapping)."""
+    (tmp_path / "s.yaml").write_text(f"extends: {ROOT / 'specs/tiny/yoco-u.yaml'}\nlayout: {{self_decoder: {{blocks: [{block}]}}}}\n")
     return tmp_path / "s.yaml"
 
 

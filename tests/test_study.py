@@ -539,7 +539,7 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         ({"spec": "nosuch.yaml"}, f"{ROOT / 'specs/tiny/nosuch.yaml'} (variants.yoco-u of {path})", "<file>"),
         ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.5.window": 3}}, f"{path} (variants.yoco-u: set / scale_set.tiny)",
          "layout.self_decoder.blocks.5"),
-        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8, "layout.self_decoder.blocks.0": "swa"}},
+        ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8, "layout.self_decoder.blocks.0": {"type": "swa", "n_heads": 4}}},
          f"{path} (variants.yoco-u: set / scale_set.tiny)", "layout.self_decoder.blocks.0"),  # the window would be lost
     ]:
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}, sort_keys=False))

@@ -428,7 +428,7 @@ class ModelSpec(HoldsBlocks):
         with_cache = sorted({b.type for b in looped if b.grows_kv_cache or b.reads_global_kv})
         if with_cache and loop.kv_cache is None:
             at.at("kv_cache").add(
-                f"required: the looped layers keep a length-growing K,V cache ({', '.join(with_cache)});"
+                f"required: the looped layers keep or read a length-growing K,V cache ({', '.join(with_cache)});"
                 " allowed: 'shared' (all iterations use one cache) or 'per_iteration' (each keeps its own)"
             )
         unshared = sorted({b.type for b in looped if b.grows_kv_cache and not b.shares_kv})
@@ -653,13 +653,16 @@ def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         return "unknown key (not part of the schema; check its spelling and level)"
     if err["type"] == "union_tag_invalid":
-        ctx = err["ctx"]
+        ctx, tag = err["ctx"], err["ctx"]["discriminator"].strip(chr(39))
+        given = err["input"].get(tag, ctx["tag"]) if isinstance(err["input"], dict) else ctx["tag"]  # ctx's is str()'d: None is 'None'
         plugins = " (blocks come from installed archlab.blocks plugins; `archlab blocks` lists them)" if "blocks" in err["loc"] else ""
-        return f"unknown {ctx['discriminator'].strip(chr(39))} {ctx['tag']!r}; allowed: {ctx['expected_tags']}{plugins}"
+        return f"unknown {tag} {'null' if given is None else repr(given)}; allowed: {ctx['expected_tags']}{plugins}"
     if err["type"] == "union_tag_not_found":
         tag = err["ctx"]["discriminator"].strip(chr(39))
         kinds = _union_tags(err["loc"], tag)
         return f"missing {tag!r}, which says what kind this is" + (f" (one of: {', '.join(kinds)})" if kinds else "")
+    if err["loc"][-1:] == ("blocks",) and isinstance(err.get("input"), str):
+        return f"is a list (a pattern of blocks), not the one block {err['input']!r}: write [{err['input']}]"
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
     if "input" in err and not isinstance(err["input"], (dict, list)):

@@ -464,9 +464,18 @@ def _retagged(mapping: dict, key: str | None, tag: str) -> dict:
     that member also has carry over (a loop's ``times``, a block's ``n_heads``); the rest do not
     apply to it (a SwiGLU's ``hidden`` in an MoE)."""
     fields = next((m.model_fields for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), None)
-    if fields is None:  # an unknown kind keeps everything, for validation to name the kind alone
+    if fields is None or mapping.get(_tag_of(key)) == tag:  # unknown kind, or the same: validation names what is wrong
         fields = mapping
     return {name: value for name, value in mapping.items() if name in fields and name != _tag_of(key)} | {_tag_of(key): tag}
+
+
+def _retag(mapping: dict, key: str | None, tag: str, path: str) -> list[str]:
+    """``_retagged``, in place, for the mapping at ``path``; the paths of the fields it dropped."""
+    kept = _retagged(mapping, key, tag)
+    gone = [f"{path}.{name}" for name in mapping if name not in kept]
+    mapping.clear()
+    mapping.update(kept)
+    return gone
 
 
 def _deep_merge(base: Any, over: Any, key: str | None = None) -> Any:
@@ -758,15 +767,10 @@ def _set_dotted(data: dict, key: str, value: Any) -> tuple[dict, list[str]]:
         if depth == len(parts) - 1:
             old = node[part] if isinstance(node, list) or part in node else None
             if holder in _unions() and isinstance(value, str) and isinstance(old, dict):  # a shorthand: a new tag
-                node[part] = _retagged(old, holder, value)
-                return data, [f"{path}.{name}" for name in old if name not in node[part]]
-            parent_holder = _holder(parts[:depth])
-            if parent_holder in _unions() and part == _tag_of(parent_holder) and isinstance(value, str) and node.get(part) != value:
-                kept = _retagged(node, parent_holder, value)
-                gone = [f"{'.'.join(parts[:depth])}.{name}" for name in node if name not in kept]
-                node.clear()
-                node.update(kept)
-                return data, gone
+                return data, _retag(old, holder, value, path)
+            parent = _holder(parts[:depth])
+            if parent in _unions() and part == _tag_of(parent) and isinstance(value, str):
+                return data, _retag(node, parent, value, ".".join(parts[:depth]))
             node[part] = value
             return data, [path]
         if isinstance(node, dict) and node.get(part) is None:

@@ -21,11 +21,17 @@ import torch
 from archlab.cache import Cache
 from archlab.kv import PAGE_KERNELS, CacheFull, pages_for
 from archlab.model import Model
+from archlab.train.config import SEED_LIMIT
 
 
 def _whole(value) -> bool:
     """An int (Python's or numpy's), not a bool nor a float that happens to be whole."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_id(value) -> bool:
+    """A whole number a long tensor holds; one past the vocabulary never matches, and is allowed."""
+    return _whole(value) and 0 <= value < 2**63
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,13 @@ class Sampling:
             raise ValueError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not _whole(self.seed):
-            raise ValueError(f"seed must be a whole number, got {self.seed!r}")
-        if not isinstance(self.stop_tokens, Sequence) or not all(map(_whole, self.stop_tokens)):
+        if self.seed is not None and not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
+        if not isinstance(self.stop_tokens, Sequence) or not all(map(_token_id, self.stop_tokens)):
             raise ValueError(f"stop_tokens must be a sequence of token ids, got {self.stop_tokens!r}")
-        object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
+        # as Python ints, which torch takes where a numpy integer is refused
+        object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
+        object.__setattr__(self, "stop_tokens", tuple(map(int, self.stop_tokens)))
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Next tokens [B] from logits [B, V]. Non-finite logits raise nothing here: the engine

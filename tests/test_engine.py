@@ -126,6 +126,8 @@ def test_sampling_is_seeded_and_respects_top_k_and_stop_tokens():
     again = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=3))
     other = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=5, seed=4))
     assert first.tokens == again.tokens != other.tokens
+    numpy_ints = engine.generate(prompts, 10, Sampling(temperature=1.0, top_k=np.int64(5), seed=np.int64(3)))
+    assert numpy_ints.tokens == first.tokens
     for step, logits in enumerate(first.logits):
         for row in range(2):
             allowed = set(logits[row].topk(5).indices.tolist())
@@ -166,12 +168,13 @@ def test_bad_sampling_arguments_are_named():
     for value in (2.5, True, 0):
         with pytest.raises(ValueError, match=f"top_k must be a whole number >= 1, got {value}"):
             Sampling(temperature=1.0, top_k=value)
-    for stops in (10, [10, 2.5], "\n"):
+    for stops in (10, [10, 2.5], "\n", [-1], [2**63]):
         with pytest.raises(ValueError, match=re.escape(f"stop_tokens must be a sequence of token ids, got {stops!r}")):
             Sampling(stop_tokens=stops)
     assert Sampling(stop_tokens=[10, 11]).stop_tokens == (10, 11)
-    with pytest.raises(ValueError, match="seed must be a whole number, got 2.5"):
-        Sampling(temperature=1.0, seed=2.5)
+    for seed in (2.5, -1, 2**64):
+        with pytest.raises(ValueError, match=f"seed must be a whole number from 0 to 2\\*\\*63 - 1, got {seed}"):
+            Sampling(temperature=1.0, seed=seed)
 
 
 def test_a_tiny_temperature_samples_the_top_token_and_never_nan():

@@ -9,6 +9,7 @@ import json
 import shutil
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import pytest
@@ -136,8 +137,13 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
         assert not counted[0] and counted[-1]
         assert [tokenizer.decode(tokens[part].tolist()) for part in parts] == expected
     held_by_two = len(lines[0]["prompt"]) + len(lines[0]["response"]) + sum(len(m["content"]) for m in lines[1]["messages"])
-    assert len(read_examples(str(conversations), held_by_two)) == 2  # max_bytes counts what the lines hold
-    assert len(read_examples(str(conversations), held_by_two + 1)) == 3
+    with pytest.warns(UserWarning, match=f"data source {str(conversations)!r} is read as far as data.max_bytes"):
+        assert len(read_examples(str(conversations), held_by_two)) == 2  # max_bytes counts what the lines hold
+    with pytest.warns(UserWarning, match="max_bytes"):
+        assert len(read_examples(str(conversations), held_by_two + 1)) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read whole: nothing to say
+        assert len(read_examples(str(conversations), 10**9)) == len(lines)
 
 
 def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(cli, pretrained, conversations, tmp_path, monkeypatch):
@@ -385,6 +391,21 @@ def test_a_different_spec_whose_weights_fit_is_said(cli, pretrained, tmp_path):
     said = " ".join(stderr.split())
     assert f"starting from the weights of {earlier} (step 2)" in said and load_config(str(tmp_path / "run/config.yaml")).init == str(earlier)
     assert "its spec differs from this one, whose weights it fits (layout.layers.position.theta 10000 -> 500000)" in said
+
+
+def test_a_checkpoint_copied_under_a_name_of_its_own_starts_a_run(cli, pretrained, tmp_path):
+    """A folder the trainer did not name gives no step: a run starts from it all the same, and one
+    whose weights are not the bytes saved with them is refused by name."""
+    kept = tmp_path / "copy/checkpoints/before-the-change"
+    shutil.copytree(pretrained, tmp_path / "copy")
+    shutil.copytree(pretrained / "checkpoints/step-00000004", kept)
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--init", kept, "--steps", "1", *SMALL)
+    assert code == 0, stderr
+    assert f"starting from the weights of {kept}; the optimizer" in " ".join(stderr.split())
+    state = json.loads((kept / "state.json").read_text())
+    (kept / "state.json").write_text(json.dumps({**state, "weights_blake2b": "0" * len(state["weights_blake2b"])}))
+    refused_unwritten(cli, tmp_path / "again", ["specs/tiny/transformer.yaml", "--init", kept],
+                      f"checkpoint {kept} is damaged (its model.safetensors is not the file saved with it: a hash of its bytes differs)")
 
 
 def refused(cli, out, args, *fragments):

@@ -158,7 +158,10 @@ def test_a_study_whose_every_trial_failed_fails(tmp_path, cli, caplog):
     variants = {"yoco": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
     out = tmp_path / "out"
     code, _, stderr = cli("study", "run", mini(tmp_path, "doomed", variants, steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), "--out", out)
-    assert code == 1 and "Traceback" not in stderr + caplog.text and "notice" not in stderr, stderr  # caplog: what a process would log
+    assert code == 1 and "Traceback" not in stderr + caplog.text, stderr  # caplog: what a process would log
+    assert [line for line in stderr.splitlines() if "notice" in line] == [  # the mini study reads the corpus's start
+        "notice: data source 'stdlib' is read as far as data.max_bytes (200,000 characters) and no further; raise"
+        " data.max_bytes to train on the rest"], stderr
     assert f"no trial succeeded (1 of 1 failed); why each failed is under Failed trials in {out / 'report.md'}" in stderr
     assert re.search(DIVERGED, (out / "report.md").read_text())
 

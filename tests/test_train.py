@@ -27,7 +27,7 @@ from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.checkpoint import checkpoints
 from archlab.train.config import TrainConfig
-from archlab.train.data import DataError, RecallTask, TokenSource, read_texts
+from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT, in_process_cli, interruptible
 
@@ -242,7 +242,59 @@ def test_a_text_file_is_read_as_far_as_max_bytes_as_reading_it_whole_cut_it(tmp_
     """The same characters, newlines read as text mode reads them, so a corpus tokenizes as it did."""
     text = "".join(f"line {i}\r\nd\u00e9j\u00e0 \u20ac{i}\rdone \U0001f600\n" for i in range(10_000))
     (tmp_path / "text.txt").write_bytes(text.encode())
-    assert read_texts(str(tmp_path / "text.txt"), max_bytes) == [(tmp_path / "text.txt").read_text(encoding="utf-8")[:max_bytes]]
+    with pytest.warns(UserWarning, match=re.escape(f"is read as far as data.max_bytes ({max_bytes:,} characters) and no further")):
+        assert read_texts(str(tmp_path / "text.txt"), max_bytes) == [(tmp_path / "text.txt").read_text(encoding="utf-8")[:max_bytes]]
+
+
+def test_a_corpus_cut_by_max_bytes_is_said_and_one_read_whole_is_not(tmp_path):
+    """data.max_bytes (16M characters unless set) cut a larger corpus without a word, and the run
+    trained on its first part, epoch after epoch."""
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.txt").write_text("defg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_texts(str(tmp_path), 7) == ["abc", "defg"]
+        assert read_texts(str(tmp_path / "b.txt"), 4) == ["defg"]
+    for max_bytes, read in ((3, ["abc"]), (6, ["abc", "def"])):  # a file left unread, and one cut
+        with pytest.warns(UserWarning, match=re.escape(f"data source {str(tmp_path)!r} is read as far as data.max_bytes")):
+            assert read_texts(str(tmp_path), max_bytes) == read
+
+
+def test_a_tokenizer_with_an_id_past_the_vocabulary_is_refused(tmp_path):
+    """Its ids may leave gaps: 27 tokens, one of them at 300, passed a count against a vocabulary
+    of 256 and stopped the first step in the embedding."""
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "words.json"
+    Tokenizer(models.WordLevel({chr(97 + i): i for i in range(26)} | {"[UNK]": 300}, unk_token="[UNK]")).save(str(path))
+    with pytest.raises(DataError, match=re.escape(f"tokenizer {str(path)!r} gives '[UNK]' the id 300, past the spec's vocab_size 256")):
+        load_tokenizer(str(path), 256)
+    assert load_tokenizer(str(path), 301).token_to_id("[UNK]") == 300
+
+
+def test_a_run_writes_neither_over_its_tokenizer_nor_into_the_text_it_reads(cli, tmp_path):
+    """A tokenizer kept where the run writes its own was written over (its template dropped), or
+    removed with a failed attempt's corpus; a run inside its text folder trained on its own spec,
+    config and tokenizer."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 500)
+    for holder, where in ((tmp_path / "run", "--out"), (tmp_path / "cache", "data.cache")):
+        holder.mkdir()
+        train_tokenizer(["the quick brown fox"], 256).save(str(holder / "tokenizer.json"))
+        given = (holder / "tokenizer.json").read_bytes()
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", corpus / "text.txt", *SMALL,
+                    "--set", f"data.cache={tmp_path / 'cache'}" if where == "data.cache" else "seed=0",
+                    "--set", f"data.tokenizer={holder / 'tokenizer.json'}", "--steps", "1"),
+                f"data.tokenizer {holder / 'tokenizer.json'} is where the run writes the tokenizer it reads its text with,"
+                f" over what it holds; keep it outside {where}")
+        assert (holder / "tokenizer.json").read_bytes() == given and sorted(os.listdir(holder)) == ["tokenizer.json"]
+    inside = corpus / "runs/a"
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", inside, "--data", corpus, *SMALL, "--steps", "1"),
+            f"--out {inside} is inside the text folder {corpus}: the files the run writes there would be read as training text")
+    assert not (corpus / "runs").exists()
+    hidden = corpus / ".runs/a"  # a folder's hidden folders are not read
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", hidden, "--data", corpus, *SMALL, "--steps", "1")[0] == 0
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
@@ -297,6 +349,42 @@ def test_corrupt_checkpoint_and_existing_run_are_refused_without_loss(cli, tmp_p
             "and no checkpoint before it is kept: train the run again into a new --out (or remove this one's checkpoints and metrics.jsonl)")
     other = cli("train", "specs/tiny/yoco.yaml", "--out", run, "--resume")
     refused(other, "was trained with a different spec than specs/tiny/yoco.yaml: name transformer -> yoco;")
+
+
+def test_optimizer_state_of_another_shape_is_refused_before_anything_is_written(cli, tmp_path):
+    """AdamW's ``load_state_dict`` checks only how many parameters a group has; its fused step read
+    a moment of another shape (a trainer.pt from a narrower run) out of bounds and killed the process."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "2")[0] == 0
+    latest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    state = torch.load(latest / "trainer.pt", weights_only=True)
+    moments = state["optimizer"]["state"][0]
+    shape = tuple(moments["exp_avg"].shape)
+    moments["exp_avg"] = moments["exp_avg"][:3].clone()
+    torch.save(state, latest / "trainer.pt")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4"),
+            f"checkpoint {latest} has unusable trainer state: its exp_avg for a parameter of shape {shape} is {(3, *shape[1:])}")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+def test_a_spec_edited_since_its_checkpoint_is_refused_on_resume(cli, tmp_path):
+    """Weights that still fit another loop count would have trained on as another model under the
+    run's name: the checkpoint records the spec it trained."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/yoco-u.yaml", "--out", run, *SMALL, "--steps", "2")[0] == 0
+    (run / "spec.yaml").write_text((run / "spec.yaml").read_text().replace("times: 3", "times: 2"))
+    latest = run / "checkpoints/step-00000002"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refused(cli("train", run, "--out", run, "--resume", "--steps", "4"),
+            f"checkpoint {latest} trained another spec than the run's spec.yaml (loop.times 3 -> 2): put spec.yaml back as it"
+            f" was to resume, or start a new run from these weights with --init {latest}")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    state = json.loads((latest / "state.json").read_text())
+    del state["spec"]  # as checkpoints were written before they recorded it: nothing to compare
+    (latest / "state.json").write_text(json.dumps(state))
+    code, _, stderr = cli("train", run, "--out", run, "--resume", "--steps", "3")
+    assert code == 0, stderr
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):

@@ -44,9 +44,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def step_of(path: Path) -> int:
-    """The step a checkpoint folder's name gives."""
-    return int(NAME.fullmatch(path.name)[1])
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint folder's name gives; None for a folder ``save`` did not name (a copy)."""
+    named = NAME.fullmatch(path.name)
+    return int(named[1]) if named else None
 
 
 def folder(run_dir: Path, step: int) -> Path:
@@ -122,7 +123,10 @@ def _check_weights_hash(path: Path, info: dict) -> None:
 
 def _damaged(path: Path, why: str) -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps one."""
-    if any(step_of(kept) < step_of(path) for kept in checkpoints(path.parent.parent)):
+    step = step_of(path)
+    if step is None:  # a copy under another name: which checkpoint comes before it is not known
+        return CheckpointError(f"checkpoint {path} is damaged ({why})")
+    if any(step_of(kept) < step for kept in checkpoints(path.parent.parent)):
         return CheckpointError(f"checkpoint {path} is damaged ({why}); remove it to resume from the one before")
     return CheckpointError(f"checkpoint {path} is damaged ({why}), and no checkpoint before it is kept: train the run again"
                            " into a new --out (or remove this one's checkpoints and metrics.jsonl)")

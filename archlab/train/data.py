@@ -195,12 +195,16 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
                       f" or .venv" if path.is_dir() else "")
         root = path if path.is_dir() else None
     texts, total, left_out = [], 0, []
-    for file in files:
+    for number, file in enumerate(files, 1):
+        room = max_bytes - total
         try:
-            text = _read_text(file, max_bytes - total)
+            text = _read_text(file, room + 1)  # one more, to know whether the limit cut it
         except _NotText as why:
             left_out.append(f"{file.relative_to(root) if root else file} ({why})")
             continue
+        if len(text) > room or (len(text) == room and number < len(files)):
+            _say_cut(source, max_bytes)
+            text = text[:room]
         if text.strip():
             texts.append(text)
             total += len(text)
@@ -212,6 +216,18 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
     if left_out:
         warnings.warn(f"data source {source!r}: {_left_out_said(left_out)}", stacklevel=2)
     return texts
+
+
+def reads_files_in(source: str, folder: Path) -> bool:
+    """Whether ``read_texts(source)`` would read files written into ``folder``: one inside the
+    source's folder, outside its hidden folders."""
+    if source == "stdlib" or source.startswith("hf:") or not Path(source).is_dir():
+        return False
+    try:
+        inside = folder.resolve().relative_to(Path(source).resolve())
+    except ValueError:
+        return False
+    return not any(part.startswith(".") for part in inside.parts)
 
 
 NAMED = 5  # files left out that a message names; the rest are counted
@@ -244,6 +260,13 @@ def _left_out_said(left_out: list[str]) -> str:
         convert if any("(not UTF-8:" in said for said in left_out) else "")
 
 
+def _say_cut(source: str, max_bytes: int) -> None:
+    """A notice that ``data.max_bytes`` left part of a corpus unread: a run trains on what it read,
+    epoch after epoch, not on the corpus it was given."""
+    warnings.warn(f"data source {source!r} is read as far as data.max_bytes ({max_bytes:,} characters) and no further;"
+                  " raise data.max_bytes to train on the rest", stacklevel=3)
+
+
 def _hidden(relative: Path) -> bool:
     """A file under a hidden folder (.git, .venv) of a text folder: tooling, not the corpus."""
     return any(part.startswith(".") for part in relative.parts[:-1])
@@ -262,6 +285,7 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
             texts.append(str(row[field]))
             total += len(texts[-1])
             if total >= max_bytes:
+                _say_cut(f"hf:{name}", max_bytes)
                 break
     except Exception as exc:  # network, missing dataset, missing field: all end the same way
         raise DataError(f"could not stream Hugging Face dataset {dataset!r}: {exc}") from None
@@ -306,6 +330,8 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
                 total += chars
         except UnicodeDecodeError as exc:
             raise DataError(f"data source {source!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
+    if cut:
+        _say_cut(source, max_bytes)
     if len(examples) < 2:
         within = f" within data.max_bytes ({max_bytes:,} characters)" if cut else ""
         raise DataError(f"data source {source!r} holds {len(examples)} example(s){within}; training and validation need at least one each")
@@ -443,6 +469,9 @@ def load_tokenizer(path: str, vocab_size: int):
         raise DataError(f"tokenizer {path!r} could not be read: {exc}") from None
     if tokenizer.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer {path!r} has {tokenizer.get_vocab_size()} tokens; the spec's vocab_size is {vocab_size}")
+    token, largest = max(tokenizer.get_vocab().items(), key=lambda item: item[1], default=("", -1))
+    if largest >= vocab_size:  # ids may leave gaps, so a count within the vocabulary is not enough
+        raise DataError(f"tokenizer {path!r} gives {token!r} the id {largest}, past the spec's vocab_size {vocab_size}")
     return tokenizer
 
 

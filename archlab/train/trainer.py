@@ -33,11 +33,11 @@ from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
 from archlab.train import checkpoint
 from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, load_config, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare
+from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in
 
 
 T = TypeVar("T")
@@ -156,6 +156,16 @@ def _group_settings(optimizer: Optimizer) -> list[dict]:
     return [{**shared, "weight_decay": optimizer.weight_decay}, {**shared, "weight_decay": 0.0}]
 
 
+def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's moments have their parameter's shape. ``load_state_dict`` checks only how many
+    parameters each group has, and the fused step reads a moment of another shape out of bounds."""
+    for param, state in optimizer.state.items():
+        for name, value in state.items():
+            if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != param.shape):
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"its {name} for a parameter of shape {tuple(param.shape)} is {shape}")
+
+
 def _kept(last_saved: Path | None, steps_done: int | None = None) -> str:
     """What a run that diverged after ``steps_done`` steps leaves to go on from, for its message."""
     if last_saved is None:
@@ -223,6 +233,7 @@ class Trainer:
             raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                              " over, or choose a new --out")
         self._refuse_foreign_files()
+        self._refuse_writing_into_the_data()
         if self.cfg.init:
             self._start_from(self.cfg.init)
         self.world.barrier()  # every process has looked before the first one writes
@@ -255,7 +266,9 @@ class Trainer:
         self.cfg = self.cfg.model_copy(update={"init": str(used), "data": data})
         differ = describe_differences(load_spec(run_dir / checkpoint.RUN_SPEC).model_dump(mode="json"), self.spec.model_dump(mode="json"))
         spec = f"; its spec differs from this one, whose weights it fits ({escape('; '.join(differ))})" if differ else ""
-        self._say(f"starting from the weights of {escape(str(used))} (step {checkpoint.step_of(used)}); the optimizer and"
+        step = checkpoint.step_of(used)
+        at = f" (step {step})" if step is not None else ""
+        self._say(f"starting from the weights of {escape(str(used))}{at}; the optimizer and"
                   f" learning-rate schedule start afresh{spec}")
 
     def _write_start(self, steps: int) -> None:
@@ -280,9 +293,11 @@ class Trainer:
             raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
                              f" it computes them{moe}; a resume may --set {', '.join(resumable)}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
+        self._refuse_another_spec(found[-1], info.get("spec"))
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
+            _check_optimizer_state(self.optimizer)
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
@@ -294,6 +309,23 @@ class Trainer:
             raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
         self._say(f"resuming from {escape(str(found[-1]))} (step {step})")
         return step
+
+    def _refuse_another_spec(self, saved: Path, trained: object) -> None:
+        """The spec a checkpoint trained is the run's. A spec.yaml edited since, whose weights still
+        fit (another window, loop count or RoPE base), would train on as another model under the
+        run's name. A checkpoint written before they recorded their spec, or whose spec this
+        version of archlab no longer reads, has nothing to compare."""
+        if not isinstance(trained, dict):
+            return
+        try:
+            trained_spec = validate_spec(trained, str(saved / "state.json"))
+        except SpecError:
+            return
+        if trained_spec != self.spec:
+            changed = describe_differences(trained_spec.model_dump(mode="json"), self.spec.model_dump(mode="json"))
+            raise TrainError(f"checkpoint {saved} trained another spec than the run's spec.yaml ({'; '.join(changed[:5])}"
+                             f"{'; ...' if len(changed) > 5 else ''}): put spec.yaml back as it was to resume, or start a new"
+                             f" run from these weights with --init {saved}")
 
     def _refuse_foreign_files(self) -> None:
         """A fresh run writes only its own files (and replaces those of an attempt that failed), so a
@@ -307,6 +339,21 @@ class Trainer:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
             raise TrainError(f"{self.run_dir} holds files that are not a training run's ({', '.join(named[:5])}"
                              f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
+
+    def _refuse_writing_into_the_data(self) -> None:
+        """The run writes its files (spec, config, tokenized corpus and the tokenizer that made it)
+        into its folder and data folder: neither may hold the tokenizer it is given, which would be
+        written over (its template dropped) or removed with a corpus it replaces, nor lie in the
+        text folder it reads, whose corpus would take in those files."""
+        data = self.cfg.data
+        if data.tokenizer and Path(data.tokenizer).resolve() == (self.data_dir / "tokenizer.json").resolve():
+            where = "data.cache" if data.cache else "--out"
+            raise TrainError(f"data.tokenizer {data.tokenizer} is where the run writes the tokenizer it reads its text with,"
+                             f" over what it holds; keep it outside {where}")
+        for option, folder in (("--out", self.run_dir), ("data.cache", self.data_dir)):
+            if reads_files_in(data.source, folder):
+                raise TrainError(f"{option} {folder} is inside the text folder {data.source}: the files the run writes there"
+                                 " would be read as training text; put it outside")
 
     def _continue_record(self, step: int, steps: int) -> None:
         """Resuming at ``step`` (on the first process): drop what metrics.jsonl logged after it, and record
@@ -379,16 +426,21 @@ class Trainer:
 
         def save():  # the trainer's state gathered by the process that writes it
             state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
-            info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint}
+            info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint, "spec": self.spec.model_dump(mode="json")}
             checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints)
 
         self.world.from_main(save)
         return checkpoint.folder(self.run_dir, step)
 
+    @property
+    def data_dir(self) -> Path:
+        """Where the tokenized corpus and its tokenizer go: ``data.cache``, or the run's own folder."""
+        return Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
+
     def _prepare(self, resume: bool) -> DataSource:
         """The run's data, tokenized by the first process, then read by the others; a resume's must
         be what its checkpoint trained on."""
-        data_dir = Path(self.cfg.data.cache) if self.cfg.data.cache else self.run_dir
+        data_dir = self.data_dir
         args = (self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
 
         def put_back() -> str:
@@ -458,12 +510,19 @@ class Trainer:
             if held is not None:
                 folder, made = held
                 os.close(folder)
-                if made and not any(self.run_dir.iterdir()):  # a start refused before writing leaves no folder
-                    self.run_dir.rmdir()
+                for new in made:  # a start refused before writing leaves no folder
+                    if any(new.iterdir()):
+                        break
+                    new.rmdir()
 
-    def _hold_folder(self) -> tuple[int, bool]:
-        """The run folder, locked (made if new); whether it was made."""
-        made = not self.run_dir.exists()
+    def _hold_folder(self) -> tuple[int, list[Path]]:
+        """The run folder, locked (made if new, with the folders above it that it needs); the
+        folders it made, innermost first."""
+        made = []
+        for folder in (self.run_dir, *self.run_dir.parents):
+            if folder.exists():
+                break
+            made.append(folder)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         folder = os.open(self.run_dir, os.O_RDONLY)
         try:

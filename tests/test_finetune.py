@@ -6,12 +6,14 @@ import importlib.util
 import inspect
 import io
 import json
+import re
 import shutil
 import sys
 import textwrap
 import warnings
 
 import numpy as np
+import optuna
 import pytest
 import torch
 import torch.nn.functional as F
@@ -821,3 +823,42 @@ def test_a_studys_variant_fine_tunes_from_a_run_beside_one_trained_afresh(cli, p
     for seed in (0, 1):
         assert f"tuned seed {seed} lr slot 0: started from {pretrained} at step-00000004, would now start from {pretrained} at step-00000006" in said
     assert "put the definition back (and the studies or runs its variants start from), or run the study afresh" in said
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options, as join opens it
+def test_a_variant_given_a_start_after_it_trained_from_random_weights_is_refused(pretrained, tmp_path):
+    """A setup records ``init`` only where set, and only recorded fields were compared: the trials
+    trained from scratch were reported as fine-tuned."""
+    transformer = {"spec": "transformer.yaml"}
+    path = study_file(tmp_path / "tune.yaml", {"afresh": transformer, "tuned": transformer}, seeds=[0], baseline="afresh")
+    out = tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(load_study(str(path)), out, url, grace_period=60)
+    storage = optuna_study._storage
+    for variant in ("afresh", "tuned"):  # trained as planned (queued in this order), recording their setups
+        trial_id = claim(optuna_study, url, out)
+        storage.set_trial_user_attr(trial_id, "setup", load_study(str(path)).setup(variant, 0))
+        storage.set_trial_state_values(trial_id, optuna.trial.TrialState.COMPLETE, [2.0])
+    tuned = load_study(str(study_file(path, {"afresh": transformer, "tuned": {**transformer, "init": {"run": str(pretrained)}}},
+                                      seeds=[0], baseline="afresh")))
+    with pytest.raises(StudyChanged, match=re.escape(f"tuned seed 0 lr slot 0: trained from random weights, would now start from"
+                                                     f" {pretrained} at step-00000004")):
+        join(tuned, out, url, grace_period=60)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_worker_on_another_definition_keeps_the_starts_of_the_variants_it_does_not_plan(pretrained, tmp_path):
+    """A joining worker wrote the starts of its own variants over all of them: the first worker's
+    fine-tuned trials then failed, finding no start."""
+    transformer = {"spec": "transformer.yaml"}
+    tuned = {"afresh": transformer, "tuned": {**transformer, "init": {"run": str(pretrained)}}}
+    first = load_study(str(study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1], baseline="afresh")))
+    out = tmp_path / "out"
+    url = storage_url(out, None)
+    join(first, out, url, grace_period=60)
+    second = load_study(str(study_file(tmp_path / "tune.yaml", {**tuned, "afresh": transformer}, seeds=[0], baseline="afresh")))
+    join(second, out, url, grace_period=60)
+    narrower = load_study(str(study_file(tmp_path / "tune.yaml", {"afresh": transformer}, seeds=[0], baseline="afresh")))
+    starts = join(narrower, out, url, grace_period=60).user_attrs["starts"]
+    assert sorted(starts) == ["tuned"] and sorted(starts["tuned"]) == ["0", "1"]
+    assert starts["tuned"]["1"]["checkpoint"] == str(pretrained / "checkpoints/step-00000004")

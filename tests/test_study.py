@@ -137,6 +137,19 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert sorted(p.name for p in notes.iterdir()) == ["report.md", "todo.txt"] and (notes / "report.md").read_text() == "mine"
 
 
+def test_a_study_does_not_write_into_the_text_folder_it_trains_on(tmp_path, cli):
+    """Each trial refused to start there, since its files would be read as training text: the study
+    stops before any trial instead."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("def f(x):\n    return x\n" * 200)
+    out = texts / "study"
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--data", texts, "--out", out)
+    said = " ".join(stderr.split())
+    assert code == 1 and "Traceback" not in stderr and f"--out {out} is inside the text folder {texts} the study trains on" in said, stderr
+    assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
+
+
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, cli):
     variants = {"yoco": {"spec": "yoco.yaml"}, "exploding": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
     path = mini(tmp_path, "failing", variants, steps=6)
@@ -534,6 +547,12 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         with pytest.raises(SpecError, match=re.escape(problem)):
             load_study(str(path))
     assert load_study(str(path), data="mqar").definition.metric == "accuracy"  # a synthetic task measures it
+    wider = {**data["variants"], "yoco-u": {**data["variants"]["yoco-u"], "set": {"vocab_size": 512}}}
+    path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": wider}))
+    with pytest.raises(SpecError, match=re.escape("variants: the variants' vocab_size differ (yoco 256, yoco-u 512), but their trials share"
+                                                  " one corpus tokenized at one vocabulary")):
+        load_study(str(path))
+    assert load_study(str(path), data="mqar").specs["yoco-u"].vocab_size == 512  # a recall task of each vocabulary
     starved = mini(tmp_path, "starved", steps=1, budget="flops")  # yoco-u's step costs more than yoco's whole run
     with pytest.raises(SpecError, match=re.escape("variants.yoco-u: budget: flops gives it 0 steps: one of its steps costs more"
                                                   " training FLOPs than the baseline's whole run (steps: 1); raise scales.tiny.train.steps to at least 2")):

@@ -31,7 +31,7 @@ class Pretrained(Strict):
     variant at the same scale, each seed from that study's trial of the same seed at the learning
     rate its report chose."""
 
-    run: str | None = None  # a training run (its latest checkpoint) or checkpoint folder
+    run: str | None = None  # a training run (its latest checkpoint) or checkpoint folder, from where the study runs, as runs/ is
     study: str | None = None  # a study file (relative to this one) or the name of a shipped study
     variant: str | None = None  # that study's variant; None: the one of this variant's name
 
@@ -174,6 +174,12 @@ class Study:
             if self.definition.variants[name].init and self.config.init:
                 root.at("variants").at(name).at("init").add(
                     f"scales.{self.scale}.train.init already starts every trial from {self.config.init}; give one or the other")
+        vocabularies = {spec.vocab_size for spec in self.specs.values()}
+        if len(vocabularies) > 1 and self.shares_corpus and tokenized(source):
+            sizes = ", ".join(f"{name} {spec.vocab_size}" for name, spec in self.specs.items())
+            root.at("variants").add(f"the variants' vocab_size differ ({sizes}), but their trials share one corpus tokenized at one"
+                                    " vocabulary, and losses per token of different tokenizers do not compare; give every variant one"
+                                    " vocab_size (a study per vocabulary)")
         return root.found
 
     def _pretraining(self, name: str, init: Pretrained, within: tuple[Path, ...]) -> tuple[Study, str]:

@@ -42,7 +42,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import DataError, prepare, read_examples, read_texts
+from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in
 from archlab.train.trainer import Trainer
 
 
@@ -99,7 +99,11 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         current = study.setup(key[0], key[2])
         differences = describe_differences(recorded, {name: current.get(name) for name in recorded})
         was, now = kept.get("started_from"), (starts or {}).get(key[0], {}).get(key[1])
-        if was and now and start_said(was) != start_said(now):
+        if "init" in current and "init" not in recorded:  # a setup records init only where set: this trial trained from scratch
+            init = current["init"]
+            start = start_said(now) if now else init.get("run") or f"study {init['study']}'s {init['variant']} trials"
+            differences.insert(0, f"trained from random weights, would now start from {start}")
+        elif was and now and start_said(was) != start_said(now):
             differences.insert(0, f"started from {start_said(was)}, would now start from {start_said(now)}")
             moved = True
         if differences:
@@ -318,8 +322,10 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
         # a trial whose starting run is missing would fail; the study stops now instead
         starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
         check_unchanged(study, optuna_study, starts)
-        optuna_study.set_user_attr(STARTS, {variant: {str(seed): start for seed, start in by_seed.items()}  # JSON's keys are text
-                                            for variant, by_seed in starts.items()})
+        recorded = optuna_study.user_attrs.get(STARTS, {})  # kept for the variants and seeds of workers on another definition
+        for variant, by_seed in starts.items():
+            recorded[variant] = {**recorded.get(variant, {}), **{str(seed): start for seed, start in by_seed.items()}}  # JSON's keys are text
+        optuna_study.set_user_attr(STARTS, recorded)
         queued = latest(optuna_study.get_trials(deepcopy=False))
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
@@ -578,6 +584,9 @@ def refuse_foreign_files(out: Path) -> None:
 def work(study: Study, out: Path, url: str | None, console: Console, grace_period: int = 60) -> optuna.Study:
     """Be one worker of the study until every planned trial has finished."""
     refuse_foreign_files(out)
+    if reads_files_in(study.config.data.source, out):
+        raise StorageError(f"--out {out} is inside the text folder {study.config.data.source} the study trains on: its trials' files"
+                           " would be read as training text; put it outside")
     url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
     optuna_study = join(study, out, url, grace_period)

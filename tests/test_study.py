@@ -698,6 +698,9 @@ def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its
 
     accuracy = _against_baseline({"a": ([2, 4], [0.2, 0.6], 10.0), "b": ([2, 4], [0.5, 0.9], 20.0)}, "a", maximize=True)
     assert accuracy["b"] == {"share of baseline tokens": 0.625, "vs baseline at its FLOPs": "-0.1000"}  # up to 0.6 at step 2.5
+    whole_steps = _against_baseline({"a": ([2, 4], [3.0, 2.0], 10.0), "b": ([2, 3], [2.9, 2.5], 12.0), "c": ([2], [2.6], 12.0)}, "a", False)
+    assert whole_steps["b"]["vs baseline at its FLOPs"] == "+0.5000"  # 36 of a's 40: one step more would pass them
+    assert whole_steps["c"]["vs baseline at its FLOPs"] == "-"  # 24: it never spent them
 
 
 def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):

@@ -1514,11 +1514,12 @@ def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, t
 
     baseline = logged("baseline", trained_on_text / "spec.yaml", [(100, 3.0), (200, 2.0), (300, 1.5)])
     looped = logged("looped", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(100, 2.6), (200, 1.4), (300, 1.8), (400, 1.0)])
-    never = logged("never", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(100, 2.6), (150, 2.0)])
-    code, out, stderr = cli("curves", looped, never, "--baseline", baseline, "--format", "json", "--plot", tmp_path / "vs.png")
+    never = logged("never", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(50, 2.6), (100, 2.0)])
+    short = logged("short", ROOT / "specs" / "tiny" / "yoco-u.yaml", [(80, 2.6), (160, 2.0)])  # 80 tokens a step
+    code, out, stderr = cli("curves", looped, never, short, "--baseline", baseline, "--format", "json", "--plot", tmp_path / "vs.png")
     assert code in (0, None), stderr
     rows = {row["run"]: row for row in json.loads(out)}
-    assert list(rows) == ["baseline", "looped", "never"]  # the baseline first, though not among the runs
+    assert list(rows) == ["baseline", "looped", "never", "short"]  # the baseline first, though not among the runs
 
     seq_len = TrainConfig.model_validate(yaml.safe_load((trained_on_text / "config.yaml").read_text())).seq_len
     per_token = {name: Cost(load_spec(folder / "spec.yaml")).train_flops_per_token(seq_len) for name, folder in
@@ -1532,6 +1533,8 @@ def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, t
     assert [rows["baseline"][k] for k in ("tokens to baseline loss", "share of baseline tokens", "loss at baseline FLOPs", "vs baseline")] == [
         300, 1.0, 1.5, 0.0]
     assert rows["never"]["tokens to baseline loss"] is None and rows["never"]["loss at baseline FLOPs"] is None  # not that low, nor that far
+    assert 160 < at_their_flops < 160 + 80  # short stopped less than a step before the baseline's FLOPs, as an equal-FLOPs budget does
+    assert (rows["short"]["loss at baseline FLOPs"], rows["short"]["vs baseline"]) == (2.0, 0.5)
     assert (tmp_path / "vs.png").read_bytes().startswith(b"\x89PNG")
 
     (tmp_path / "unevaluated").mkdir()

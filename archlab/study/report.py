@@ -40,17 +40,13 @@ def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], b
     """The paper's Figure 2 comparisons of each variant's mean curve (steps, values, training
     FLOPs a step) with the baseline's, joined by straight lines: the share of the baseline's
     tokens (all steps have as many) by which it first reaches the baseline's last value, and its
-    value at the training FLOPs the baseline spent, less the baseline's. A variant that stopped
-    less than one of its steps short of those FLOPs (an equal-FLOPs budget trains whole steps, so
-    almost always does) is taken at its last evaluation."""
+    value at the training FLOPs the baseline spent, less the baseline's."""
     if baseline not in curves:
         return {}
     their_steps, theirs, their_flops = curves[baseline]
-    spent = their_steps[-1] * their_flops
     found = {}
     for variant, (steps, values, flops) in curves.items():  # steps stand for tokens: every step has as many
-        at_flops = min(spent, steps[-1] * flops) if spent < (steps[-1] + 1) * flops else spent
-        reached, at = compared(steps, [s * flops for s in steps], values, theirs[-1], at_flops, maximize)
+        reached, at = compared(steps, [s * flops for s in steps], values, theirs[-1], their_steps[-1] * their_flops, maximize, flops)
         found[variant] = {"share of baseline tokens": "-" if reached is None else Decimals(reached / their_steps[-1], 3),
                           "vs baseline at its FLOPs": "-" if at is None else f"{at - theirs[-1]:+.4f}"}
     return found

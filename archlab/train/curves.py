@@ -160,7 +160,8 @@ class Run:
         losses = [r["eval_loss"] for r in mine]
         target, their_tokens = theirs[-1]["eval_loss"], baseline.x(theirs[-1:], Axis.tokens)[0]
         their_flops = baseline.x(theirs[-1:], Axis.flops)[0]
-        tokens, at = compared(self.x(mine, Axis.tokens), self.x(mine, Axis.flops), losses, target, their_flops) if mine else (None, None)
+        step_flops = self.x(mine[-1:], Axis.flops)[0] / mine[-1]["step"] if mine and mine[-1]["step"] else 0.0
+        tokens, at = compared(self.x(mine, Axis.tokens), self.x(mine, Axis.flops), losses, target, their_flops, step_flops=step_flops) if mine else (None, None)
         return {
             "tokens to baseline loss": None if tokens is None else round(tokens),
             "share of baseline tokens": None if tokens is None else Decimals(tokens / their_tokens, 3),
@@ -170,10 +171,14 @@ class Run:
 
 
 def compared(tokens: list[float], flops: list[float], values: list[float], target: float, their_flops: float,
-             higher_is_better: bool = False) -> tuple[float | None, float | None]:
+             higher_is_better: bool = False, step_flops: float = 0.0) -> tuple[float | None, float | None]:
     """The paper's Figure 2 comparisons of a curve (its values at these tokens and training FLOPs,
     joined by straight lines) with a baseline's last value ``target``: the tokens at which it
-    first reaches it, and its value at the training FLOPs the baseline spent."""
+    first reaches it, and its value at the training FLOPs the baseline spent. A curve that ends
+    less than one of its training steps (``step_flops``) short of those is taken at its end: a
+    budget of the baseline's FLOPs trains whole steps, so it almost always ends that short."""
+    if flops and flops[-1] < their_flops < flops[-1] + step_flops:
+        their_flops = flops[-1]
     sign = -1 if higher_is_better else 1  # reaching a higher accuracy is coming down to its negative
     return crossing(tokens, [sign * v for v in values], sign * target), value_at(flops, values, their_flops)
 

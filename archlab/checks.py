@@ -7,6 +7,8 @@ for theirs."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from numbers import Real
 
@@ -18,46 +20,79 @@ from archlab.cost import Cost
 from archlab.engine import Engine
 from archlab.memory import Watched
 from archlab.model import Model
-from archlab.registry import RegistryError
+from archlab.registry import RegistryError, named, said
 
 CACHE_CONTEXTS = (1, 17)  # tokens: one, and a few past a typical tiny window
 DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
 DECODE_TOLERANCE = 1e-4  # of the largest logit, in float32: the built-in blocks agree to about 1e-6
+SHAPE_CHECK_LENGTH = 16  # tokens in training's forward pass before its first step: shapes alone, so a few
 
 
 @dataclass
 class CpuCheck:
     passes: str  # "fwd+bwd", or "fwd only (...)" where a kernel has no CPU backward
-    finite: bool  # logits and gradients
-    problems: list[str]  # of the costs and of decoding, looked for only when finite
+    finite: bool  # logits and gradients (False where the forward pass could not finish)
+    problems: list[str]  # of the costs and of decoding, looked for only when finite; or why the forward pass could not finish
 
 
 def cpu_check(model: Model, n: int) -> CpuCheck:
     """A forward and backward pass over 2 x ``n`` random tokens; when finite, the cost formulas
-    and decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) checked too."""
+    and decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) checked too. Every block's
+    output shape is checked throughout (``shapes_checked``)."""
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
-    tokens = torch.randint(0, model.spec.vocab_size, (2, n))
-    with Watched("cpu", "its activations and gradients"):
-        with torch.set_grad_enabled(not forward_only):
-            logits, aux = model(tokens, return_aux=True)
-        if not forward_only:
-            (logits.float().logsumexp(-1).mean() + aux).backward()
     passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
-    finite = bool(logits.isfinite().all()) and all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
-    if not finite:
-        return CpuCheck(passes, False, [])
-    problems = flops_problems(model)
-    try:
-        problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH))
-    except RegistryError as exc:  # a module's state the cache cannot hold
-        problems.append(str(exc))
-    except Exception as exc:  # a block's state_bytes or new_state that raises
-        problems.append(f"making the cache or costing it raised {_said(exc)} (blocks: {_blocks(model)})")
+    tokens = torch.randint(0, model.spec.vocab_size, (2, n))
+    with shapes_checked(model):
+        try:
+            with Watched("cpu", "its activations and gradients"):
+                with torch.set_grad_enabled(not forward_only):
+                    logits, aux = model(tokens, return_aux=True)
+                if not forward_only:
+                    (logits.float().logsumexp(-1).mean() + aux).backward()
+        except RegistryError as exc:  # a block's output of another shape
+            return CpuCheck(passes, False, [str(exc)])
+        finite = bool(logits.isfinite().all()) and all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
+        if not finite:
+            return CpuCheck(passes, False, [])
+        problems = flops_problems(model)
+        try:
+            problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH))
+        except RegistryError as exc:  # a module's state the cache cannot hold, a formula that raises, an output's shape
+            problems.append(str(exc))
+        except Exception as exc:  # a block's new_state that raises
+            problems.append(f"making the cache raised {said(exc)} (blocks: {_blocks(model)})")
     return CpuCheck(passes, True, problems)
 
 
-def _said(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+@contextmanager
+def shapes_checked(model: Model) -> Iterator[None]:
+    """Each block's forward must give back a tensor of its input's shape: one that does not is named
+    as it returns, with both shapes, where the residual add after it would fail naming neither (or
+    broadcast without a word)."""
+    def hook(block):
+        def check(module, args, output):
+            x = args[0]
+            if not (isinstance(output, torch.Tensor) and output.shape == x.shape):
+                got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+                raise RegistryError(f"{named(block)}: its forward returned {got} for an x of {list(x.shape)}; a block's"
+                                    " forward gives back the shape of its x, [rows, n, d_model]")
+        return check
+
+    handles = [layer.mixer.register_forward_hook(hook(model.spec.block_at(i))) for i, layer in enumerate(model.layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def first_forward(model: Model) -> None:
+    """A forward pass over one short sequence, every block's output shape checked: what a first
+    training step would find, found before it writes anything. Compiled layers run it eagerly, so
+    that no graph is compiled for its shape."""
+    tokens = torch.zeros(1, SHAPE_CHECK_LENGTH, dtype=torch.long, device=next(model.parameters()).device)
+    with shapes_checked(model), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        model(tokens)
 
 
 def _blocks(model: Model) -> str:
@@ -73,7 +108,7 @@ def decode_problems(model: Model, length: int) -> list[str]:
     except RegistryError:
         raise
     except Exception as exc:  # a plugin's forward that breaks on a batch of rows: said with the blocks it may be
-        return [f"decoding prompts of different lengths raised {_said(exc)} (blocks: {blocks})"]
+        return [f"decoding prompts of different lengths raised {said(exc)} (blocks: {blocks})"]
     if error <= DECODE_TOLERANCE:
         return []
     return [f"decoding prompts of different lengths token by token differs from full forward passes by {error:.1e} of"
@@ -92,7 +127,7 @@ def flops_problems(model: Model) -> list[str]:
             try:
                 counted = block.flops(ctx, n, start, reuse_kv)
             except Exception as exc:
-                problems.setdefault(block.type, f"{block.type}: flops(ctx, n={n}, start={start}, reuse_kv={reuse_kv}) raised {_said(exc)}")
+                problems.setdefault(block.type, f"{block.type}: flops(ctx, n={n}, start={start}, reuse_kv={reuse_kv}) raised {said(exc)}")
                 continue
             if not (isinstance(counted, Flops) and counted.keys() <= FLOP_KINDS.keys()
                     and all(isinstance(v, Real) and 0 <= v < math.inf for v in counted.values())):

@@ -35,7 +35,7 @@ from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
-from archlab.registry import RegistryError, block_specs
+from archlab.registry import RegistryError, block_specs, plugin
 from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
@@ -139,7 +139,7 @@ def blocks() -> None:
         fields = ", ".join(
             f"{k}={'required' if f.is_required() else f.default!r}" for k, f in cls.model_fields.items() if k != "type"
         )
-        table.add_row(name, f"{cls.__module__}:{cls.__qualname__}", fields)
+        table.add_row(name, plugin(cls), fields)
     out.print(table)
 
 
@@ -182,7 +182,7 @@ def build(
             problems += [f"{label}: {problem}" for problem in result.problems]
             ok = result.finite and not result.problems
             failed += not ok
-            verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)" if result.finite else "[red]non-finite"
+            verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)" if result.problems else "[red]non-finite"
             checked = f"{result.passes}, costs, decoding" if result.finite else result.passes
             check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
         table.add_row(escape(label), _describe_structure(model), f"{params:,}", check)
@@ -664,13 +664,14 @@ def cost(
     doc: Annotated[Path | None, typer.Option(help="write the markdown cost page here instead")] = None,
 ) -> None:
     """Parameters, FLOPs (training per token, prefill, decode) and cache bytes per sequence
-    (global, local), one row per spec and length."""
+    (global, local), one row per spec and length. A spec that cannot be loaded or costed is named,
+    the others' rows still given; exit 1 if any was."""
 
     lengths = _lengths(seq_len, TRAINING_LENGTH)
     if doc is not None and not doc.is_dir() and doc.suffix.lower() != ".md":  # not a run's config.yaml, overwritten
         raise typer.BadParameter(f"--doc {doc}: the cost page is markdown; give a file name ending in .md")
     good, bad = _load_all(paths)
-    if bad or not good:
+    if not good or (bad and doc is not None):  # a page of some of the specs would read as a page of them all
         raise typer.Exit(1)
     labelled = list(zip(_labels(good), (spec for _, spec in good)))
     if doc is not None:
@@ -681,8 +682,17 @@ def cost(
         doc.write_text(cost_doc(labelled, lengths, command))
         err.print(f"wrote {doc}", markup=False)
         return
-    rows = [replace(Cost(spec).row(n), spec=label) for label, spec in labelled for n in lengths]
-    sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
+    rows = []
+    for label, spec in labelled:
+        try:
+            rows += [replace(Cost(spec).row(n), spec=label) for n in lengths]
+        except RegistryError as exc:  # a block's formula that raises
+            _error(f"{label}: {exc}")
+            bad += 1
+    if rows:
+        sys.stdout.write(render([readable(r) if fmt is Format.md else r.as_dict() for r in rows], fmt))
+    if bad:
+        raise typer.Exit(1)
 
 
 @app.command("equal-flops")
@@ -757,6 +767,7 @@ def train(
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun. With --init,
     fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples or conversations."""
+    from archlab.checks import first_forward
     from archlab.train.data import DataError
     from archlab.train.trainer import Relayed, Trainer, TrainError
 
@@ -794,7 +805,10 @@ def train(
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
                              "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _interruptible():
-            Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
+            trainer = Trainer(spec, cfg, out, err)
+            with trainer.autocast:  # as a step runs it, kernel choices and their notices included
+                first_forward(trainer.model)  # a block's output of another shape is named before the run folder is touched
+            trainer.fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None

@@ -17,9 +17,10 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from archlab.block import Flops
+from archlab.block import BlockSpec, Flops
 from archlab.cache import CacheBytes
 from archlab.plan import Plan, Step
+from archlab.registry import RegistryError, raised
 from archlab.spec import ModelSpec, YocoLayout
 from archlab.table import MIB, Format, render, si
 
@@ -51,6 +52,15 @@ def peak_flops(device_name: str) -> float | None:
         warnings.warn(f"no peak FLOP/s known for {device_name!r}; MFU not reported", stacklevel=2)
         return None
     return PEAK_FLOPS[max(matches, key=len)]
+
+
+def _formula(block: BlockSpec, name: str, *args):
+    """A block's cost formula (``params``, ``flops``, ``state_bytes``); one that raises is named
+    with its block and plugin, wherever a command first asks for it."""
+    try:
+        return getattr(block, name)(*args)
+    except Exception as exc:
+        raise RegistryError(raised(block, f"{name}()", exc)) from exc
 
 
 def _times(flops: Flops, count: int) -> Flops:
@@ -100,7 +110,7 @@ class Cost:
     def params_total(self) -> int:
         spec, d = self.spec, self.spec.d_model
         layers = sum(
-            spec.block_at(i).params(self._ctx(i)) + spec.ffn.params(d) + 2 * d for i in range(spec.n_layers)
+            _formula(spec.block_at(i), "params", self._ctx(i)) + spec.ffn.params(d) + 2 * d for i in range(spec.n_layers)
         )
         total = self.embedding_params + layers + d  # + the final norm
         if isinstance(spec.layout, YocoLayout):
@@ -135,7 +145,7 @@ class Cost:
         runs = Counter((i, self.plan.reuses_kv(step, i)) for step in steps if not step.project
                        for i in self.plan.segments[step.segment].layers)
         for (i, reuse_kv), times in runs.items():
-            layer = spec.block_at(i).flops(self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
+            layer = _formula(spec.block_at(i), "flops", self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
             total += _times(layer, times)
         total = _times(total, self.streams)
         logits = n if logits is None else logits
@@ -179,7 +189,7 @@ class Cost:
             grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
         for layer, slots in Counter(layer for _, _, layer in self.plan.state_keys()).items():
             block = spec.block_at(layer)
-            size = slots * block.state_bytes(self._ctx(layer), context, kv_bytes)
+            size = slots * _formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)
             grows, local = (grows + size, local) if block.grows_kv_cache else (grows, local + size)
         return CacheBytes(grows * self.streams, local * self.streams)
 

@@ -14,7 +14,29 @@ GROUP = "archlab.blocks"
 
 
 class RegistryError(Exception):
-    """No block can be used: none is registered, or a built model's block breaks the protocol."""
+    """No block can be used: none is registered, or a block breaks the protocol (its module lacks what
+    the model calls or gives back the wrong shape, its own code raises)."""
+
+
+def plugin(cls: type) -> str:
+    """Where a block spec class is defined, as its entry point names it (``module:Class``)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def said(exc: BaseException) -> str:
+    """An exception as one line: its type and message (its repr where the message is empty)."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+
+
+def named(block: BlockSpec) -> str:
+    """A block as errors about its own code name it: its type and the plugin that defines it."""
+    return f"block {block.type!r} ({plugin(type(block))})"
+
+
+def raised(block: BlockSpec, call: str, exc: BaseException) -> str:
+    """What a block's own code that raised is said as: the block, its plugin, the call and the error,
+    where a traceback would show the plugin's code to someone who only wrote a spec."""
+    return f"{named(block)}: its {call} raised {said(exc)}"
 
 
 class BrokenPlugin(UserWarning):

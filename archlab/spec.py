@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 
 from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
-from archlab.registry import block_specs
+from archlab.registry import block_specs, raised
 
 SCHEMA_VERSION = 1
 
@@ -371,7 +371,10 @@ class ModelSpec(HoldsBlocks):
                                               f" past layer {half.n_layers} would never be built")
             for i, block in enumerate(half.blocks):
                 at = root.at(f"{path}.blocks").at(i)
-                block.check(ctx, at)
+                try:
+                    block.check(ctx, at)
+                except Exception as exc:  # a plugin's own check: said as a problem of the spec that uses it
+                    at.add(raised(block, "check", exc))
                 if block.reads_global_kv and not (yoco and half_index == 1):
                     at.at("type").add(
                         f"{block.type!r} reads the global K,V, which exists only in a YOCO cross-decoder"

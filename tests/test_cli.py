@@ -1,8 +1,10 @@
 """The installed ``archlab`` command, run as a user would, and block plugins from another package."""
 
+import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -126,10 +128,55 @@ def test_a_training_run_stands_for_its_spec(cli, tmp_path):
             assert f"yoco-u ({runs / 'a'})" in out and f"yoco-u ({runs / 'b'})" in out, command
 
 
+def test_cost_of_runs_names_one_it_cannot_read_and_gives_the_others(cli, tmp_path):
+    """One run's spec that no longer loads (its plugin gone) gave no row at all."""
+    runs = tmp_path / "runs"
+    for name, spec in (("a", "yoco-u"), ("b", "yoco-u"), ("c", "transformer")):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "spec.yaml").write_text(cli("show", f"specs/tiny/{spec}.yaml")[1])
+    (runs / "b" / "spec.yaml").write_text((runs / "b" / "spec.yaml").read_text().replace("type: swa", "type: causal_mean"))
+    code, out, stderr = cli("cost", runs, "--seq-len", "1K", "--format", "json")
+    assert code == 1 and f"error in {runs / 'b' / 'spec.yaml'}" in stderr and "unknown type 'causal_mean'" in stderr
+    assert [row["spec"] for row in json.loads(out)] == [f"yoco-u ({runs / 'a'})", f"transformer ({runs / 'c'})"]
+    code, out, _ = cli("cost", runs, "--seq-len", "1K", "--doc", tmp_path / "costs.md")  # a page of some would pass for all
+    assert code == 1 and out == "" and not (tmp_path / "costs.md").exists()
+
+
 def test_rows_of_specs_sharing_a_name_name_their_files(cli):
     code, out, _ = cli("cost", "specs/tiny/yoco-u.yaml", "specs/paper/yoco-u.yaml", "specs/tiny/yoco.yaml", "--seq-len", "1K")
     assert code in (0, None)
     assert "| yoco-u (specs/tiny/yoco-u.yaml) |" in out and "| yoco-u (specs/paper/yoco-u.yaml) |" in out and "| yoco |" in out
+
+
+def readme_command_lines() -> list[list[str]]:
+    """The arguments of each ``archlab`` command in the README's shell blocks (continued lines joined)."""
+    readme = (ROOT / "README.md").read_text()
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for line in block.replace("\\\n", " ").splitlines()]
+    commands = []
+    for words in (shlex.split(line, comments=True) for line in lines):
+        starts = [i for i, word in enumerate(words) if os.path.basename(word) == "archlab"]
+        commands += [list(itertools.takewhile(lambda word: word not in ("&&", "|", ";"), words[i + 1 :])) for i in starts]
+    return commands
+
+
+def test_the_readmes_command_lines_are_given_as_archlab_reads_them():
+    """Parsed as archlab parses its own, without running any: each one can be copied as it stands
+    (``--format md|csv|json`` read as one value, which no format is)."""
+    import typer
+
+    from archlab.cli import _expand_list_options, app
+
+    commands, root = readme_command_lines(), typer.main.get_command(app)
+    assert len(commands) > 20 and ["cost", "specs/paper", "--seq-len", "16K", "64K", "256K", "--doc", "docs/costs.md"] in commands
+    for args in commands:
+        command, rest = root, _expand_list_options(args)
+        context = command.make_context("archlab", list(rest))
+        while isinstance(command, typer.core.TyperGroup):  # archlab, then study
+            _, command, rest = command.resolve_command(context, rest)
+            try:
+                context = command.make_context(command.name, list(rest), parent=context)
+            except Exception as exc:  # click's usage errors, with what was wrong
+                pytest.fail(f"archlab {' '.join(args)}: {exc}")
 
 
 def test_show_missing_file_is_a_clear_error(cli):
@@ -206,20 +253,21 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
 MISTAKES = {  # the README's plugin with one mistake made in it: what is changed, what build says, the inference dtype
     "params": (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536",
                "float32"),
-    "state bytes": (("return 4 * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
-    "state bytes in the inference dtype": (("zeros(batch, self.proj.in_features)", "zeros(batch, self.proj.in_features, dtype=dtype)"),
+    "state bytes": (("return max(4, kv_bytes) * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
+    "state bytes in the inference dtype": (("dtype=float32_or_wider(dtype))", "dtype=dtype)"),
                                            "at 1 tokens in bfloat16, the cache holds", "bfloat16"),  # 4 bytes counted, 2 held
     "state ignored": (("if inp.state is not None:", "if False:"), "decoding prompts of different lengths token by token differs",
                       "float32"),
     "one row's positions": (("(inp.positions + 1)", "(inp.positions[:1] + 1)"),
                             "(blocks: causal_mean, cross_attention; does each module's", "float32"),
-    "state not batch-first": (("zeros(batch, self.proj.in_features)", "zeros(self.proj.in_features, batch)"),
+    "state not batch-first": (("zeros(batch, self.proj.in_features,", "zeros(self.proj.in_features, batch,"),
                               "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension"
                               " of 1", "float32"),
-    "no state dict": (("return {\"sum\": torch.zeros(batch, self.proj.in_features)}", "return None"),
+    "no state dict": (("return {\"sum\": torch.zeros(batch, self.proj.in_features, dtype=float32_or_wider(dtype))}", "return None"),
                       "block 'causal_mean': new_state(1, ...) must give a dict of tensors ({} for none) with a first dimension of 1,"
                       " a row per sequence and stream; got NoneType", "float32"),
-    "state bytes raise": (("return 4 * ctx.d_model  #", "assert False  #"), "making the cache or costing it raised AssertionError()",
+    "state bytes raise": (("return max(4, kv_bytes) * ctx.d_model  #", "assert False  #"),
+                          "block 'causal_mean' (causal_mean:CausalMeanSpec): its state_bytes() raised AssertionError()",
                           "float32"),
     "state of one row": (("sums[:, -1])", "sums[-1])"), "decoding prompts of different lengths raised RuntimeError",
                          "float32"),  # fine at batch 1
@@ -227,6 +275,9 @@ MISTAKES = {  # the README's plugin with one mistake made in it: what is changed
                                    "decoding prompts of different lengths token by token differs", "float32"),  # in chunks only
     "flops not Flops": (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
                         "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
+    "output of another shape": ((".to(x.dtype))\n", ".to(x.dtype))[..., 1:]\n"),
+                                "block 'causal_mean' (causal_mean:CausalMeanSpec): its forward returned [2, 64, 63] for an x of"
+                                " [2, 64, 64]", "float32"),  # a traceback from the residual add after it
 }
 
 
@@ -271,6 +322,24 @@ def test_build_passes_the_plugin_the_mistakes_above_are_made_in(tmp_path):
     result = archlab("build", *specs, env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     assert result.stdout.count(" ok") == 2 and "problem(s)" not in result.stdout, result.stdout
+
+
+def test_the_plugins_state_keeps_a_float64_model_exact():
+    """As the README advises its reader: a float64 model's running sum is not rounded to float32,
+    in the full forward pass or decoding token by token (it was, by about 5e-8)."""
+    from archlab.block import MixerInput
+
+    namespace: dict = {}
+    exec(PLUGIN, namespace)
+    mean = namespace["CausalMean"](16).double()
+    x = torch.randn(3, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        exact = mean.proj(x.cumsum(1) / torch.arange(1, 13, dtype=torch.float64)[:, None])
+        full = mean(x, MixerInput(torch.arange(12)[None]))
+        state = mean.new_state(3, 12, torch.float64)
+        stepped = torch.cat([mean(x[:, [i]], MixerInput(torch.full((3, 1), i), state)) for i in range(12)], dim=1)
+    torch.testing.assert_close(full, exact, rtol=0, atol=1e-12)
+    torch.testing.assert_close(stepped, exact, rtol=0, atol=1e-12)
 
 
 REUSING = '''

@@ -1,0 +1,59 @@
+"""A block's own code that fails (its check, a cost formula, a forward giving back another shape)
+is named with the block and its plugin in one line, not shown as a traceback through archlab. The
+built-in sliding-window block stands in for a plugin, broken in this process alone (a plugin
+installed from another package is tested in test_cli.py, in processes of their own)."""
+
+import pytest
+
+from archlab.registry import block_specs, plugin
+from conftest import ROOT
+
+SPEC = ROOT / "specs" / "tiny" / "yoco.yaml"  # its self-decoder is sliding-window attention
+
+
+@pytest.fixture
+def swa():
+    return block_specs()["swa"]
+
+
+def test_a_check_that_raises_is_a_problem_of_the_spec(cli, monkeypatch, swa):
+    def check(self, ctx, problems):
+        raise ValueError("no window fits")
+
+    monkeypatch.setattr(swa, "check", check)
+    code, _, stderr = cli("validate", SPEC)
+    assert code == 1
+    assert f"layout.self_decoder.blocks[0]: block 'swa' ({plugin(swa)}): its check raised ValueError: no window fits" in stderr
+
+
+def test_a_cost_formula_that_raises_is_named(cli, monkeypatch, swa):
+    """``cost`` goes on with the specs it can cost; a command that needs the formula to go on stops."""
+    monkeypatch.setattr(swa, "params", lambda self, ctx: 1 // 0)
+    said = f"block 'swa' ({plugin(swa)}): its params() raised ZeroDivisionError: integer division or modulo by zero"
+    code, out, stderr = cli("cost", SPEC, ROOT / "specs" / "tiny" / "transformer.yaml", "--seq-len", "1K")
+    assert code == 1 and f"error: yoco: {said}" in stderr
+    assert "| transformer |" in out and "| yoco |" not in out
+    for command in (["build", SPEC], ["generate", SPEC, "--prompt", "a", "--max-new-tokens", "1"]):
+        code, _, stderr = cli(*command)
+        assert code == 2 and f"error: {said}" in stderr, command
+
+
+def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, monkeypatch, swa, tmp_path):
+    """It failed in the residual add after it, naming neither the block nor the shapes; training
+    failed there in its first step, after writing the run's files."""
+    built = swa.build
+
+    def build(self, ctx):
+        module = built(self, ctx)
+        forward = module.forward
+        module.forward = lambda x, inp: forward(x, inp)[..., 1:]
+        return module
+
+    monkeypatch.setattr(swa, "build", build)
+    said = f"block 'swa' ({plugin(swa)}): its forward returned [{{}}, 63] for an x of [{{}}, 64]"
+    code, out, stderr = cli("build", SPEC)
+    assert code == 1 and f"error: yoco: {said.format('2, 64', '2, 64')}" in stderr and "1 problem(s)" in out
+    run = tmp_path / "runs" / "a"
+    code, _, stderr = cli("train", SPEC, "--out", run, "--steps", "1")
+    assert code == 2 and f"error: {said.format('1, 16', '1, 16')}" in stderr
+    assert not run.parent.exists()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args
@@ -466,9 +466,11 @@ def _retagged(mapping: dict, key: str | None, tag: str) -> dict:
     """``mapping`` (held under ``key``) turned into the union's member tagged ``tag``: the fields
     that member also has carry over (a loop's ``times``, a block's ``n_heads``); the rest do not
     apply to it (a SwiGLU's ``hidden`` in an MoE)."""
-    fields = next((m.model_fields for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), None)
-    if fields is None or mapping.get(_tag_of(key)) == tag:  # unknown kind, or the same: validation names what is wrong
+    member = _member(key, tag)
+    if member is None or mapping.get(_tag_of(key)) == tag:  # unknown kind, or the same: validation names what is wrong
         fields = mapping
+    else:
+        fields = member.model_fields
     return {name: value for name, value in mapping.items() if name in fields and name != _tag_of(key)} | {_tag_of(key): tag}
 
 
@@ -667,8 +669,13 @@ def _describe(err: dict) -> str:
     if err["type"] == "union_tag_invalid":
         ctx, tag = err["ctx"], err["ctx"]["discriminator"].strip(chr(39))
         given = err["input"].get(tag, ctx["tag"]) if isinstance(err["input"], dict) else ctx["tag"]  # ctx's is str()'d: None is 'None'
-        plugins = " (blocks come from installed archlab.blocks plugins; `archlab blocks` lists them)" if "blocks" in err["loc"] else ""
-        return f"unknown {tag} {'null' if given is None else repr(given)}; allowed: {ctx['expected_tags']}{plugins}"
+        return _unknown_kind(err["loc"], tag, given, ctx["expected_tags"])
+    if err["type"] == "model_attributes_type" and (key := _union_at(err["loc"])):  # null, a number: no kind at all
+        tag = _tag_of(key)
+        kinds = ", ".join(map(repr, _union_tags(err["loc"], tag)))
+        if key == "layout":  # the one union without a shorthand
+            return f"must be a mapping with a {tag} (one of: {kinds}) and its fields, got {_given(err['input'])}"
+        return _unknown_kind(err["loc"], tag, err["input"], kinds)
     if err["type"] == "union_tag_not_found":
         tag = err["ctx"]["discriminator"].strip(chr(39))
         kinds = _union_tags(err["loc"], tag)
@@ -680,6 +687,23 @@ def _describe(err: dict) -> str:
     if "input" in err and not isinstance(err["input"], (dict, list)):
         return f"{msg} (got {err['input']!r})"
     return msg
+
+
+def _unknown_kind(loc: tuple, tag: str, given: Any, allowed: str) -> str:
+    """Every kind given that is none the union has (a tag, null or a number) is said alike."""
+    plugins = " (blocks come from installed archlab.blocks plugins; `archlab blocks` lists them)" if "blocks" in loc else ""
+    return f"unknown {tag} {_given(given)}; allowed: {allowed}{plugins}"
+
+
+def _given(value: Any) -> str:
+    """A value as the YAML it came from would name it (null, not None)."""
+    return "null" if value is None else repr(value)
+
+
+def _union_at(loc: tuple) -> str | None:
+    """The key of the tagged union whose value is at ``loc`` itself (a block: an item of ``blocks``)."""
+    key = loc[-2] if len(loc) > 1 and isinstance(loc[-1], int) else loc[-1]
+    return key if key in _unions() and (key == "blocks") == isinstance(loc[-1], int) else None
 
 
 def _unions() -> dict[str, Any]:
@@ -694,6 +718,11 @@ def _members(key: str | None) -> tuple[type[BaseModel], ...]:
         return ()
     inner = get_args(union)[0]
     return get_args(inner) or (inner,)  # a lone block class is no Union
+
+
+def _member(key: str | None, tag: Any) -> type[BaseModel] | None:
+    """The member of the union held under ``key`` that ``tag`` names (None for an unknown one)."""
+    return next((m for m in _members(key) if tag in get_args(m.model_fields[_tag_of(key)].annotation)), None)
 
 
 def _union_tags(loc: tuple, tag: str) -> list[str]:
@@ -780,11 +809,32 @@ def _set_dotted(data: dict, key: str, value: Any) -> tuple[dict, list[str]]:
             if _is_index(parts[depth + 1]):
                 raise SpecError(key, [Problem(path, f"is not given, so its item {parts[depth + 1]} cannot be set alone:"
                                                     f" give it whole, as {path}=[...]")])
-            node[part] = {}
+            node[part] = _default_tag(data, parts[: depth + 1])
         elif isinstance(node[part], str) and holder in _unions():  # a shorthand stands for its mapping
             node[part] = {_tag_of(holder): node[part]}
         node = node[part]
     return data, []
+
+
+def _default_tag(data: dict, parts: list[str]) -> dict:
+    """What a spec's mapping left out at the dotted path ``parts`` stands for while a field inside it
+    is set: its default's tag, where it is a tagged union with a default (``norm``: ``{type:
+    rmsnorm}``, so that ``norm.eps=1e-5`` sets the default norm's eps), else nothing. The models
+    holding it are found through ``data``, each union's member by the tag given there."""
+    model: Any = ModelSpec
+    node: Any = data
+    for part in parts[:-1]:
+        field = model.model_fields.get(part) if isinstance(node, dict) else None
+        if field is None:
+            return {}
+        node = node[part]
+        tag = node if isinstance(node, str) else node.get(_tag_of(part)) if isinstance(node, dict) else None
+        model = _member(part, tag) if part in _unions() else field.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return {}
+    field = model.model_fields.get(parts[-1])
+    default = field.get_default(call_default_factory=True) if field and parts[-1] in _unions() else None
+    return {_tag_of(parts[-1]): getattr(default, _tag_of(parts[-1]))} if isinstance(default, BaseModel) else {}
 
 
 def _canonical(key: str) -> str:
@@ -808,22 +858,34 @@ def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -
     return data
 
 
-def apply_overrides(data: dict, overrides: list[str], origins: dict[str, str] | None = None) -> dict:
-    """``optimizer.lr=1e-3`` style overrides, values parsed as YAML (``origins`` records them as
-    set by ``--set``)."""
-    items = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SpecError("--set", [Problem(item, "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
-        try:
-            items.append((key, _parse_yaml(value)))
-        except yaml.YAMLError as exc:
-            raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
-    data = set_each_dotted(data, items, "--set")
-    for key, parsed in items if origins is not None else ():
-        _note(parsed, "--set", origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
+Overrides = Mapping[str, Any] | Iterable[str]  # {key: value}, or --set's KEY=VALUE strings (or one such string)
+
+
+def apply_overrides(data: dict, overrides: Overrides, origins: dict[str, str] | None = None) -> dict:
+    """Dotted overrides: a mapping ``{"optimizer.lr": 1e-3}``, its values as given, or ``--set``'s
+    ``optimizer.lr=1e-3`` strings, their values read as YAML (``origins`` records them as set by
+    ``overrides`` or ``--set``)."""
+    if isinstance(overrides, Mapping):
+        source, items = "overrides", list(overrides.items())
+        if bad := [key for key, _ in items if not isinstance(key, str) or not key]:
+            raise SpecError(source, [Problem(repr(key), "a key is a dotted path, such as 'loop.times'") for key in bad])
+    else:
+        source, items = "--set", [_key_value(item) for item in ([overrides] if isinstance(overrides, str) else overrides)]
+    data = set_each_dotted(data, items, source)
+    for key, value in items if origins is not None else ():
+        _note(value, source, origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
     return data
+
+
+def _key_value(item: Any) -> tuple[str, Any]:
+    """A ``KEY=VALUE`` override as its key and its value parsed as YAML."""
+    key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+    if not sep or not key:
+        raise SpecError("--set", [Problem(str(item), "expected KEY=VALUE, e.g. optimizer.lr=1e-3")])
+    try:
+        return key, _parse_yaml(value)
+    except yaml.YAMLError as exc:
+        raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
 
 
 def _holder(path: list[str]) -> str | None:
@@ -831,10 +893,11 @@ def _holder(path: list[str]) -> str | None:
     return next((part for part in reversed(path) if not _is_index(part)), None)
 
 
-def load_spec(path: str | Path, overrides: list[str] = ()) -> ModelSpec:
-    """Read, merge (``extends``), override (``KEY=VALUE``, as ``apply_overrides``) and validate a spec file."""
+def load_spec(path: str | Path, overrides: Overrides = ()) -> ModelSpec:
+    """Read, merge (``extends``), override (``{key: value}`` or ``KEY=VALUE`` strings, as
+    ``apply_overrides``) and validate a spec file."""
     origins: dict[str, str] = {}
-    data = apply_overrides(load_yaml(path, origins), list(overrides), origins)
+    data = apply_overrides(load_yaml(path, origins), overrides, origins)
     return validate_spec(data, str(path), origins)
 
 

@@ -90,6 +90,15 @@ CASES = [
      ["layout.self_decoder.blocks: is a list (a pattern of blocks), not the one block 'gdn': write [gdn]"]),
     ("a null kind", {"s.yaml": BASE + "loop: {position: null, times: 2}\nffn: {type: 3}\n"}, "s.yaml",
      ["loop: unknown position null; allowed:", "ffn: unknown type 3; allowed:"]),
+    ("null for a kind", {"s.yaml": BASE.replace("n_layers: 2, blocks: [{type: swa, window: 8, n_heads: 4}]",
+                                                "n_layers: 2, position: null, blocks: [swa, 3]") + "norm: null\nloop: null\n"},
+     "s.yaml", ["layout.self_decoder.position: unknown type null; allowed: 'rope', 'none'",
+                "norm: unknown type null; allowed: 'rmsnorm', 'layernorm'",
+                "loop: unknown position null; allowed: 'none', 'lower', 'upper', 'prefix', 'all', 'range'",
+                "layout.self_decoder.blocks[1]: unknown type 3; allowed: 'attention', 'cross_attention',",
+                "(blocks come from installed archlab.blocks plugins"]),
+    ("a layout given as its kind alone", {"s.yaml": STACK.split("layout:")[0] + "layout: stack\n"}, "s.yaml",
+     ["layout: must be a mapping with a type (one of: 'stack', 'yoco') and its fields, got 'stack'"]),
     ("cross-attention in a stack", {"s.yaml": STACK.replace("[{type: attention, n_heads: 4}]", "[cross_attention]")},
      "s.yaml", ["layout.layers.blocks[0].type", "reads the global K,V", "only in a YOCO cross-decoder"]),
     ("self-attention in the cross-decoder", {"s.yaml": BASE.replace("cross_decoder: {n_layers: 2}", "cross_decoder: {n_layers: 2, blocks: [swa]}")},
@@ -210,6 +219,31 @@ def test_an_override_inside_a_shorthand_sets_the_mapping_it_stands_for():
     lower = archlab.load_spec(ROOT / "specs" / "tiny" / "upper-loop.yaml", ["loop=lower"])
     assert (lower.loop.position, lower.loop.times, lower.loop.kv_cache) == ("lower", 3, "shared")  # it said "times: Field required"
     assert archlab.load_spec(spec, ["norm.eps=0.1", "norm=layernorm"]).norm == archlab.spec.LayerNorm(type="layernorm", eps=0.1)
+
+
+def test_an_override_inside_a_kind_left_at_its_default_sets_that_default(tmp_path):
+    """It said "missing 'type'": the kind was not given, and the override's mapping stood alone."""
+    (tmp_path / "s.yaml").write_text(BASE)  # no norm, ffn, loop, or position given
+    spec = archlab.load_spec(tmp_path / "s.yaml", ["norm.eps=1e-5", "ffn.hidden=64", "layout.self_decoder.position.theta=500"])
+    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.spec.SwiGLU(hidden=64))
+    assert spec.layout.self_decoder.position == archlab.spec.RoPE(type="rope", theta=500)
+    with pytest.raises(archlab.SpecError) as caught:  # the cross-decoder's default is no position, which has no theta
+        archlab.load_spec(tmp_path / "s.yaml", ["layout.cross_decoder.position.theta=500"])
+    assert "layout.cross_decoder.position.theta: unknown key" in str(caught.value)
+
+
+def test_overrides_may_be_a_mapping():
+    """Values as given, not read as YAML; it was taken for a list of its keys, each said not to be
+    a ``--set`` KEY=VALUE."""
+    spec = ROOT / "specs" / "tiny" / "yoco-u.yaml"
+    given = archlab.load_spec(spec, {"loop.times": 5, "layout.self_decoder.blocks.0.window": 8, "name": "1e3"})
+    assert given == archlab.load_spec(spec, ["loop.times=5", "layout.self_decoder.blocks.0.window=8", "name='1e3'"])
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(spec, {"loop.times": -1})
+    assert "loop.times: Input should be greater than or equal to 1 (got -1) (set in overrides)" in str(caught.value)
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(spec, {3: 1})
+    assert "overrides: 1 problem(s)\n  3: a key is a dotted path" in str(caught.value)
 
 
 def test_an_override_that_would_replace_an_earlier_one_inside_it_is_refused():

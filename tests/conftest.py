@@ -74,3 +74,19 @@ def interruptible() -> None:
     """``preexec_fn`` of a child a test sends SIGINT: one started from a shell's background job
     inherits SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def parsed(args: list[str]):
+    """The archlab command ``args`` names, parsed as archlab parses its own without running it;
+    click's usage error, saying what is wrong, is raised as it comes."""
+    import typer
+
+    from archlab.cli import _expand_list_options, app
+
+    command = typer.main.get_command(app)
+    rest = _expand_list_options(args)
+    context = command.make_context("archlab", list(rest))
+    while isinstance(command, typer.core.TyperGroup):  # archlab, then study
+        _, command, rest = command.resolve_command(context, rest)
+        context = command.make_context(command.name, list(rest), parent=context)
+    return command

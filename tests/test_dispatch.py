@@ -14,7 +14,7 @@ from archlab.ops.dispatch import BackendError, Kernels, choose, kernel
 from archlab.ops.ssd import selective_state_update
 from blocks.attention import AttentionSpec
 from blocks.swa import SlidingWindowSpec
-from conftest import ROOT
+from conftest import ROOT, parsed
 
 
 @pytest.fixture
@@ -273,10 +273,6 @@ def test_the_gpu_checks_commands_are_given_as_archlab_reads_them(monkeypatch, tm
     """The smoke test leaves out the ``commands`` section (a dozen processes); its command lines
     are parsed here as archlab parses its own, without running any: every option one the command
     has, with the values the parser checks (``evaluate --lengths`` was the first try's)."""
-    import typer
-
-    from archlab.cli import _expand_list_options, app
-
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from gpu_check import command_lines
 
@@ -284,14 +280,10 @@ def test_the_gpu_checks_commands_are_given_as_archlab_reads_them(monkeypatch, tm
     assert [name for name, _ in listed] == ["train", "torchrun", "fine-tune", "evaluate", "evaluate examples", "layers", "niah",
                                             "generate", "generate paged", "chat", "curves", "study"]
     for name, args in listed:
-        command = typer.main.get_command(app)
-        context, rest = command.make_context("archlab", _expand_list_options(args)), _expand_list_options(args)
-        while isinstance(command, typer.core.TyperGroup):  # archlab, then study
-            _, command, rest = command.resolve_command(context, rest)
-            try:
-                context = command.make_context(command.name, list(rest), parent=context)
-            except Exception as exc:  # click's usage errors, with what was wrong
-                pytest.fail(f"{name}: {exc}")
+        try:
+            command = parsed(args)
+        except Exception as exc:  # click's usage errors, with what was wrong
+            pytest.fail(f"{name}: {exc}")
         assert command.name == (args[1] if args[0] == "study" else args[0]), name  # the command meant, not a group
 
 

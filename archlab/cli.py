@@ -767,7 +767,6 @@ def train(
 ) -> None:
     """Train a spec. Exactly resumable after a crash; distributed under torchrun. With --init,
     fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples or conversations."""
-    from archlab.checks import first_forward
     from archlab.train.data import DataError
     from archlab.train.trainer import Relayed, Trainer, TrainError
 
@@ -805,10 +804,7 @@ def train(
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
                              "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _interruptible():
-            trainer = Trainer(spec, cfg, out, err)
-            with trainer.autocast:  # as a step runs it, kernel choices and their notices included
-                first_forward(trainer.model)  # a block's output of another shape is named before the run folder is touched
-            trainer.fit(cfg.steps, resume=resume)
+            Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None

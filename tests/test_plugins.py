@@ -7,6 +7,7 @@ import pytest
 
 from archlab.registry import block_specs, plugin
 from conftest import ROOT
+from test_study import mini
 
 SPEC = ROOT / "specs" / "tiny" / "yoco.yaml"  # its self-decoder is sliding-window attention
 
@@ -57,3 +58,7 @@ def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, mo
     code, _, stderr = cli("train", SPEC, "--out", run, "--steps", "1")
     assert code == 2 and f"error: {said.format('1, 16', '1, 16')}" in stderr
     assert not run.parent.exists()
+    study = mini(tmp_path, variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1})
+    code, _, stderr = cli("study", "run", study, "--data", "mqar", "--out", tmp_path / "study")  # a trial records why it failed
+    assert code == 1 and f"RegistryError: {said.format('1, 16', '1, 16')}" in (tmp_path / "study" / "report.md").read_text(), stderr
+    assert not list((tmp_path / "study" / "trials").glob("*/*"))

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from archlab.checks import first_forward
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
@@ -196,6 +197,8 @@ class Trainer:
         check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")
         self.model = build_model(spec, device=self.device)
         self._refuse_untrainable_kernels()
+        with self.autocast:  # as a step runs it, kernel choices and their notices included
+            first_forward(self.model)  # a block's output of another shape, named before the run folder is touched
         if cfg.compile:
             self.model.compile_layers()
         self.optimizer = torch.optim.AdamW(

@@ -211,8 +211,13 @@ class Cost:
 
 def equal_flops_steps(reference: ModelSpec, steps: int, other: ModelSpec, seq_len: int) -> int:
     """Training steps of ``other`` that spend the training FLOPs of ``reference`` trained for
-    ``steps`` steps, at the same tokens per step and sequence length (rounded down)."""
-    return steps * Cost(reference).train_flops_per_token(seq_len) // Cost(other).train_flops_per_token(seq_len)
+    ``steps`` steps, at the same tokens per step and sequence length (rounded down). Divided as
+    whole sequences' FLOPs: per-token figures, each rounded down, could give a step more."""
+    def per_sequence(spec: ModelSpec) -> int:
+        Cost(spec).train_flops_per_token(seq_len)  # refuses a length training cannot cost
+        return sum(Cost(spec).forward_flops(seq_len).values())
+
+    return steps * per_sequence(reference) // per_sequence(other)
 
 
 def readable(row: CostRow) -> dict:

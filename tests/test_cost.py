@@ -175,6 +175,10 @@ def test_equal_flops_steps():
     assert steps * per_step <= ref < (steps + 1) * per_step
     assert steps > 20_000
     assert equal_flops_steps(yoco, 1234, yoco, 8192) == 1234
+    looped, shared = (archlab.load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml") for name in ("upper-loop-no-shared-kv", "yoco-u"))
+    steps = equal_flops_steps(looped, 123_457, shared, 129)  # per-token figures, each rounded down, gave one step more
+    per_looped, per_shared = (sum(Cost(spec).forward_flops(129).values()) for spec in (looped, shared))
+    assert steps * per_shared <= 123_457 * per_looped < (steps + 1) * per_shared
 
 
 def test_peak_flops_by_device_name():

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.checkpoint import checkpoints
-from archlab.train.config import TrainConfig
+from archlab.train.config import TrainConfig, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT, in_process_cli, interruptible
@@ -115,8 +115,11 @@ def where_they_part(resumed, reference, started) -> str:
 
 
 def test_distributed_gloo_matches_one_process(cli, tmp_path):
+    """micro_batch_size is left at its default, 16, which no share of a batch of 8 split in two
+    took: each process passes its whole share, as one process does its whole batch."""
     spec = "specs/tiny/yoco-u.yaml"
-    common = [*SMALL, "--set", "eval_interval=1000", "--steps", "6"]
+    at_default = [arg for pair in zip(SMALL[::2], SMALL[1::2]) if pair[1] != "micro_batch_size=4" for arg in pair]
+    common = [*at_default, "--set", "eval_interval=1000", "--steps", "6"]
     one = cli("train", spec, "--out", tmp_path / "one", *common)
     assert one[0] == 0, one[2]
     two = subprocess.run(
@@ -132,6 +135,7 @@ def test_distributed_gloo_matches_one_process(cli, tmp_path):
         assert y == pytest.approx(x, rel=1e-4)
     settings = [yaml.safe_load((tmp_path / run / "environment.yaml").read_text())[0] for run in ("one", "two")]
     assert "processes" not in settings[0] and settings[1]["processes"] == "2"
+    assert [load_config(str(tmp_path / run / "config.yaml")).micro_batch_size for run in ("one", "two")] == [8, 4]
 
 
 @pytest.mark.parametrize("spec,diverge,what", [  # a NaN loss itself: test_study's exploding trials
@@ -774,10 +778,10 @@ def test_batches_split_across_processes_exactly():
 
 def test_a_batch_the_default_micro_batch_does_not_divide_says_so_and_what_would():
     from archlab.spec import SpecError
-    from archlab.train.config import load_config
 
-    with pytest.raises(SpecError, match=r"16 \(the default\) does not divide batch_size=8; .* such as 8"):
-        load_config(None, ["batch_size=8"])
+    with pytest.raises(SpecError, match=r"16 \(the default\) does not divide batch_size=24; .* such as 12"):
+        load_config(None, ["batch_size=24"])
+    assert load_config(None, ["batch_size=8"]).batch_size == 8  # the default is then the batch: the trainer takes it whole
     with pytest.raises(SpecError, match=r"micro_batch_size: 3 does not divide batch_size=16; .* such as 2"):
         load_config(None, ["micro_batch_size=3"])
 

@@ -84,11 +84,16 @@ def anchored_source(source: str) -> str:
     return source if source in NAMED_SOURCES or source.startswith("hf:") else os.path.abspath(source)
 
 
+def divisor_below(n: int, limit: int) -> int:
+    """The largest divisor of ``n`` below ``limit``: a micro-batch size that splits it whole."""
+    return next(d for d in range(min(limit - 1, n), 0, -1) if n % d == 0)
+
+
 class TrainConfig(Strict):
     schema_version: Literal[1] = 1
     steps: int = Field(200, gt=0, le=MAX_STEPS)
     batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
-    micro_batch_size: PositiveInt = 16  # sequences per forward pass per process
+    micro_batch_size: PositiveInt = 16  # sequences per forward pass per process; left out, at most each process's share of the batch
     seq_len: int = Field(128, ge=TRAINING_LENGTH)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
@@ -106,12 +111,13 @@ class TrainConfig(Strict):
 
     def problems(self) -> list[Problem]:
         root = Problems()
-        if self.batch_size % self.micro_batch_size:
-            default = "" if "micro_batch_size" in self.model_fields_set else " (the default)"
-            fits = next(d for d in range(min(self.micro_batch_size - 1, self.batch_size), 0, -1) if self.batch_size % d == 0)
+        given = "micro_batch_size" in self.model_fields_set
+        if self.batch_size % self.micro_batch_size and (given or self.batch_size > self.micro_batch_size):
+            default = "" if given else " (the default)"
             root.at("micro_batch_size").add(
                 f"{self.micro_batch_size}{default} does not divide batch_size={self.batch_size}; the gradient is"
-                f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as {fits}"
+                f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as"
+                f" {divisor_below(self.batch_size, self.micro_batch_size)}"
             )
         if self.data.cache and holds_examples(self.data.source):
             root.at("data").at("cache").add(f"{self.data.cache!r}: a {EXAMPLES} file's examples are tokenized at each start,"

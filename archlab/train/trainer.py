@@ -36,7 +36,7 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
 from archlab.train import checkpoint
-from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, load_config, tokenized
+from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, divisor_below, load_config, tokenized
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in
 
@@ -187,12 +187,13 @@ class Trainer:
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
         per_process = cfg.batch_size // self.world.size
-        if cfg.batch_size % self.world.size or per_process % cfg.micro_batch_size:
-            raise TrainError(
-                f"batch_size {cfg.batch_size} must split into {self.world.size} process(es) x whole micro-batches"
-                f" of {cfg.micro_batch_size}"
-            )
-        self.accumulation = per_process // cfg.micro_batch_size
+        if "micro_batch_size" not in cfg.model_fields_set and 0 < per_process < cfg.micro_batch_size:  # the default: a share at most
+            self.cfg = self.cfg.model_copy(update={"micro_batch_size": per_process})
+        micro = self.cfg.micro_batch_size
+        if cfg.batch_size % self.world.size or per_process % micro:
+            fits = f"; set micro_batch_size to a divisor of {per_process}, such as {divisor_below(per_process, micro)}" if per_process else ""
+            raise TrainError(f"batch_size {cfg.batch_size} must split into {self.world.size} process(es) x whole micro-batches of {micro}{fits}")
+        self.accumulation = per_process // micro
         torch.manual_seed(cfg.seed)
         check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")
         self.model = build_model(spec, device=self.device)

@@ -786,6 +786,27 @@ def test_a_batch_the_default_micro_batch_does_not_divide_says_so_and_what_would(
         load_config(None, ["micro_batch_size=3"])
 
 
+@pytest.mark.parametrize("sizes,processes,said", [
+    ([], 2, None),  # the default micro-batch: each process's share, 8
+    (["micro_batch_size=16"], 2, "batch_size 16 gives each of 2 process(es) 8 sequences, not whole micro-batches of 16; set"
+                                 " micro_batch_size to a divisor of 8, such as 8"),
+    (["batch_size=4"], 3, "batch_size 4 does not split equally over 3 processes; give a multiple of 3"),
+])
+def test_a_batch_splits_over_the_processes_into_whole_micro_batches(monkeypatch, tmp_path, sizes, processes, said):
+    """Before any process group is needed: the split is checked first."""
+    from archlab.train import trainer
+
+    monkeypatch.setattr(trainer.World, "from_env", classmethod(lambda cls: cls(0, processes, 0)))
+    cfg = load_config(None, ["seq_len=32", *sizes])
+    if said is None:
+        made = trainer.Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", Console(quiet=True))
+        assert (made.cfg.micro_batch_size, made.accumulation) == (8, 1)
+        return
+    with pytest.raises(trainer.TrainError) as raised:
+        trainer.Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", Console(quiet=True))
+    assert str(raised.value) == said
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     cfg = TrainConfig.model_validate({"schedule": {"warmup_steps": 10, "min_lr_ratio": 0.1}})
     factors = [lr_factor(s, 100, cfg) for s in range(100)]

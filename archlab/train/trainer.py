@@ -190,9 +190,13 @@ class Trainer:
         if "micro_batch_size" not in cfg.model_fields_set and 0 < per_process < cfg.micro_batch_size:  # the default: a share at most
             self.cfg = self.cfg.model_copy(update={"micro_batch_size": per_process})
         micro = self.cfg.micro_batch_size
-        if cfg.batch_size % self.world.size or per_process % micro:
-            fits = f"; set micro_batch_size to a divisor of {per_process}, such as {divisor_below(per_process, micro)}" if per_process else ""
-            raise TrainError(f"batch_size {cfg.batch_size} must split into {self.world.size} process(es) x whole micro-batches of {micro}{fits}")
+        if cfg.batch_size % self.world.size:
+            raise TrainError(f"batch_size {cfg.batch_size} does not split equally over {self.world.size} processes; give a multiple of"
+                             f" {self.world.size}")
+        if per_process % micro:
+            raise TrainError(f"batch_size {cfg.batch_size} gives each of {self.world.size} process(es) {per_process} sequences, not whole"
+                             f" micro-batches of {micro}; set micro_batch_size to a divisor of {per_process}, such as"
+                             f" {divisor_below(per_process, micro)}")
         self.accumulation = per_process // micro
         torch.manual_seed(cfg.seed)
         check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")

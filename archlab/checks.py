@@ -6,17 +6,14 @@ for theirs."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
-from archlab.block import FLOP_KINDS, Flops
 from archlab.cache import Cache
-from archlab.cost import Cost
+from archlab.cost import Cost, formula
 from archlab.engine import Engine
 from archlab.memory import Watched
 from archlab.model import Model
@@ -118,21 +115,15 @@ def decode_problems(model: Model, length: int) -> list[str]:
 
 def flops_problems(model: Model) -> list[str]:
     """Each block's ``flops()`` over a sequence and a decoding step (and an iteration reusing an
-    earlier one's K,V, where it may): a ``Flops`` of the named kinds, in finite counts of 0 or
-    more (else the cost table fails, or miscounts, later)."""
+    earlier one's K,V, where it may), each asked for: the cost table may ask for only some of them."""
     spec, problems = model.spec, {}
     for layer in range(spec.n_layers):
         block, ctx = spec.block_at(layer), spec.build_context(model.plan.half_of(layer))
         for n, start, reuse_kv in ((17, 0, False), (1, 16, False), *([(17, 0, True)] if block.shares_kv else [])):
             try:
-                counted = block.flops(ctx, n, start, reuse_kv)
-            except Exception as exc:
-                problems.setdefault(block.type, f"{block.type}: flops(ctx, n={n}, start={start}, reuse_kv={reuse_kv}) raised {said(exc)}")
-                continue
-            if not (isinstance(counted, Flops) and counted.keys() <= FLOP_KINDS.keys()
-                    and all(isinstance(v, Real) and 0 <= v < math.inf for v in counted.values())):
-                problems.setdefault(block.type, f"{block.type}: flops() must return a Flops (a Counter) of kinds"
-                                                f" {sorted(FLOP_KINDS)} to counts of 0 or more, got {counted!r}")
+                formula(block, "flops", ctx, n, start, reuse_kv)
+            except RegistryError as exc:
+                problems.setdefault(block.type, f"{exc} (at n={n}, start={start}, reuse_kv={reuse_kv})")
     return list(problems.values())
 
 

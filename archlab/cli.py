@@ -29,6 +29,7 @@ from rich.table import Table
 
 from archlab.block import Problem, ceil_div
 from archlab.cache import Cache
+from archlab.checks import first_forward
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
@@ -297,6 +298,14 @@ def _built(spec: ModelSpec, device: torch.device | str | None = None, dtype: tor
         return build_model(spec, device=device, dtype=dtype)
 
 
+def _runnable(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """``_built``, with every block's output shape checked on a short sequence (``first_forward``):
+    a plugin's forward that gives back another shape is named, not met in the residual add after it."""
+    model = _built(spec, device, dtype)
+    first_forward(model)
+    return model
+
+
 def _dtype(spec: ModelSpec, dtype: Dtype) -> torch.dtype:
     return DTYPES[spec.inference_dtype if dtype.value == "auto" else dtype.value]
 
@@ -372,7 +381,7 @@ def generate(
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
     if model is None:
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
-        model = _built(spec)
+        model = _runnable(spec)
         err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop, lead=prompt)
@@ -636,7 +645,7 @@ def bench(
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("bench", total=len(good) * len(lengths))
         for label, (_, spec) in zip(_labels(good), good):
-            model = _built(spec, device, _dtype(spec, dtype)).eval()
+            model = _runnable(spec, device, _dtype(spec, dtype)).eval()
             if cuda_graph:
                 try:
                     check_capturable(model)

@@ -12,15 +12,17 @@ are not counted. The kinds are listed in ``archlab.block.FLOP_KINDS``.
 
 from __future__ import annotations
 
+import math
+import numbers
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from archlab.block import BlockSpec, Flops
+from archlab.block import FLOP_KINDS, BlockSpec, Flops
 from archlab.cache import CacheBytes
 from archlab.plan import Plan, Step
-from archlab.registry import RegistryError, raised
+from archlab.registry import RegistryError, named, raised
 from archlab.spec import ModelSpec, YocoLayout
 from archlab.table import MIB, Format, render, si
 
@@ -54,13 +56,36 @@ def peak_flops(device_name: str) -> float | None:
     return PEAK_FLOPS[max(matches, key=len)]
 
 
-def _formula(block: BlockSpec, name: str, *args):
-    """A block's cost formula (``params``, ``flops``, ``state_bytes``); one that raises is named
-    with its block and plugin, wherever a command first asks for it."""
+FORMULA_RESULTS = {  # what each of a block's cost formulas gives back
+    "params": "a whole number of 0 or more",
+    "state_bytes": "a whole number of 0 or more",
+    "flops": f"a Flops (a Counter) of kinds {sorted(FLOP_KINDS)} to counts of 0 or more",
+}
+
+
+def formula(block: BlockSpec, name: str, *args):
+    """A block's cost formula (``params``, ``flops``, ``state_bytes``); one that raises, or gives
+    back something else than ``FORMULA_RESULTS`` says, is named with its block and plugin, wherever
+    a command first asks for it (rather than failing, or miscounting, in the sums after it)."""
     try:
-        return getattr(block, name)(*args)
+        value = getattr(block, name)(*args)
     except Exception as exc:
         raise RegistryError(raised(block, f"{name}()", exc)) from exc
+    if not _wanted(name, value):
+        raise RegistryError(f"{named(block)}: its {name}() returned {value!r}, where {FORMULA_RESULTS[name]} is wanted")
+    return value
+
+
+def _wanted(name: str, value) -> bool:
+    """Whether a formula's value is what ``FORMULA_RESULTS`` says it gives back."""
+    if name == "flops":
+        return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v, numbers.Real) for v in value.values())
+    return _count(value, numbers.Integral)
+
+
+def _count(value, kind: type) -> bool:
+    """A finite number of ``kind``, 0 or more, and not a yes/no value."""
+    return isinstance(value, kind) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def _times(flops: Flops, count: int) -> Flops:
@@ -110,7 +135,7 @@ class Cost:
     def params_total(self) -> int:
         spec, d = self.spec, self.spec.d_model
         layers = sum(
-            _formula(spec.block_at(i), "params", self._ctx(i)) + spec.ffn.params(d) + 2 * d for i in range(spec.n_layers)
+            formula(spec.block_at(i), "params", self._ctx(i)) + spec.ffn.params(d) + 2 * d for i in range(spec.n_layers)
         )
         total = self.embedding_params + layers + d  # + the final norm
         if isinstance(spec.layout, YocoLayout):
@@ -145,7 +170,7 @@ class Cost:
         runs = Counter((i, self.plan.reuses_kv(step, i)) for step in steps if not step.project
                        for i in self.plan.segments[step.segment].layers)
         for (i, reuse_kv), times in runs.items():
-            layer = _formula(spec.block_at(i), "flops", self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
+            layer = formula(spec.block_at(i), "flops", self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
             total += _times(layer, times)
         total = _times(total, self.streams)
         logits = n if logits is None else logits
@@ -189,7 +214,7 @@ class Cost:
             grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
         for layer, slots in Counter(layer for _, _, layer in self.plan.state_keys()).items():
             block = spec.block_at(layer)
-            size = slots * _formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)
+            size = slots * formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)
             grows, local = (grows + size, local) if block.grows_kv_cache else (grows, local + size)
         return CacheBytes(grows * self.streams, local * self.streams)
 

@@ -266,7 +266,8 @@ MISTAKES = {  # the README's plugin with one mistake made in it: what is changed
     "one row's state in a chunk": (('sums + inp.state["sum"][:, None]', 'sums + inp.state["sum"][: 1 if x.shape[1] > 1 else None, None]'),
                                    "decoding prompts of different lengths token by token differs", "float32"),  # in chunks only
     "flops not Flops": (("return Flops(matmul=2 * n * ctx.d_model ** 2)", "return 2 * n * ctx.d_model ** 2"),
-                        "causal_mean: flops() must return a Flops (a Counter) of kinds", "float32"),
+                        "block 'causal_mean' (causal_mean:CausalMeanSpec): its flops() returned 139264, where a Flops (a Counter)"
+                        " of kinds", "float32"),
     "output of another shape": ((".to(x.dtype))\n", ".to(x.dtype))[..., 1:]\n"),
                                 "block 'causal_mean' (causal_mean:CausalMeanSpec): its forward returned [2, 64, 63] for an x of"
                                 " [2, 64, 64]", "float32"),  # a traceback from the residual add after it
@@ -363,7 +364,8 @@ def test_build_checks_the_flops_of_an_iteration_that_reuses_the_kv(tmp_path):
     env, spec = in_a_shared_loop(tmp_path, "reusing", REUSING, "ReusingSpec")
     result = archlab("build", spec, env=env)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "error: u: reusing: flops() must return a Flops (a Counter) of kinds" in result.stderr and "got 0" in result.stderr
+    assert ("error: u: block 'reusing' (reusing:ReusingSpec): its flops() returned 0, where a Flops (a Counter) of kinds"
+            in result.stderr and "(at n=17, start=0, reuse_kv=True)" in result.stderr), result.stderr
 
 
 def test_a_shared_loop_cache_is_refused_for_a_plugin_that_cannot_share_it(tmp_path):

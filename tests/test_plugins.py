@@ -39,9 +39,22 @@ def test_a_cost_formula_that_raises_is_named(cli, monkeypatch, swa):
         assert code == 2 and f"error: {said}" in stderr, command
 
 
+@pytest.mark.parametrize(("formula", "value", "wanted"), [
+    ("flops", lambda self, ctx, n, start=0, reuse_kv=False: 2 * n, "a Flops (a Counter) of kinds"),  # a traceback in the sum
+    ("params", lambda self, ctx: -1, "a whole number of 0 or more"),  # a table of negative parameters
+    ("state_bytes", lambda self, ctx, context, kv_bytes: 1.5 * context, "a whole number of 0 or more"),
+])
+def test_a_cost_formula_that_gives_back_something_else_is_named(cli, monkeypatch, swa, formula, value, wanted):
+    monkeypatch.setattr(swa, formula, value)
+    code, out, stderr = cli("cost", SPEC, ROOT / "specs" / "tiny" / "transformer.yaml", "--seq-len", "1K")
+    assert code == 1 and f"error: yoco: block 'swa' ({plugin(swa)}): its {formula}() returned " in stderr, stderr
+    assert f", where {wanted}" in stderr and "| transformer |" in out and "| yoco |" not in out
+
+
 def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, monkeypatch, swa, tmp_path):
     """It failed in the residual add after it, naming neither the block nor the shapes; training
-    failed there in its first step, after writing the run's files."""
+    failed there in its first step, after writing the run's files, and generate and bench on
+    their first prompt."""
     built = swa.build
 
     def build(self, ctx):
@@ -58,6 +71,9 @@ def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, mo
     code, _, stderr = cli("train", SPEC, "--out", run, "--steps", "1")
     assert code == 2 and f"error: {said.format('1, 16', '1, 16')}" in stderr
     assert not run.parent.exists()
+    for command in (["generate", SPEC, "--max-new-tokens", "1"], ["bench", SPEC, "--seq-len", "8", "--gen", "1"]):
+        code, _, stderr = cli(*command)
+        assert code == 2 and f"error: {said.format('1, 16', '1, 16')}" in stderr, command
     study = mini(tmp_path, variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1})
     code, _, stderr = cli("study", "run", study, "--data", "mqar", "--out", tmp_path / "study")  # a trial records why it failed
     assert code == 1 and f"RegistryError: {said.format('1, 16', '1, 16')}" in (tmp_path / "study" / "report.md").read_text(), stderr

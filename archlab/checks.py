@@ -15,7 +15,7 @@ import torch
 from archlab.cache import Cache
 from archlab.cost import Cost, formula
 from archlab.engine import Engine
-from archlab.memory import Watched
+from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.registry import RegistryError, named, said
 
@@ -86,9 +86,11 @@ def shapes_checked(model: Model) -> Iterator[None]:
 def first_forward(model: Model) -> None:
     """A forward pass over one short sequence, every block's output shape checked: what a first
     training step would find, found before it writes anything. Compiled layers run it eagerly, so
-    that no graph is compiled for its shape."""
-    tokens = torch.zeros(1, SHAPE_CHECK_LENGTH, dtype=torch.long, device=next(model.parameters()).device)
-    with shapes_checked(model), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+    that no graph is compiled for its shape. Its activations are watched (``Watched``): a spec's
+    sizes can make even a few tokens' too large."""
+    device = next(model.parameters()).device
+    tokens = torch.zeros(1, SHAPE_CHECK_LENGTH, dtype=torch.long, device=device)
+    with shapes_checked(model), torch.no_grad(), torch.compiler.set_stance("force_eager"), Watched(device, ACTIVATIONS):
         model(tokens)
 
 

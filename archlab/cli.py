@@ -29,7 +29,7 @@ from rich.table import Table
 
 from archlab.block import Problem, ceil_div
 from archlab.cache import Cache
-from archlab.checks import first_forward
+from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
@@ -302,7 +302,9 @@ def _runnable(spec: ModelSpec, device: torch.device | str | None = None, dtype: 
     """``_built``, with every block's output shape checked on a short sequence (``first_forward``):
     a plugin's forward that gives back another shape is named, not met in the residual add after it."""
     model = _built(spec, device, dtype)
-    first_forward(model)
+    with _fits_in_memory(f"{spec.name}: a forward pass of {SHAPE_CHECK_LENGTH} tokens (each block's output shape checked)",
+                         "the spec's sizes", None):
+        first_forward(model)
     return model
 
 
@@ -777,7 +779,7 @@ def train(
     """Train a spec. Exactly resumable after a crash; distributed under torchrun. With --init,
     fine-tune a trained run: on more text, or on a .jsonl of prompt/response examples or conversations."""
     from archlab.train.data import DataError
-    from archlab.train.trainer import Relayed, Trainer, TrainError
+    from archlab.train.trainer import Relayed, Trainer, TrainError, launched_processes, micro_batch_size
 
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
@@ -811,7 +813,7 @@ def train(
             cfg = load_config(str(config) if config else None, [*(set_ or []), *given])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
-                             f" {cfg.micro_batch_size} x {cfg.seq_len:,} tokens",
+                             f" {micro_batch_size(cfg, launched_processes())} x {cfg.seq_len:,} tokens",
                              "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _interruptible():
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:

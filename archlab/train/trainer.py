@@ -56,6 +56,18 @@ class Relayed(TrainError):
     has already said."""
 
 
+def micro_batch_size(cfg: TrainConfig, processes: int) -> int:
+    """The micro-batch a run uses: the config's, or where it is left at its default, at most each
+    process's share of the batch (so that the default config trains under torchrun)."""
+    share = cfg.batch_size // processes
+    return share if "micro_batch_size" not in cfg.model_fields_set and 0 < share < cfg.micro_batch_size else cfg.micro_batch_size
+
+
+def launched_processes() -> int:
+    """The processes torchrun launched for this run (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class World:
     rank: int = 0
@@ -64,7 +76,7 @@ class World:
 
     @classmethod
     def from_env(cls) -> World:
-        size = int(os.environ.get("WORLD_SIZE", "1"))
+        size = launched_processes()
         world = cls(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
         if size > 1 and not dist.is_initialized():
             if torch.cuda.is_available():  # NCCL's object collectives use the current device: each process its own
@@ -186,10 +198,9 @@ class Trainer:
         self.device = torch.device(f"cuda:{self.world.local_rank}" if cuda else "cpu")
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
         self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-        per_process = cfg.batch_size // self.world.size
-        if "micro_batch_size" not in cfg.model_fields_set and 0 < per_process < cfg.micro_batch_size:  # the default: a share at most
-            self.cfg = self.cfg.model_copy(update={"micro_batch_size": per_process})
-        micro = self.cfg.micro_batch_size
+        per_process, micro = cfg.batch_size // self.world.size, micro_batch_size(cfg, self.world.size)
+        if micro != cfg.micro_batch_size:  # the default, lowered
+            self.cfg = self.cfg.model_copy(update={"micro_batch_size": micro})
         if cfg.batch_size % self.world.size:
             raise TrainError(f"batch_size {cfg.batch_size} does not split equally over {self.world.size} processes; give a multiple of"
                              f" {self.world.size}")

@@ -391,6 +391,25 @@ def test_a_spec_edited_since_its_checkpoint_is_refused_on_resume(cli, tmp_path):
     assert code == 0, stderr
 
 
+def test_a_config_edited_since_its_checkpoint_is_refused_on_resume(cli, tmp_path):
+    """A --set of seq_len or seed is refused against config.yaml; the same edit made to config.yaml
+    resumed as another experiment, its tokens counted anew from step 0. Settings a resume may
+    change are taken from the file as before."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "2")[0] == 0
+    config = (run / "config.yaml").read_text()
+    assert "\nseq_len: 64\n" in config and "\nseed: 0\n" in config and "\n  lr: 0.003\n" in config
+    (run / "config.yaml").write_text(config.replace("\nseq_len: 64\n", "\nseq_len: 32\n").replace("\nseed: 0\n", "\nseed: 1\n"))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    refused(cli("train", run, "--out", run, "--resume", "--steps", "4"),
+            f"{run / 'config.yaml'} was edited since checkpoint {run / 'checkpoints/step-00000002'} was saved (seq_len 64 -> 32, seed"
+            " 0 -> 1): a resumed run keeps these")
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    (run / "config.yaml").write_text(config.replace("\n  lr: 0.003\n", "\n  lr: 0.001\n"))
+    code, _, stderr = cli("train", run, "--out", run, "--resume", "--steps", "3")
+    assert code == 0 and json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 3, stderr
+
+
 def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "archlab", "train", "specs/tiny/transformer.yaml", "--out", run, *SMALL,

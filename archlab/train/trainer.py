@@ -21,6 +21,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 import yaml
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -313,6 +314,7 @@ class Trainer:
                              f" it computes them{moe}; a resume may --set {', '.join(resumable)}")
         trainer_state, info = checkpoint.load(found[-1], self.model)
         self._refuse_another_spec(found[-1], info.get("spec"))
+        self._refuse_another_config(found[-1], info.get("config"), resumable)
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
@@ -345,6 +347,24 @@ class Trainer:
             raise TrainError(f"checkpoint {saved} trained another spec than the run's spec.yaml ({'; '.join(changed[:5])}"
                              f"{'; ...' if len(changed) > 5 else ''}): put spec.yaml back as it was to resume, or start a new"
                              f" run from these weights with --init {saved}")
+
+    def _refuse_another_config(self, saved: Path, trained: object, resumable: list[str]) -> None:
+        """The settings a resume keeps are the checkpoint's (a ``--set`` of them is refused against
+        config.yaml). A config.yaml edited since would train on as another experiment under the
+        run's name. Its data is checked by the corpus's fingerprint instead, so that a corpus moved
+        may be read where it now is; its init chose only the first weights. A checkpoint written
+        before they recorded their config, or whose config this version no longer reads, has
+        nothing to compare."""
+        try:
+            trained_cfg = TrainConfig.model_validate(trained)
+        except ValidationError:
+            return
+        edited = [f"{key} {old} -> {new}" for key, (old, new) in changes(trained_cfg, self.cfg).items()
+                  if key.split(".")[0] not in (*resumable, "data", "init")]
+        if edited:
+            raise TrainError(f"{self.run_dir / 'config.yaml'} was edited since checkpoint {saved} was saved ({', '.join(edited)}): a"
+                             " resumed run keeps these, which decide which tokens a step reads or how it computes them; put them"
+                             " back as they were to resume")
 
     def _refuse_foreign_files(self) -> None:
         """A fresh run writes only its own files (and replaces those of an attempt that failed), so a
@@ -445,7 +465,8 @@ class Trainer:
 
         def save():  # the trainer's state gathered by the process that writes it
             state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
-            info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint, "spec": self.spec.model_dump(mode="json")}
+            info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint, "spec": self.spec.model_dump(mode="json"),
+                    "config": self.cfg.model_dump(mode="json")}
             checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints)
 
         self.world.from_main(save)

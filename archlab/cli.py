@@ -810,6 +810,10 @@ def train(
                     raise TrainError(f"{option} {path} is where the run writes its resolved {written}, over what it holds; keep it"
                                      " outside --out")
             given = [*([f"data.source={data}"] if data else []), *([f"init={init}"] if init else [])]
+            for option, key, value, what in (("--data", "data.source", data, "sources"), ("--init", "init", init, "starts")):
+                clash = next((item for item in set_ or [] if item.partition("=")[0] == key), None)
+                if value and clash:  # else the option would win without a word
+                    raise TrainError(f"{option} {value} and --set {clash} name two {what}; give one")
             cfg = load_config(str(config) if config else None, [*(set_ or []), *given])
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"

@@ -183,6 +183,9 @@ def test_weights_past_float_range_are_not_saved(cli, tmp_path):
         (["--set", "optimizer.learning_rate=1"], ["optimizer.learning_rate", "unknown key"]),
         (["--set", "seq_len=5000000"], ["sequence length 5000000 needs at least 5000001 tokens"]),
         (["--set", "lr"], ["expected KEY=VALUE"]),
+        (["--set", "=3"], ["=3: expected KEY=VALUE"]),  # not "not a training config field"
+        (["--data", "mqar", "--set", "data.source=copy"], ["--data mqar and --set data.source=copy name two sources; give one"]),
+        (["--init", "a", "--set", "init=b"], ["--init a and --set init=b name two starts; give one"]),
         (["--set", "lr=1e-3"], ["lr: not a training config field: did you mean optimizer.lr?"]),
         (["--set", "layout.cross_decoder.blocks.0.backend=flex"],
          ["layout.cross_decoder.blocks.0.backend", "--set reaches only the training config", "a spec that `extends` it"]),

@@ -138,7 +138,7 @@ def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:
-    keys = [item.partition("=")[0] for item in overrides if "=" in item]  # the rest: a KEY=VALUE error below
+    keys = [key for key, sep, _ in (item.partition("=") for item in overrides) if sep and key]  # the rest: a KEY=VALUE error below
     strays = [key for key in keys if key.split(".")[0] not in TrainConfig.model_fields]
     if strays:  # most often a spec field, which pydantic alone would call an unknown key
         raise SpecError("--set", [Problem(key, f"not a training config field: did you mean {_home(key)}?" if _home(key) else

@@ -387,9 +387,14 @@ def test_a_spec_edited_since_its_checkpoint_is_refused_on_resume(cli, tmp_path):
             f"checkpoint {latest} trained another spec than the run's spec.yaml (loop.times 3 -> 2): put spec.yaml back as it"
             f" was to resume, or start a new run from these weights with --init {latest}")
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    edited = f"notice: {run / 'spec.yaml'} is not the spec checkpoint {latest} trained (loop.times 3 -> 2); it runs as edited"
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "1")  # as one may mean, a notice only
+    assert code == 0 and edited in " ".join(stderr.split()), stderr
     state = json.loads((latest / "state.json").read_text())
     del state["spec"]  # as checkpoints were written before they recorded it: nothing to compare
     (latest / "state.json").write_text(json.dumps(state))
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "1")
+    assert code == 0 and "it runs as edited" not in stderr, stderr
     code, _, stderr = cli("train", run, "--out", run, "--resume", "--steps", "3")
     assert code == 0, stderr
 

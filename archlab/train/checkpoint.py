@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -204,7 +205,26 @@ def load_trained(path: str | Path):
     except NoRoom as exc:
         raise CheckpointError(f"{spec.name}, the model of {run_dir}, does not fit in memory here ({exc})") from None
     load_weights(used, model)
+    _say_an_edited_spec(run_dir / RUN_SPEC, spec, used)
     return spec, model, used, tokenizer_of(run_dir)
+
+
+def _say_an_edited_spec(file: Path, spec, used: Path) -> None:
+    """A notice where ``file`` (``spec``) is not the spec checkpoint ``used`` trained, but its weights
+    still fit (another window, loop count or RoPE base): the edited spec is what runs, as one may
+    mean (a longer window at inference), or not. A checkpoint that does not record its spec, or
+    records one this version no longer reads, has nothing to compare."""
+    from archlab.spec import SpecError, describe_differences, validate_spec
+
+    try:
+        trained = json.loads((used / "state.json").read_text()).get("spec")
+        trained = validate_spec(trained, str(used / "state.json")) if isinstance(trained, dict) else None
+    except (OSError, ValueError, AttributeError, SpecError):
+        return
+    if trained is not None and trained != spec:
+        changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))
+        warnings.warn(f"{file} is not the spec checkpoint {used} trained ({'; '.join(changed[:5])}{'; ...' if len(changed) > 5 else ''});"
+                      " it runs as edited", stacklevel=3)
 
 
 def tokenizer_of(run_dir: Path) -> Path | None:

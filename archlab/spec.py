@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_a
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
 from archlab.registry import block_specs, raised
@@ -315,6 +316,14 @@ class ModelSpec(HoldsBlocks):
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
     inference_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("name")
+    @classmethod
+    def _one_line(cls, name: str) -> str:
+        """A name labels table rows, plots and study variants: a blank one, or one over two lines, would break them."""
+        if not name.strip() or name != name.strip() or any(c in name for c in "\r\n"):
+            raise PydanticCustomError("one_line_name", "a name is one line of text, with no space at either end")
+        return name
 
     # -- structure derived from the layout; the plan (archlab.plan) builds on these --
 

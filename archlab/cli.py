@@ -624,7 +624,8 @@ def bench(
     fmt: Annotated[Format, typer.Option("--format")] = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
-    """Prefill and decode throughput, peak memory and cache MiB per sequence (global, local), per
+    """Prefill and decode throughput, peak memory and cache MiB per sequence (global, local; the
+    cache the run fills, sized for the prompt, an untimed first step and the new tokens), per
     spec and prompt length: the paper's inference tables and memory-vs-length figure."""
     from rich.progress import Progress
 

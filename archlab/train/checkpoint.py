@@ -18,12 +18,17 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from archlab.memory import NoRoom
+
+if TYPE_CHECKING:
+    from archlab.spec import ModelSpec
+
 
 RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
 NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else there is left alone
@@ -209,7 +214,7 @@ def load_trained(path: str | Path):
     return spec, model, used, tokenizer_of(run_dir)
 
 
-def _say_an_edited_spec(file: Path, spec, used: Path) -> None:
+def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
     """A notice where ``file`` (``spec``) is not the spec checkpoint ``used`` trained, but its weights
     still fit (another window, loop count or RoPE base): the edited spec is what runs, as one may
     mean (a longer window at inference), or not. A checkpoint that does not record its spec, or

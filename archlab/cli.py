@@ -37,10 +37,10 @@ from archlab.memory import ACTIVATIONS, NoRoom, Watched
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin
-from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
-from archlab.train.config import MAX_STEPS, SEED_LIMIT, holds_examples, load_config
+from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels
 
 app = typer.Typer(
@@ -770,7 +770,7 @@ def train(
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
     data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens, .jsonl examples) | hf:NAME[:split] | mqar | copy")] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="override a config field: optimizer.lr=1e-3 (on --resume, the optimizer, schedule and intervals only)")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help=f"override a config field: optimizer.lr=1e-3 (on --resume, only {', '.join(RESUMABLE)})")] = None,
     steps: Annotated[int | None, typer.Option(min=1, max=MAX_STEPS, help="optimizer steps")] = None,
     tokens: Annotated[str | None, typer.Option(help="train for this many tokens (e.g. 50M, 1.5B; K, M, B, T = 1e3, 1e6, 1e9, 1e12)")] = None,
     flops: Annotated[float | None, typer.Option(min=1, help="train for this many FLOPs (analytic)")] = None,
@@ -804,7 +804,13 @@ def train(
                 changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))
                 raise TrainError(f"{out} was trained with a different spec than {spec_path}: {'; '.join(changed[:5])}"
                                  f"{'; ...' if len(changed) > 5 else ''}")
-            cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
+            try:
+                cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
+            except SpecError:  # set beside what the run keeps (batch_size=3 against its micro-batches): name that first
+                refusal = kept_on_resume([item.partition("=")[0] for item in set_ or []], moe=isinstance(spec.ffn, MoE))
+                if refusal:
+                    raise TrainError(refusal) from None
+                raise
         else:
             for option, path, written in (("--config", config, "config.yaml"), ("SPEC", _spec_file(spec_path), RUN_SPEC)):
                 if path is not None and Path(path).resolve() == (out / written).resolve():

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.checkpoint import checkpoints
-from archlab.train.config import TrainConfig, load_config
+from archlab.train.config import RESUMABLE, TrainConfig, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT, in_process_cli, interruptible
@@ -659,7 +659,7 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
     run = tmp_path / "run"
     assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")[0] == 0
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    for key in ("seq_len=32", "seed=1", "data.max_bytes=300000"):
+    for key in ("seq_len=32", "seed=1", "data.max_bytes=300000", "batch_size=6"):  # 6 does not split into micro-batches of 4
         refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--set", key),
                 f"a resumed run keeps its {key.partition('=')[0]}", "a resume may --set steps, optimizer")
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -683,13 +683,20 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
     assert (saved["steps"], saved["optimizer"]["lr"], saved["eval_interval"]) == (6, 1e-3, 3)
 
 
+def test_train_help_names_what_a_resume_may_set(cli):
+    code, stdout, _ = cli("train", "--help")
+    said = re.sub(r"[\s│]+", " ", stdout)  # the help panel wraps its lines inside borders
+    assert code == 0 and f"on --resume, only {', '.join(RESUMABLE)})" in said, said
+
+
 def test_a_moe_resume_keeps_its_micro_batches(cli, tmp_path):
     """The balance loss is taken over each pass, so splitting a step otherwise changes the objective."""
     run = tmp_path / "run"
     train = ["train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--set", "data.source=mqar", *SMALL]
     assert cli(*train, "--steps", "1")[0] == 0
-    refused(cli("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--resume", "--steps", "2", "--set", "micro_batch_size=2"),
-            "a resumed run keeps its micro_batch_size", "with MoE, micro_batch_size: the balance loss is taken over each pass")
+    for size in (2, 3):  # 3 does not divide the batch of 8 either: what the run keeps is named first
+        refused(cli("train", "specs/tiny/yoco-u-moe.yaml", "--out", run, "--resume", "--steps", "2", "--set", f"micro_batch_size={size}"),
+                "a resumed run keeps its micro_batch_size", "with MoE, micro_batch_size: the balance loss is taken over each pass")
 
 
 def test_a_resume_that_fails_changes_nothing(cli, tmp_path):

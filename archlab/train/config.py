@@ -132,6 +132,21 @@ The rest (batch_size, seq_len, seed, data, precision) decides which tokens a ste
 computes them, so changing it would make the resumed run another experiment."""
 
 
+def resumable(moe: bool) -> list[str]:
+    """The fields a resume of this run may change."""
+    return [key for key in RESUMABLE if not (key == "micro_batch_size" and moe)]
+
+
+def kept_on_resume(keys: list[str], moe: bool) -> str | None:
+    """Why a resume may not change these dotted keys, or None where it may change them all."""
+    fixed = [key for key in keys if key.split(".")[0] not in resumable(moe)]
+    if not fixed:
+        return None
+    moe_note = " (with MoE, micro_batch_size: the balance loss is taken over each pass)" if moe else ""
+    return (f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how it computes"
+            f" them{moe_note}; a resume may --set {', '.join(resumable(moe))}")
+
+
 def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
     """The fields that differ, as dotted keys, each with its (old, new) values."""
     return differences(old.model_dump(mode="json"), new.model_dump(mode="json"))

@@ -37,7 +37,7 @@ from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
 from archlab.train import checkpoint
-from archlab.train.config import RESUMABLE, Optimizer, TrainConfig, absolute, changes, divisor_below, load_config, tokenized
+from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in
 
@@ -306,15 +306,12 @@ class Trainer:
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
         recorded = load_config(str(self.run_dir / "config.yaml"))
         self.recorded = recorded.model_copy(update={"data": recorded.data.anchored()})  # as self.cfg holds it
-        resumable = [key for key in RESUMABLE if not (key == "micro_batch_size" and self.moe_layers)]
-        fixed = [key for key in changes(self.recorded, self.cfg) if key.split(".")[0] not in resumable]
-        if fixed:
-            moe = " (with MoE, micro_batch_size: the balance loss is taken over each pass)" if self.moe_layers else ""
-            raise TrainError(f"a resumed run keeps its {', '.join(fixed)}: it decides which tokens a step reads or how"
-                             f" it computes them{moe}; a resume may --set {', '.join(resumable)}")
+        refusal = kept_on_resume(list(changes(self.recorded, self.cfg)), moe=bool(self.moe_layers))
+        if refusal:
+            raise TrainError(refusal)
         trainer_state, info = checkpoint.load(found[-1], self.model)
         self._refuse_another_spec(found[-1], info.get("spec"))
-        self._refuse_another_config(found[-1], info.get("config"), resumable)
+        self._refuse_another_config(found[-1], info.get("config"), resumable(bool(self.moe_layers)))
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])

@@ -29,7 +29,7 @@ SHAPE_CHECK_LENGTH = 16  # tokens in training's forward pass before its first st
 class CpuCheck:
     passes: str  # "fwd+bwd", or "fwd only (...)" where a kernel has no CPU backward
     finite: bool  # logits and gradients (False where the forward pass could not finish)
-    problems: list[str]  # of the costs and of decoding, looked for only when finite; or why the forward pass could not finish
+    problems: list[str]  # of the costs and of decoding, looked for only when finite; else where nan or inf first came, or why the pass could not finish
 
 
 def cpu_check(model: Model, n: int) -> CpuCheck:
@@ -48,9 +48,11 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
                     (logits.float().logsumexp(-1).mean() + aux).backward()
         except RegistryError as exc:  # a block's output of another shape
             return CpuCheck(passes, False, [str(exc)])
-        finite = bool(logits.isfinite().all()) and all(p.grad is None or p.grad.isfinite().all() for p in model.parameters())
-        if not finite:
-            return CpuCheck(passes, False, [])
+        if not logits.isfinite().all():
+            return CpuCheck(passes, False, [f"the forward pass gives nan or inf: first {first_non_finite(model, tokens)}"])
+        if broken := [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]:
+            return CpuCheck(passes, False, [f"the forward pass is finite, the gradients of {len(broken)} parameter(s) are not:"
+                                            f" {', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}"])
         problems = flops_problems(model)
         try:
             problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH))
@@ -59,6 +61,29 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
         except Exception as exc:  # a block's new_state that raises
             problems.append(f"making the cache raised {said(exc)} (blocks: {_blocks(model)})")
     return CpuCheck(passes, True, problems)
+
+
+def first_non_finite(model: Model, tokens: torch.Tensor) -> str:
+    """Where a forward pass over ``tokens`` first gives nan or inf: the first module to finish with
+    them in its output (a module finishes after those it calls, so this is the innermost), named
+    as ``model.named_modules`` names it."""
+    found: list[str] = []
+
+    def hook(name: str):
+        def check(module, args, output):
+            leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if not found and not all(t.isfinite().all() for t in leaves):
+                found.append(f"out of {name} ({type(module).__name__})")
+        return check
+
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found[0] if found else "out of the model's own arithmetic, not a module's output"
 
 
 @contextmanager

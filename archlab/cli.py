@@ -183,7 +183,7 @@ def build(
             problems += [f"{label}: {problem}" for problem in result.problems]
             ok = result.finite and not result.problems
             failed += not ok
-            verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)" if result.problems else "[red]non-finite"
+            verdict = "[green]ok" if ok else f"[red]{len(result.problems)} problem(s)"
             checked = f"{result.passes}, costs, decoding" if result.finite else result.passes
             check = f"{verdict}[/] {checked} {time.perf_counter() - start:.1f}s"
         table.add_row(escape(label), _describe_structure(model), f"{params:,}", check)

@@ -48,7 +48,7 @@ def _tag_shorthand(key: str):
 
 class RoPE(Strict):
     type: Literal["rope"]
-    theta: PositiveFloat = 10_000.0
+    theta: float = Field(10_000.0, gt=1)  # the base: at 1 or below, no pair turns slower than a radian a token
 
 
 class NoPosition(Strict):

@@ -242,6 +242,24 @@ class UnsharedSpec(AttentionSpec):  # a K,V cache that cannot be shared across l
 '''
 
 
+def test_build_names_where_values_first_go_non_finite():
+    """A spec whose sizes or init overflow fails ``build`` with where: the first module whose output
+    holds nan or inf, or, past a finite forward pass, the parameters whose gradients do."""
+    from archlab.checks import cpu_check
+
+    model = build_model(load_spec(ROOT / SPEC))
+    with torch.no_grad():
+        model.layers[1].ffn.down.weight[0, 0] = float("inf")
+    check = cpu_check(model, 16)
+    assert not check.finite and check.problems == ["the forward pass gives nan or inf: first out of layers.1.ffn.down (Linear)"]
+
+    model = build_model(load_spec(ROOT / SPEC))
+    model.layers[2].mixer.o_proj.weight.register_hook(lambda grad: grad * float("nan"))
+    check = cpu_check(model, 16)
+    assert not check.finite and check.problems == ["the forward pass is finite, the gradients of 1 parameter(s) are not:"
+                                                   " layers.2.mixer.o_proj.weight"]
+
+
 MISTAKES = {  # the README's plugin with one mistake made in it: what is changed, what build says, the inference dtype
     "params": (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536",
                "float32"),

@@ -42,6 +42,8 @@ CASES = [
      ["d_model:", "greater than 0"]),
     ("infinite rope theta", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: .inf}, blocks")},
      "s.yaml", ["layout.self_decoder.position.theta:", "finite number"]),
+    ("rope theta of 1", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: 1}, blocks")},
+     "s.yaml", ["layout.self_decoder.position.theta:", "greater than 1"]),
     ("yes for a number", {"s.yaml": BASE.replace("window: 8", "window: yes")}, "s.yaml",  # YAML's yes is true, pydantic's true 1
      ["layout.self_decoder.blocks[0].window: got true, a yes/no value where a number is wanted"]),
     ("key given twice", {"s.yaml": BASE + "d_model: 48\n"}, "s.yaml", ["line 11, column 1", "key 'd_model' given twice (first on line 5)"]),

@@ -165,6 +165,15 @@ def test_divergence_stops_and_keeps_the_last_good_checkpoint(cli, tmp_path, spec
                 f"move {kept[-1].name} out of checkpoints/")
 
 
+def test_a_spec_whose_initial_weights_diverge_is_sent_to_build(cli, tmp_path):
+    spec = tmp_path / "huge-init.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/transformer.yaml'}\nname: huge-init\ninit_std: 1.0e+30\n")
+    refused(cli("train", spec, "--out", tmp_path / "run", *SMALL, "--steps", "2"), "became nan at step 1",
+            "no checkpoint had been written; the spec's initial weights lead there: `archlab build` names where nan or inf first appear")
+    code, out, _ = cli("build", spec)
+    assert code == 1 and "1 problem(s)" in out
+
+
 def test_weights_past_float_range_are_not_saved(cli, tmp_path):
     """The loss of the step that overflowed them is still finite; the checkpoint would be unusable."""
     run = tmp_path / "run"

@@ -601,8 +601,10 @@ class Trainer:
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record.get(name, 0.0))), None)
                 if bad:
                     what = "loss" if bad == "loss" else "gradient norm"
+                    initial = step == 0 and not self.cfg.init  # no update made yet: the spec's own initial weights
+                    why = "; the spec's initial weights lead there: `archlab build` names where nan or inf first appear" if initial else ""
                     raise TrainError(f"{what} became {record[bad]} at step {step + 1}; training stopped before applying it,"
-                                     f" {_kept(last_saved, step)}")
+                                     f" {_kept(last_saved, step)}{why}")
                 if "loss" in record:  # a step that counted no token did no work to time
                     timed_steps, timed_seconds = timed_steps + 1, timed_seconds + time.perf_counter() - began
                 if timed_steps:

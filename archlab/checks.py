@@ -6,6 +6,7 @@ for theirs."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ class CpuCheck:
 
 
 def cpu_check(model: Model, n: int) -> CpuCheck:
-    """A forward and backward pass over 2 x ``n`` random tokens; when finite, the cost formulas
-    and decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) checked too. Every block's
+    """A forward and backward pass over 2 x ``n`` random tokens; when finite, the cost formulas,
+    decoding (three sequences of ``min(n, 48)`` tokens, 24 at least) and a forward pass in the
+    spec's inference dtype checked too. Every block's
     output shape is checked throughout (``shapes_checked``)."""
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
     passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
@@ -55,7 +57,7 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
                                             f" {', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}"])
         problems = flops_problems(model)
         try:
-            problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH))
+            problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH)) + inference_dtype_problems(model)
         except RegistryError as exc:  # a module's state the cache cannot hold, a formula that raises, an output's shape
             problems.append(str(exc))
         except Exception as exc:  # a block's new_state that raises
@@ -98,6 +100,10 @@ def shapes_checked(model: Model) -> Iterator[None]:
                 got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
                 raise RegistryError(f"{named(block)}: its forward returned {got} for an x of {list(x.shape)}; a block's"
                                     " forward gives back the shape of its x, [rows, n, d_model]")
+            if output.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast's matmuls give its dtype
+                raise RegistryError(f"{named(block)}: its forward returned {_dtype_name(output.dtype)} for an x of"
+                                    f" {_dtype_name(x.dtype)}; a block's forward gives back x's dtype, the one the layers"
+                                    " after it compute in")
         return check
 
     handles = [layer.mixer.register_forward_hook(hook(model.spec.block_at(i))) for i, layer in enumerate(model.layers)]
@@ -109,7 +115,7 @@ def shapes_checked(model: Model) -> Iterator[None]:
 
 
 def first_forward(model: Model) -> None:
-    """A forward pass over one short sequence, every block's output shape checked: what a first
+    """A forward pass over one short sequence, every block's output shape (and dtype) checked: what a first
     training step would find, found before it writes anything. Compiled layers run it eagerly, so
     that no graph is compiled for its shape. Its activations are watched (``Watched``): a spec's
     sizes can make even a few tokens' too large."""
@@ -138,6 +144,21 @@ def decode_problems(model: Model, length: int) -> list[str]:
     return [f"decoding prompts of different lengths token by token differs from full forward passes by {error:.1e} of"
             f" the largest logit (blocks: {blocks}; does each module's forward read and update inp.state, each row at its"
             " own inp.positions?)"]
+
+
+def inference_dtype_problems(model: Model) -> list[str]:
+    """What a forward pass in the spec's ``inference_dtype`` shows, where it is not the model's (a
+    copy's, cast): a block whose output is not in it, or that breaks in it."""
+    dtype = getattr(torch, model.spec.inference_dtype)
+    if next(model.parameters()).dtype == dtype:
+        return []
+    try:
+        first_forward(copy.deepcopy(model).to(dtype))
+    except RegistryError as exc:
+        return [str(exc)]
+    except Exception as exc:  # a plugin's op with no kernel for the dtype, say
+        return [f"a forward pass in {model.spec.inference_dtype}, the spec's inference_dtype, raised {said(exc)} (blocks: {_blocks(model)})"]
+    return []
 
 
 def flops_problems(model: Model) -> list[str]:

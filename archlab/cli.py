@@ -383,7 +383,7 @@ def generate(
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
     if model is None:
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
-        model = _runnable(spec)
+        model = _runnable(spec, dtype=_dtype(spec, dtype))  # drawn in float32, then cast: the same weights in any dtype
         err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
     engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop, lead=prompt)

@@ -59,7 +59,7 @@ def peak_flops(device_name: str) -> float | None:
 FORMULA_RESULTS = {  # what each of a block's cost formulas gives back
     "params": "a whole number of 0 or more",
     "state_bytes": "a whole number of 0 or more",
-    "flops": f"a Flops (a Counter) of kinds {sorted(FLOP_KINDS)} to counts of 0 or more",
+    "flops": f"a Flops (a Counter) of kinds {sorted(FLOP_KINDS)} to whole counts of 0 or more",
 }
 
 
@@ -79,7 +79,7 @@ def formula(block: BlockSpec, name: str, *args):
 def _wanted(name: str, value) -> bool:
     """Whether a formula's value is what ``FORMULA_RESULTS`` says it gives back."""
     if name == "flops":
-        return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v, numbers.Real) for v in value.values())
+        return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v, numbers.Integral) for v in value.values())
     return _count(value, numbers.Integral)
 
 

@@ -3,8 +3,11 @@ is named with the block and its plugin in one line, not shown as a traceback thr
 built-in sliding-window block stands in for a plugin, broken in this process alone (a plugin
 installed from another package is tested in test_cli.py, in processes of their own)."""
 
+import types
+
 import pytest
 
+from archlab.block import Flops
 from archlab.registry import block_specs, plugin
 from conftest import ROOT
 from test_study import mini
@@ -43,6 +46,8 @@ def test_a_cost_formula_that_raises_is_named(cli, monkeypatch, swa):
     ("flops", lambda self, ctx, n, start=0, reuse_kv=False: 2 * n, "a Flops (a Counter) of kinds"),  # a traceback in the sum
     ("params", lambda self, ctx: -1, "a whole number of 0 or more"),  # a table of negative parameters
     ("state_bytes", lambda self, ctx, context, kv_bytes: 1.5 * context, "a whole number of 0 or more"),
+    ("flops", lambda self, ctx, n, start=0, reuse_kv=False: Flops(matmul=1.5 * n),  # equal-flops steps of 9.0, a study's TypeError
+     "a Flops (a Counter) of kinds"),
 ])
 def test_a_cost_formula_that_gives_back_something_else_is_named(cli, monkeypatch, swa, formula, value, wanted):
     monkeypatch.setattr(swa, formula, value)
@@ -78,3 +83,25 @@ def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, mo
     code, _, stderr = cli("study", "run", study, "--data", "mqar", "--out", tmp_path / "study")  # a trial records why it failed
     assert code == 1 and f"RegistryError: {said.format('1, 16', '1, 16')}" in (tmp_path / "study" / "report.md").read_text(), stderr
     assert not list((tmp_path / "study" / "trials").glob("*/*"))
+
+
+def test_a_forward_in_another_dtype_is_named(cli, monkeypatch, swa, tmp_path):
+    """Returned in float32 from a bfloat16 x, it passed build's float32 checks and then failed in
+    the next layer's matmul, in a traceback, wherever the spec ran in its bfloat16 inference dtype."""
+    built = swa.build
+
+    def build(self, ctx):
+        module = built(self, ctx)
+        module.forward = types.MethodType(lambda mixer, x, inp: type(mixer).forward(mixer, x, inp).float(), module)  # bound to a copy too
+        return module
+
+    monkeypatch.setattr(swa, "build", build)
+    spec = tmp_path / "yoco-bf16.yaml"
+    spec.write_text(f"extends: {SPEC}\nname: yoco-bf16\ninference_dtype: bfloat16\n")
+    said = f"block 'swa' ({plugin(swa)}): its forward returned float32 for an x of bfloat16; a block's forward gives back x's dtype"
+    code, out, stderr = cli("build", spec)
+    assert code == 1 and f"error: yoco-bf16: {said}" in stderr and "1 problem(s)" in out, stderr
+    for command in (["generate", spec, "--max-new-tokens", "1"], ["bench", spec, "--seq-len", "8", "--gen", "1"]):
+        code, _, stderr = cli(*command)
+        assert code == 2 and f"error: {said}" in stderr, (command, stderr)
+    assert cli("build", SPEC)[0] == 0  # in float32, its inference dtype, the same forward is what the layers after it take

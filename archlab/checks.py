@@ -20,7 +20,8 @@ from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.registry import RegistryError, named, said
 
-CACHE_CONTEXTS = (1, 17)  # tokens: one, and a few past a typical tiny window
+CACHE_CONTEXTS = (1, 17, 4097)  # tokens: one, a few past a typical tiny window, and past most windows
+GROWTH_CONTEXTS = (4096, 8192)  # a state that grows with the context differs in size between these
 DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
 DECODE_TOLERANCE = 1e-4  # of the largest logit, in float32: the built-in blocks agree to about 1e-6
 SHAPE_CHECK_LENGTH = 16  # tokens in training's forward pass before its first step: shapes alone, so a few
@@ -178,8 +179,9 @@ def flops_problems(model: Model) -> list[str]:
 def cost_problems(model: Model) -> list[str]:
     """Where the spec's cost formulas disagree with the model: ``params`` with its parameters,
     ``state_bytes`` with the cache the engine makes, in the model's dtype and the spec's
-    inference dtype (a block may keep some state in the one and some in float32)."""
-    cost, problems = Cost(model.spec), []
+    inference dtype (a block may keep some state in the one and some in float32), and
+    ``grows_kv_cache`` with how its state grows (``growth_problems``)."""
+    cost, problems = Cost(model.spec), growth_problems(model)
     built = sum(p.numel() for p in model.parameters())
     if cost.params_total != built:
         problems.append(f"params() sum to {cost.params_total:,}, the built model holds {built:,}")
@@ -188,9 +190,32 @@ def cost_problems(model: Model) -> list[str]:
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
         if analytic != held:
             problems.append(f"state_bytes() give {analytic.total:,} B per sequence at {context} tokens in {dtype}, the cache"
-                            f" holds {held.total:,} B (does new_state keep its tensors in the dtype it is given?)")
+                            f" holds {held.total:,} B (is each tensor of new_state counted, at its size for this context"
+                            " (a window caps it) and in the dtype it is given?)")
             break
     return problems
+
+
+def growth_problems(model: Model) -> list[str]:
+    """Blocks whose state grows with the context where ``grows_kv_cache`` says it does not, or the
+    other way round, in any of its tensors. The flag decides, for the whole of a block's state,
+    whether costs count it global or local, and whether the cache puts it back as ``new_state``
+    made it before a prefill and marks and rewinds it (``Cache.start_over``, ``mark``): a state of
+    fixed size in a growing block would carry one prompt's values into the next."""
+    problems = {}
+    for i, layer in enumerate(model.layers):
+        block = model.spec.block_at(i)
+        with torch.device("meta"):
+            small, large = (layer.mixer.new_state(1, context, torch.float32) for context in GROWTH_CONTEXTS)
+        grows = {name: tensor.shape != large[name].shape for name, tensor in small.items()}
+        wrong = [name for name, grown in grows.items() if grown != block.grows_kv_cache]
+        if wrong and block.type not in problems:
+            does = "does not grow" if block.grows_kv_cache else "grows"
+            problems[block.type] = (f"{named(block)}: grows_kv_cache is {block.grows_kv_cache}, but its state's"
+                                    f" {', '.join(wrong)} {does} with the context (from {GROWTH_CONTEXTS[0]:,} to"
+                                    f" {GROWTH_CONTEXTS[1]:,} tokens); a block's state grows with the context in all its"
+                                    " tensors or in none")
+    return list(problems.values())
 
 
 def decode_error(model: Model, length: int) -> float:

@@ -105,3 +105,30 @@ def test_a_forward_in_another_dtype_is_named(cli, monkeypatch, swa, tmp_path):
         code, _, stderr = cli(*command)
         assert code == 2 and f"error: {said}" in stderr, (command, stderr)
     assert cli("build", SPEC)[0] == 0  # in float32, its inference dtype, the same forward is what the layers after it take
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    # a window's cache that forgets the window: equal to the cache up to the window (64), over it past
+    # (two layers' 2,097,664 B of K,V rows for 4,097 tokens where their rings hold 32,768, beside the global 1,048,832)
+    ("state_bytes", "state_bytes() give 3,146,496 B per sequence at 4097 tokens in float32, the cache holds 1,081,600 B"),
+    # a ring of the window's size flagged as growing: a prefill would leave an earlier prompt's keys in it
+    ("grows_kv_cache", "grows_kv_cache is True, but its state's k, v does not grow with the context (from 4,096 to 8,192 tokens)"),
+])
+def test_cache_formulas_and_flags_are_checked_past_the_window(cli, monkeypatch, swa, change, said, tmp_path):
+    spec = tmp_path / "yoco-w64.yaml"
+    spec.write_text(SPEC.read_text().replace("window: 16", "window: 64"))
+    if change == "state_bytes":
+        sized = swa.state_bytes
+        monkeypatch.setattr(swa, "state_bytes", lambda self, ctx, context, kv_bytes:
+                            sized(self.model_copy(update={"window": 10**9}), ctx, context, kv_bytes))
+    else:
+        monkeypatch.setattr(swa, "grows_kv_cache", True)
+    code, out, stderr = cli("build", spec)
+    assert code == 1 and said in " ".join(stderr.split()) and "1 problem(s)" in out, stderr
+
+
+def test_a_growing_state_not_flagged_is_named(cli, monkeypatch):
+    """Counted as local by the costs, and copied whole by chat's mark and rewind."""
+    monkeypatch.setattr(block_specs()["attention"], "grows_kv_cache", False)
+    code, _, stderr = cli("build", ROOT / "specs" / "tiny" / "transformer.yaml")
+    assert code == 1 and "grows_kv_cache is False, but its state's k, v grows with the context" in " ".join(stderr.split()), stderr

@@ -181,10 +181,7 @@ def cost_problems(model: Model) -> list[str]:
     ``state_bytes`` with the cache the engine makes, in the model's dtype and the spec's
     inference dtype (a block may keep some state in the one and some in float32), and
     ``grows_kv_cache`` with how its state grows (``growth_problems``)."""
-    cost, problems = Cost(model.spec), growth_problems(model)
-    built = sum(p.numel() for p in model.parameters())
-    if cost.params_total != built:
-        problems.append(f"params() sum to {cost.params_total:,}, the built model holds {built:,}")
+    cost, problems = Cost(model.spec), params_problems(model) + growth_problems(model)
     dtypes = dict.fromkeys([_dtype_name(next(model.parameters()).dtype), model.spec.inference_dtype])
     for dtype, context in ((dtype, context) for dtype in dtypes for context in CACHE_CONTEXTS):
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
@@ -194,6 +191,13 @@ def cost_problems(model: Model) -> list[str]:
                             " (a window caps it) and in the dtype it is given?)")
             break
     return problems
+
+
+def params_problems(model: Model) -> list[str]:
+    """Where the blocks' ``params()`` do not sum to the built model's parameters (costs, FLOPs and
+    MFU are worked out from the formulas)."""
+    counted, built = Cost(model.spec).params_total, sum(p.numel() for p in model.parameters())
+    return [f"params() sum to {counted:,}, the built model holds {built:,}"] if counted != built else []
 
 
 def growth_problems(model: Model) -> list[str]:

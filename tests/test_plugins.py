@@ -132,3 +132,13 @@ def test_a_growing_state_not_flagged_is_named(cli, monkeypatch):
     monkeypatch.setattr(block_specs()["attention"], "grows_kv_cache", False)
     code, _, stderr = cli("build", ROOT / "specs" / "tiny" / "transformer.yaml")
     assert code == 1 and "grows_kv_cache is False, but its state's k, v grows with the context" in " ".join(stderr.split()), stderr
+
+
+def test_training_refuses_a_params_formula_the_model_does_not_hold(cli, monkeypatch, swa, tmp_path):
+    """Its FLOPs, MFU and a study's equal-FLOPs budgets are worked out from the formulas."""
+    counted = swa.params
+    monkeypatch.setattr(swa, "params", lambda self, ctx: counted(self, ctx) + 1)
+    run = tmp_path / "runs" / "a"
+    code, _, stderr = cli("train", SPEC, "--out", run, "--steps", "1", "--data", "mqar")
+    assert code == 1 and "error: yoco: params() sum to 225,922, the built model holds 225,920; `archlab build` checks" in stderr, stderr
+    assert not run.parent.exists()

@@ -492,6 +492,7 @@ def test_token_files_tokenizer_and_budgets(cli, tmp_path):
     assert stdout.startswith("the lazy")
     spec, model, used, tokens = lab.load_trained(str(run))  # the README's way in from Python
     assert (spec.name, used.name, tokens) == ("transformer", "step-00000003", run / "tokenizer.json")
+    assert not model.training  # for inference: a plugin's dropout, say, off
     weights, held = load_file(used / "model.safetensors"), model.state_dict()
     assert len(weights.keys() & held.keys()) >= len(held) - 1  # all (one name fewer where embeddings are tied)
     assert all(torch.equal(weights[name], held[name]) for name in weights.keys() & held.keys())

@@ -198,8 +198,8 @@ def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -
 
 
 def load_trained(path: str | Path):
-    """(spec, model with the latest weights, the checkpoint used, tokenizer.json or None) of a
-    run directory or one of its checkpoint folders."""
+    """(spec, model with the latest weights in eval mode, the checkpoint used, tokenizer.json or
+    None) of a run directory or one of its checkpoint folders."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 
@@ -211,7 +211,7 @@ def load_trained(path: str | Path):
         raise CheckpointError(f"{spec.name}, the model of {run_dir}, does not fit in memory here ({exc})") from None
     load_weights(used, model)
     _say_an_edited_spec(run_dir / RUN_SPEC, spec, used)
-    return spec, model, used, tokenizer_of(run_dir)
+    return spec, model.eval(), used, tokenizer_of(run_dir)
 
 
 def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from archlab.checks import first_forward
+from archlab.checks import first_forward, params_problems
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
@@ -216,6 +216,8 @@ class Trainer:
         self._refuse_untrainable_kernels()
         with self.autocast:  # as a step runs it, kernel choices and their notices included
             first_forward(self.model)  # a block's output of another shape, named before the run folder is touched
+        if miscounted := params_problems(self.model):  # the FLOPs, MFU and a study's budgets would be off
+            raise TrainError(f"{spec.name}: {miscounted[0]}; `archlab build` checks each block's cost formulas")
         if cfg.compile:
             self.model.compile_layers()
         self.optimizer = torch.optim.AdamW(

@@ -23,7 +23,7 @@ from archlab.ops.attention import append_kv
 from archlab.ops.common import float32_or_wider
 from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
-from archlab.registry import RegistryError
+from archlab.registry import RegistryError, named
 from archlab.rope import Rotary
 from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, SpecError, YocoLayout
 
@@ -113,7 +113,7 @@ def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
              else "has no forward method" if type(module).forward is nn.Module.forward
              else "has no new_state method" if not callable(getattr(module, "new_state", None)) else None)
     if lacks:
-        raise RegistryError(f"block {block.type!r}: its build() returned {type(module).__name__}, which {lacks}; a block's module"
+        raise RegistryError(f"{named(block)}: its build() returned {type(module).__name__}, which {lacks}; a block's module"
                             " is an nn.Module with forward(x, inp) and new_state(batch, capacity, dtype), its inference state")
     return module
 

@@ -480,13 +480,14 @@ def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_
     for name in lacking:
         spec = tmp_path / f"{name}.yaml"
         spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco.yaml'}\nname: {name}\nlayout: {{self_decoder: {{blocks: [{name}]}}}}\n")
-        commands += [["validate", spec], ["build", spec], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"]]
+        commands += [["validate", spec], ["build", spec, ROOT / SPEC], ["generate", spec, "--prompt", "a", "--max-new-tokens", "2"]]
     results = archlab_session(tmp_path, *commands, env=env)
-    for (name, lacks), (validated, *refused) in zip(lacking.items(), (results[:3], results[3:]), strict=True):
+    for (name, lacks), (validated, built, generated) in zip(lacking.items(), (results[:3], results[3:]), strict=True):
         assert validated.returncode == 0, validated.stderr  # a spec as good as any
-        for result in refused:
-            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-            assert f"block '{name}': its build() returned {lacks}" in result.stderr
+        said = f"block '{name}' (broken:{name.capitalize()}Spec): its build() returned {lacks}"
+        assert built.returncode == 1 and f"error: {name}: {said}" in built.stderr and "Traceback" not in built.stderr, built.stderr
+        assert " not built" in built.stdout and " transformer " in built.stdout and " ok " in built.stdout  # the others still checked
+        assert generated.returncode == 2 and f"error: {said}" in generated.stderr and "Traceback" not in generated.stderr
 
 
 def test_generate_streams_text_with_a_notice(cli):

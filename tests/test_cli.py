@@ -230,6 +230,23 @@ def test_block_from_another_installed_package(cli, tmp_path):
     assert code == 1 and "unknown type 'causal_mean'" in stderr
 
 
+def test_the_readmes_plugin_package_installs_as_printed(tmp_path):
+    """Its pyproject.toml, beside the module and a researcher's specs/ folder (which setuptools'
+    discovery took for the package, leaving the module out), installed by pip and listed."""
+    readme = (ROOT / "README.md").read_text()
+    package = tmp_path / "my-blocks"
+    (package / "specs").mkdir(parents=True)
+    (package / "specs" / "mine.yaml").write_text("extends: yoco-u.yaml\n")
+    (package / "my_blocks.py").write_text(PLUGIN)
+    (package / "pyproject.toml").write_text(re.search(r"Register it in .*?```toml\n(.*?)```", readme, re.S)[1])
+    site = tmp_path / "site"
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                                "--disable-pip-version-check", "--target", site, package], capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    (listed,) = archlab_session(tmp_path, ["blocks"], env={"PYTHONPATH": str(site)})
+    assert listed.returncode == 0 and "my_blocks:CausalMeanSpec" in listed.stdout and "notice" not in listed.stderr, listed
+
+
 UNSHARED = '''
 from typing import ClassVar, Literal
 

@@ -15,6 +15,7 @@ import yaml
 from archlab.bench import device_name
 from archlab.files import write_text_whole
 from archlab.ops.dispatch import PACKAGES, installed
+from archlab.registry import distributions
 
 
 def _described_code() -> str:
@@ -48,10 +49,13 @@ def _kernel_packages() -> dict[str, str]:
     return found
 
 
-def environment(device: torch.device, processes: int = 1) -> dict[str, str]:
-    """The setting a run trains in: the code, the Python whose standard library the stdlib corpus
-    is, PyTorch, the device (and how many processes share the work) and what runs the ops there."""
-    found = {"archlab": CODE_VERSION, "python": platform.python_version(), "torch": str(torch.__version__), "device": device_name(device)}
+def environment(device: torch.device, processes: int = 1, blocks: tuple[type, ...] = ()) -> dict[str, str]:
+    """The setting a run trains in: the code (archlab's, and the versions of the plugin packages
+    that registered ``blocks``, the spec classes of its blocks), the Python whose standard library
+    the stdlib corpus is, PyTorch, the device (and how many processes share the work) and what runs
+    the ops there."""
+    found = {"archlab": CODE_VERSION, **distributions(blocks), "python": platform.python_version(), "torch": str(torch.__version__),
+             "device": device_name(device)}
     if processes > 1:  # DDP sums the gradients of each process's slice: another split, another order
         found["processes"] = str(processes)
     if device.type == "cpu":  # the vector instructions torch's CPU kernels use: another set sums in another order

@@ -43,6 +43,20 @@ class BrokenPlugin(UserWarning):
     """An installed block plugin that cannot be used, left out (a spec naming it says so)."""
 
 
+def distributions(classes) -> dict[str, str]:
+    """The installed packages, other than archlab, that registered these block spec classes, with
+    their versions: a run's numbers depend on their code as on archlab's."""
+    found = {}
+    for ep in entry_points(group=GROUP):
+        if ep.dist is not None and not _is_archlab(ep) and any(ep.value == plugin(cls) and (ep.name,) == _tags(cls) for cls in classes):
+            found[ep.dist.name] = ep.dist.version
+    return found
+
+
+def _tags(cls: type[BlockSpec]) -> tuple:
+    return get_args(cls.model_fields["type"].annotation)
+
+
 def _is_archlab(ep: EntryPoint) -> bool:
     return ep.dist is not None and ep.dist.name == "archlab"
 
@@ -85,7 +99,7 @@ def _load(ep: EntryPoint) -> type[BlockSpec] | str:
         return "is not a subclass of archlab.BlockSpec"
     if inspect.isabstract(cls):
         return f"does not define {', '.join(sorted(cls.__abstractmethods__))}, which every block spec must define"
-    tags = get_args(cls.model_fields["type"].annotation)
+    tags = _tags(cls)
     if tags != (ep.name,):
         return f"must declare type: Literal[{ep.name!r}], has {tags}"
     return cls

@@ -229,6 +229,13 @@ def test_block_from_another_installed_package(cli, tmp_path):
     code, _, stderr = cli("validate", spec)  # this process has no such plugin
     assert code == 1 and "unknown type 'causal_mean'" in stderr
 
+    run = tmp_path / "run"
+    (trained,) = archlab_session(tmp_path, ["train", spec, "--out", run, "--data", "mqar", "--steps", "1", "--set", "seq_len=32",
+                                            "--set", "batch_size=2"], env=env)
+    assert trained.returncode == 0, trained.stderr
+    (setting,) = yaml.safe_load((run / "environment.yaml").read_text())  # its numbers depend on the plugin's code too
+    assert setting["my-blocks"] == "0.1" and list(setting)[:3] == ["from step", "archlab", "my-blocks"], setting
+
 
 def test_the_readmes_plugin_package_installs_as_printed(tmp_path):
     """Its pyproject.toml, beside the module and a researcher's specs/ folder (which setuptools'

@@ -230,7 +230,8 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
-        self.environment = environment(self.device, self.world.size)  # environment.yaml keeps it, from the step it trains from
+        blocks = tuple({type(spec.block_at(i)) for i in range(spec.n_layers)})
+        self.environment = environment(self.device, self.world.size, blocks)  # environment.yaml keeps it, from the step it trains from
         self.recorded: TrainConfig | None = None  # a resumed run's config.yaml, as it was (_resume)
         self.resumed_corpus: str | None = None  # the fingerprint of the tokens it trained on (_resume)
 

@@ -1168,8 +1168,9 @@ def study_run(
             with _interruptible():
                 optuna_study = work(loaded, where, storage, err, grace_period)
         except KeyboardInterrupt as exc:
-            err.print("interrupted; finished trials are kept, and the trial this worker was training is run again by the next"
-                      f" `study run` once it has sent no heartbeat for --grace-period ({grace_period} s)", highlight=False)
+            err.print("interrupted; finished trials are kept, and a trial this worker was training runs again once it has sent"
+                      f" no heartbeat for --grace-period ({grace_period} s): taken by a worker still running, or by the next"
+                      " `study run`", highlight=False)
             raise typer.Exit(_interrupted_code(exc)) from None
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(where, storage)))
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import optuna
 import pytest
+import sqlalchemy
 import torch
 import yaml
 from optuna.distributions import CategoricalDistribution, FloatDistribution
@@ -30,7 +31,7 @@ from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, report, settings, summarize
 from archlab.study.runner import (
-    SameVariant, StorageError, StudyChanged, check_unchanged, claim, join, planned_as, run_trial, settled, shown, storage_url,
+    SameVariant, StorageError, StudyChanged, check_unchanged, claim, join, open_study, planned_as, run_trial, settled, shown, storage_url,
     work,
 )
 from archlab.train.trainer import Trainer
@@ -473,8 +474,8 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
     worker.send_signal(signal.SIGINT)
     _, stderr = worker.communicate(timeout=60)
     assert worker.returncode == 130 and "Traceback" not in stderr, stderr
-    assert ("interrupted; finished trials are kept, and the trial this worker was training is run again by the next `study run`"
-            " once it has sent no heartbeat for --grace-period (60 s)") in " ".join(stderr.split())
+    assert ("interrupted; finished trials are kept, and a trial this worker was training runs again once it has sent no"
+            " heartbeat for --grace-period (60 s): taken by a worker still running, or by the next `study run`") in " ".join(stderr.split())
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path):
@@ -790,6 +791,78 @@ def test_a_trial_lost_with_its_worker_past_its_retries_is_queued_by_the_next_run
     assert [t.state.name for t in by_key[spent_key]] == ["FAIL", "WAITING"]
     assert by_key[spent_key][1].system_attrs["retry_history"] == [90, 91, keys[spent_key]]  # the report follows it
     assert [t.state.name for t in by_key[fresh_key]] == ["FAIL"]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_trial_lost_a_third_time_and_not_yet_failed_is_queued_by_the_next_run(tmp_path):
+    """Still running when the next run joined (its worker dead, no one had failed it as stale), it
+    was not seen as lost: that run's claim failed it, past its retries, and the run reported it
+    failed without training it. The retry callback also appended to the trial it was handed."""
+    study, out = load_study(str(mini(tmp_path, "stale"))), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=1)
+    spent = claim(optuna_study, url, out)  # beats once, then its worker dies
+    optuna_study._storage.set_trial_system_attr(spent, "retry_history", [90, 91])  # lost twice before
+    number = optuna_study._storage.get_trial(spent).number
+    time.sleep(2.5)
+    again = join(study, out, url, grace_period=1)
+    lost, retry = [t for t in again.get_trials() if planned_as(t) == planned_as(again._storage.get_trial(spent))]
+    assert (lost.state.name, retry.state.name) == ("FAIL", "WAITING")
+    assert lost.system_attrs["retry_history"] == [90, 91] and retry.system_attrs["retry_history"] == [90, 91, number]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_storage_lost_while_a_trial_trains_is_said_and_fails_no_trial(tmp_path, cli, monkeypatch):
+    """The database gone mid-trial gave three chained tracebacks, and a passing error was
+    recorded as the trial's own failure; the trial now stays running, to go stale and run again."""
+    definition = mini(tmp_path, "gone", variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1})
+    cause = sqlalchemy.exc.OperationalError("UPDATE trials", {}, Exception("server closed the connection unexpectedly"))
+
+    def report(self, *args, **kwargs):
+        raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from cause
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_intermediate_value", report)
+    code, _, stderr = cli("study", "run", definition, "--data", "mqar", "--out", tmp_path / "out")
+    said = " ".join(stderr.split())
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "lost the study storage" in said and "while trial 0 trained: server closed the connection unexpectedly;" in said, said
+    monkeypatch.undo()
+    url = storage_url(tmp_path / "out", None)
+    (trial,) = optuna.load_study(study_name=load_study(str(definition)).key, storage=url).get_trials()
+    assert trial.state == TrialState.RUNNING and "failure" not in trial.user_attrs
+
+
+@pytest.mark.parametrize(("url", "said"), [
+    ("postgresql://alice:pw@127.0.0.1:port/db", "cannot open the study storage postgresql://alice:***@127.0.0.1:port/db:"),
+    ("postgres://alice:pw@127.0.0.1:5432/db", "postgres://alice:***@127.0.0.1:5432/db: a PostgreSQL URL begins postgresql://"),
+])
+def test_a_storage_url_that_does_not_parse_is_one_line(tmp_path, cli, url, said):
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+    assert code == 1 and said in " ".join(stderr.split()) and "Traceback" not in stderr, stderr
+
+
+def test_a_study_keeps_the_direction_of_its_metric(tmp_path):
+    """Created to minimize val_loss, then renamed variants measured by accuracy: nothing was
+    compared, and pruners and TPE went on treating low accuracy as good."""
+    study, out = load_study(str(mini(tmp_path, "way"))), tmp_path / "out"
+    out.mkdir()
+    url = storage_url(out, None)
+    optuna.create_study(study_name=study.key, storage=url, direction="maximize")
+    with pytest.raises(StorageError, match="created to maximize its metric, and its metric is now val_loss, which it would minimize"):
+        open_study(study, url)
+
+
+def test_a_storage_error_is_said_as_the_driver_said_it():
+    """Optuna's StorageInternalError keeps SQLAlchemy's error as its cause, and that the driver's."""
+    from archlab.study.runner import _in_words
+
+    try:
+        try:
+            raise sqlalchemy.exc.ProgrammingError("SELECT", {}, Exception("permission denied for table version_info"))
+        except sqlalchemy.exc.ProgrammingError as exc:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from exc
+    except optuna.exceptions.StorageInternalError as wrapped:
+        assert _in_words(wrapped) == "permission denied for table version_info"
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

@@ -215,7 +215,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" {study.config.batch_size} x {study.config.seq_len} tokens per step; data: {study.config.data.source};"
         f" seeds {definition.seeds}; lr {definition.sampler} of {definition.lr.points}"
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
-        f" over [{definition.lr.low:g}, {definition.lr.high:g}]",
+        f" over [{definition.lr.low:g}, {definition.lr.high:g}]; pruner: {definition.pruner}",
         *starts(study, trials),
         progress(study, trials),
         *settings(study, trials),

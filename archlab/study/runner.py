@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import statistics
+import threading
 import time
 import warnings
 import zlib
@@ -31,7 +32,6 @@ import optuna
 import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
-from optuna.storages._heartbeat import get_heartbeat_thread  # what study.optimize beats with; not exported
 from optuna.trial import TrialState
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -130,12 +130,28 @@ def shown(url: str) -> str:
     return re.sub(r"(:/+[^:/@]*:).*@", r"\1***@", url)  # user:password@ -> user:***@, to the last @
 
 
+STORAGE_ERRORS = (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)  # the database's, not a trial's
+
+
+def _in_words(exc: BaseException) -> str:
+    """A storage error as the database driver said it, on one line: optuna's StorageInternalError
+    wraps SQLAlchemy's (its cause), which wraps the driver's (its ``orig``, without the SQL and a
+    link), e.g. "permission denied for table version_info" under optuna's "invalid data in the commit"."""
+    while True:
+        if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:
+            exc = exc.orig
+        elif isinstance(exc, optuna.exceptions.StorageInternalError) and exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            return " ".join(str(exc).split())
+
+
 def _unopenable(url: str, exc: Exception) -> StorageError:
     if isinstance(exc, ImportError):
         return StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'")
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:  # the driver's word, without the SQL and a link
-        exc = exc.orig
-    return StorageError(f"cannot open the study storage {shown(url)}: {' '.join(str(exc).split())}")
+    if isinstance(exc, sqlalchemy.exc.NoSuchModuleError) and url.startswith("postgres:"):
+        return StorageError(f"{shown(url)}: a PostgreSQL URL begins postgresql://")
+    return StorageError(f"cannot open the study storage {shown(url)}: {_in_words(exc)}")
 
 
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
@@ -166,14 +182,20 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         "median": SameVariant(lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
         "hyperband": SameVariant(lambda: VariantHyperband(min_resource=study.config.eval_interval)),
     }
-    return optuna.create_study(
+    direction = "maximize" if study.definition.maximize else "minimize"
+    opened = optuna.create_study(
         study_name=name,
         storage=storage,
-        direction="maximize" if study.definition.maximize else "minimize",
+        direction=direction,
         sampler=optuna.samplers.TPESampler(seed=0),  # replaced per trial where it draws (_train)
         pruner=pruners[study.definition.pruner],
         load_if_exists=True,
     )
+    if opened.direction.name.lower() != direction:  # kept from its creation: pruners, TPE and the dashboard read it
+        raise StorageError(f"study {name} in {shown(url)} was created to {opened.direction.name.lower()} its metric, and its"
+                           f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
+                           " of its metric: give this one another name")
+    return opened
 
 
 class SameVariant(optuna.pruners.BasePruner):
@@ -250,7 +272,7 @@ def planning_lock(url: str, out: Path, key: str):
         try:
             engine = sqlalchemy.create_engine(url)
             conn = engine.connect()
-        except (ImportError, sqlalchemy.exc.SQLAlchemyError) as exc:
+        except Exception as exc:  # no driver, unreachable server, a URL that does not parse (a port that is no number)
             raise _unopenable(url, exc) from None
         lock = zlib.crc32(key.encode()) & 0x7FFFFFFF
         with conn:
@@ -326,7 +348,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
         for variant, by_seed in starts.items():
             recorded[variant] = {**recorded.get(variant, {}), **{str(seed): start for seed, start in by_seed.items()}}  # JSON's keys are text
         optuna_study.set_user_attr(STARTS, recorded)
-        queued = latest(optuna_study.get_trials(deepcopy=False))
+        fail_stale_trials(optuna_study)  # a trial lost past its retries is still running until failed, and so not seen as lost
+        queued = latest(optuna_study.get_trials())  # copies: the retry callback below appends to what it is given
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
             if earlier is None or earlier.user_attrs.get("failure", "").startswith(NOT_PLANNED):
@@ -503,7 +526,7 @@ def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str)
         return _train(study, trial, key, out, url), TrialState.COMPLETE, None
     except optuna.TrialPruned:
         return None, TrialState.PRUNED, None
-    except UpdateFinishedTrialError:  # not this worker's trial any more (run_trial)
+    except (UpdateFinishedTrialError, *STORAGE_ERRORS):  # not this worker's trial any more, or no storage to record it in (run_trial)
         raise
     except Exception as exc:
         return None, TrialState.FAIL, f"{type(exc).__name__}: {exc}"
@@ -514,17 +537,46 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     record: another worker failed it as stale (this one sent no heartbeat for longer than the grace
     period, e.g. while paused) and queued it again."""
     trial = optuna.Trial(optuna_study, trial_id)
-    key = planned_as(optuna_study._storage.get_trial(trial_id))
-    trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
-    with get_heartbeat_thread(trial_id, optuna_study._storage):
-        try:
-            value, state, failure = _outcome(study, trial, key, out, url)
-            if failure:
-                trial.set_user_attr("failure", failure)
-            optuna_study.tell(trial, value, state=state, skip_if_finished=True)
-        except UpdateFinishedTrialError:
-            return False
-    return optuna_study._storage.get_trial(trial_id).state == state
+    try:
+        key = planned_as(optuna_study._storage.get_trial(trial_id))
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
+        with heartbeat(trial_id, optuna_study._storage):
+            try:
+                value, state, failure = _outcome(study, trial, key, out, url)
+                if failure:
+                    trial.set_user_attr("failure", failure)
+                optuna_study.tell(trial, value, state=state, skip_if_finished=True)
+            except UpdateFinishedTrialError:
+                return False
+        return optuna_study._storage.get_trial(trial_id).state == state
+    except STORAGE_ERRORS as exc:  # a trial is not failed for its storage's fault: it goes stale, and runs again
+        raise StorageError(f"lost the study storage {shown(url)} while trial {trial.number} trained: {_in_words(exc)}; that trial"
+                           " runs again once it has sent no heartbeat for --grace-period and a worker reaches the storage") from None
+
+
+@contextmanager
+def heartbeat(trial_id: int, storage: RDBStorage):
+    """A trial's heartbeat while it trains, as optuna's, but one that a storage error does not end
+    with a thread's traceback: a beat that fails is missed (the trial's own writes say whether the
+    storage is gone)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            try:
+                storage.record_heartbeat(trial_id)
+            except STORAGE_ERRORS:
+                pass
+            if stop.wait(storage.get_heartbeat_interval()):
+                return
+
+    thread = threading.Thread(target=beat, name=f"heartbeat of trial {trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def planned_as(trial: optuna.trial.FrozenTrial) -> tuple:
@@ -589,6 +641,14 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
                            " would be read as training text; put it outside")
     url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _work(study, out, url, console, grace_period)
+    except STORAGE_ERRORS as exc:  # the server gone between trials, say
+        raise StorageError(f"lost the study storage {shown(url)}: {_in_words(exc)}; finished trials are kept there, and a"
+                           " `study run` once it is back goes on") from None
+
+
+def _work(study: Study, out: Path, url: str, console: Console, grace_period: int) -> optuna.Study:
     optuna_study = join(study, out, url, grace_period)
     planned = study.planned()
     columns = [TextColumn(f"[bold]{optuna_study.study_name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[now]}"), TimeElapsedColumn()]

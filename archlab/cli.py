@@ -344,7 +344,9 @@ class TextCodec:
                                       f" model's vocab_size of {vocab_size:,}: it is not the tokenizer the run trained with")
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids if self.tokenizer else list(text.encode())
+        from archlab.train.data import encode
+
+        return encode(self.tokenizer, [text], "the prompt")[0].ids if self.tokenizer else list(text.encode())
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer:
@@ -370,6 +372,8 @@ def generate(
 ) -> None:
     """Generate text, streaming it as it comes. A training run (its directory or a checkpoint
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
+    from archlab.train.data import DataError
+
 
     sampling = _sampling(temperature, top_k, top_p, seed)
     _check_paging(page_size, page_kernel)
@@ -384,7 +388,11 @@ def generate(
     if codec.tokenizer is None and spec.vocab_size < 256:
         err.print(f"[bold red]error[/]: {escape(spec.name)} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
-    ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
+    try:
+        ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
+    except DataError as exc:  # a word-level tokenizer without an unknown token, say
+        _error(str(exc))
+        raise typer.Exit(1) from None
     if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
     if model is None:

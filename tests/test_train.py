@@ -1794,3 +1794,24 @@ def test_weights_changed_on_the_disk_are_found_before_training_goes_on_from_them
     (saved / "state.json").write_text(json.dumps(state))
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
     assert code in (0, None) and "weights_blake2b" in json.loads((checkpoints(run)[-1] / "state.json").read_text()), stderr
+
+
+def test_a_tokenizer_that_cannot_encode_the_text_is_one_line(cli, tmp_path):
+    """A word-level tokenizer without an unknown token meets a word it lacks: the tokenizers
+    library raises a bare Exception, which was a traceback in train, evaluate and generate."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({word: i for i, word in enumerate("hello world the cat sat".split())}))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    (tmp_path / "known.txt").write_text("hello world the cat sat " * 400)
+    (tmp_path / "unknown.txt").write_text("hello zebra world " * 400)
+    train = ["train", "specs/tiny/transformer.yaml", "--steps", "1", "--set", "seq_len=32", "--set", "batch_size=2",
+             "--set", f"data.tokenizer={tmp_path / 'words.json'}"]
+    said = "the tokenizer cannot encode {}: WordLevel error: Missing [UNK] token from the vocabulary"
+    refused(cli(*train, "--out", tmp_path / "refused", "--data", tmp_path / "unknown.txt"),
+            said.format(f"data source {str(tmp_path / 'unknown.txt')!r}"))
+    run = tmp_path / "run"
+    assert cli(*train, "--out", run, "--data", tmp_path / "known.txt")[0] == 0
+    refused(cli("generate", run, "--prompt", "zebra", "--max-new-tokens", "2"), said.format("the prompt"))
+    refused(cli("evaluate", run, "--data", tmp_path / "unknown.txt"), said.format(f"data source {str(tmp_path / 'unknown.txt')!r}"))

@@ -394,13 +394,14 @@ def reply_prompt(messages: list[dict], tokenizer) -> list[int]:
     """The tokens a reply to ``messages`` follows: the conversation as training tokenizes it, piece
     by piece (not as one text, whose tokens may span a header and its content), and the assistant's
     header."""
-    return _example_tokens([[*_message_pieces(messages, "the conversation"), (HEADERS["assistant"], False)]], tokenizer)[0][0].tolist()
+    pieces = [*_message_pieces(messages, "the conversation"), (HEADERS["assistant"], False)]
+    return _example_tokens([pieces], tokenizer, "the conversation")[0][0].tolist()
 
 
-def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _example_tokens(examples: list[list[tuple[str, bool]]], tokenizer, what: str = "the examples") -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Each example's tokens, its pieces tokenized one by one (a token never spans two), and which
     of them count."""
-    encoded = iter(tokenizer.encode_batch([text for pieces in examples for text, _ in pieces]))
+    encoded = iter(encode(tokenizer, [text for pieces in examples for text, _ in pieces], what))
     ids, counted = [], []
     for pieces in examples:
         tokens = [(next(encoded).ids, counts) for _, counts in pieces]
@@ -560,8 +561,18 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
 DataSource = TokenSource | RecallTask  # what a trainer draws batches from
 
 
+def encode(tokenizer, texts: list[str], what: str) -> list:
+    """``tokenizer.encode_batch(texts)``, where a tokenizer that cannot encode a text (a word-level
+    one without an unknown token, meeting a word it lacks) is a DataError naming ``what``: the
+    tokenizers library raises a bare Exception."""
+    try:
+        return tokenizer.encode_batch(texts)
+    except Exception as exc:
+        raise DataError(f"the tokenizer cannot encode {what}: {exc}") from None
+
+
 def _encoded(source: str, texts: list[str], tokenizer) -> np.ndarray:
-    ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in tokenizer.encode_batch(texts)])
+    ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in encode(tokenizer, texts, f"data source {source!r}")])
     if len(ids) == 0:
         raise DataError(f"data source {source!r} tokenized to nothing")
     return ids

@@ -27,7 +27,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from archlab.engine import Engine
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.table import Decimals
-from archlab.train.data import load_tokenizer
+from archlab.train.data import encode, load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
 
 
@@ -43,14 +43,14 @@ class ArchlabLM(TemplateLM):
         self.model, self.autocast = loaded.on(device)
         self._device, self.batch = device, batch
         self.max_length = max_length or loaded.config.seq_len
-        self.newline = self.tokenizer.encode("\n").ids[0]
+        self.newline = encode(self.tokenizer, ["\n"], "a newline")[0].ids[0]
 
     @property
     def eot_token_id(self) -> int:
         return self.newline
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        return self.tokenizer.encode(string).ids
+        return encode(self.tokenizer, [string], "a task's text")[0].ids
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """For each (_, context, continuation) of token ids: the log-probability of the

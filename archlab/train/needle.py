@@ -30,7 +30,7 @@ import torch
 from archlab.engine import Engine
 from archlab.memory import Watched
 from archlab.table import Decimals
-from archlab.train.data import load_tokenizer
+from archlab.train.data import encode, load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -92,7 +92,7 @@ class Probes:
         self.sizes: dict[str, int] = {}  # tokens of each haystack line, and its newline
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        return encode(self.tokenizer, [text], "the needle test's text")[0].ids
 
     def place(self, lines: list[str], depth: float) -> tuple[int, float]:
         """Where among ``lines`` the needle goes, and the percent of their tokens before it: the

@@ -235,7 +235,18 @@ def test_empty_corpus_and_bad_token_file(cli, tmp_path):
     raw = tmp_path / "tokens.bin"  # ids written as uint32, read with the default width of uint16
     (np.arange(5000) % 200).astype(np.uint32).tofile(raw)
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL),
-            "read as uint16 has every other id 0", "set data.token_dtype: uint32")
+            "read as uint16 holds ids below 16 alone at its odd positions (at most 0) and up to 199", "set data.token_dtype: uint32")
+    (np.arange(5000) % 200).tofile(raw)  # numpy's default int64: read as uint32 too, every other id was 0, and it trained
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r5", "--data", raw, *SMALL, "--set", "data.token_dtype=uint32"),
+            "as the high halves of 64-bit ids read as uint32 do; save them with numpy.save as .npy")
+    big = tmp_path / "big.yaml"  # a 100K vocabulary's uint32 ids read as uint16: high halves of 0 and 1, which it trained on
+    big.write_text(f"extends: {ROOT / 'specs/tiny/transformer.yaml'}\nname: big\nvocab_size: 100352\n")
+    np.random.default_rng(0).integers(0, 100352, 20000).astype(np.uint32).tofile(raw)
+    refused(cli("train", big, "--out", tmp_path / "r5", "--data", raw, *SMALL), "(at most 1) and up to 65")
+    upper = tmp_path / "TOKENS.NPY"  # from a case-blind system: read as a token file, not as text
+    with open(upper, "wb") as f:  # np.save would add .npy to the name
+        np.save(f, np.arange(5000) % 200)
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r7", "--data", upper, *SMALL, "--steps", "1")[0] == 0
     (np.arange(5000) % 200).astype(np.uint16).tofile(raw)  # and the other way round
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r6", "--data", raw, *SMALL,
                 "--set", "data.token_dtype=uint32"), "(read as uint32: is that the width it was written in?")
@@ -1815,3 +1826,41 @@ def test_a_tokenizer_that_cannot_encode_the_text_is_one_line(cli, tmp_path):
     assert cli(*train, "--out", run, "--data", tmp_path / "known.txt")[0] == 0
     refused(cli("generate", run, "--prompt", "zebra", "--max-new-tokens", "2"), said.format("the prompt"))
     refused(cli("evaluate", run, "--data", tmp_path / "unknown.txt"), said.format(f"data source {str(tmp_path / 'unknown.txt')!r}"))
+
+
+def test_a_tokenized_corpus_is_not_reused_for_text_edited_since(cli, tmp_path):
+    """The corpus recorded its source's name, not its text: a start after the text grew read back
+    the tokens of the text before, in a run's own folder as in a shared data.cache (and with a
+    data.tokenizer replaced at the same path)."""
+    short = tmp_path / "short.txt"
+    short.write_text("hi there")
+    train = ["train", "specs/tiny/transformer.yaml", "--steps", "1", "--set", "seq_len=32", "--set", "batch_size=2"]
+    refused(cli(*train, "--out", tmp_path / "grown", "--data", short), "the training split of", "has 7;")
+    short.write_text("hi there " + "plenty more text now " * 200)
+    code, _, stderr = cli(*train, "--out", tmp_path / "grown", "--data", short)
+    assert code == 0, stderr  # tokenized again, in the run's own folder
+
+    corpus, cache = tmp_path / "corpus", tmp_path / "cache"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    shared = [*train, "--data", corpus, "--set", f"data.cache={cache}"]
+    assert cli(*shared, "--out", tmp_path / "first")[0] == 0
+    assert cli(*shared, "--out", tmp_path / "same")[0] == 0  # the same text: the same tokens, read back
+    (corpus / "b.txt").write_text("a second file, written after the corpus was tokenized. " * 100)
+    before = {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    refused(cli(*shared, "--out", tmp_path / "second"),
+            f"{cache / 'data'} holds a corpus tokenized from the text {str(corpus)!r} held before it changed")
+    assert before == {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+
+
+def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word():
+    """Training on a whitespace-free run took time quadratic in its length: 11 s for 200K
+    characters of DNA, and a 1 MB line did not finish in 150 s (now 0.14 s and 1.2 s here)."""
+    from archlab.train.data import LONGEST_WORD, _training_pieces
+
+    text = "def f(x):\n    return x\n" * 200 + "w" * LONGEST_WORD  # a run of exactly the limit is left whole
+    assert list(_training_pieces(text)) == [text]
+    dna = "reads: " + "ACGT" * 2_000 + " end"
+    pieces = list(_training_pieces(dna))
+    assert "".join(pieces) == dna and len(pieces) == 8  # cut at 1,000 to 7,000 of its 8,000 characters
+    assert all(len(run) <= LONGEST_WORD for piece in pieces for run in piece.split())

@@ -68,10 +68,16 @@ def absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(path)
 
 
+def holds_token_ids(source: str) -> bool:
+    """Whether a data source names a file of token ids by its suffix (.npy, .bin; .NPY from a
+    case-blind system too)."""
+    return Path(source).suffix.lower() in TOKEN_FILES
+
+
 def tokenized(source: str) -> bool:
     """Whether a run on this source tokenizes text, and so keeps a tokenizer.json: not a recall
     task, not a file of token ids."""
-    return source not in SYNTHETIC and Path(source).suffix not in TOKEN_FILES
+    return source not in SYNTHETIC and not holds_token_ids(source)
 
 
 def holds_examples(source: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 import sysconfig
 import warnings
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import torch
 
 from archlab.files import write_text_whole, write_whole
 from archlab.loss import IGNORE
-from archlab.train.config import SYNTHETIC, TOKEN_FILES, Data, absolute, anchored_source, holds_examples
+from archlab.train.config import SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -445,8 +446,23 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[], show_progress=False
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator((piece for text in texts for piece in _training_pieces(text)), trainer)
     return tokenizer
+
+
+LONGEST_WORD = 1000  # characters of a run without whitespace that BPE training takes at once
+
+
+def _training_pieces(text: str):
+    """``text`` in pieces for BPE training, cut only inside runs of more than LONGEST_WORD
+    characters without whitespace (DNA, base64): such a run is one pre-token, whose training takes
+    time quadratic in its length (minutes for a 1 MB line, and Ctrl-C waits for it). Text
+    without such runs is one piece, and trains the same tokenizer as before."""
+    start = 0
+    for run in re.finditer(rf"\S{{{LONGEST_WORD}}}(?=\S)", text):  # a long run: one match per LONGEST_WORD characters of it
+        yield text[start:run.end()]
+        start = run.end()
+    yield text[start:]
 
 
 def read_tokenizer(path: str):
@@ -481,7 +497,7 @@ NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
 
 def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
     try:
-        if path.suffix == ".npy":
+        if path.suffix.lower() == ".npy":
             with open(path, "rb") as f:
                 if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
                     raise DataError(f"token file {str(path)!r} is not a NumPy .npy file (it does not begin as one does);"
@@ -494,10 +510,13 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
         objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
         why = "it holds Python objects, not token ids" if objects else exc
         raise DataError(f"token file {str(path)!r} could not be read: {why}") from None
-    raw = path.suffix != ".npy"  # its ids' width is data.token_dtype's word, not the file's
-    if raw and tokens.ndim == 1 and cfg.token_dtype == "uint16" and len(tokens) % 2 == 0 and _every_other_zero(tokens):
-        raise DataError(f"token file {str(path)!r} read as uint16 has every other id 0, as uint32 ids read as uint16 do;"
-                        " if it holds uint32 ids, set data.token_dtype: uint32")
+    raw = path.suffix.lower() != ".npy"  # its ids' width is data.token_dtype's word, not the file's
+    if raw and tokens.ndim == 1 and len(tokens) % 2 == 0 and (halves := _high_halves(tokens)):
+        wider, advice = {"uint16": ("uint32", "if it holds uint32 ids, set data.token_dtype: uint32; 64-bit ids: "),
+                         "uint32": ("64-bit", "")}[cfg.token_dtype]
+        raise DataError(f"token file {str(path)!r} read as {cfg.token_dtype} holds ids below 16 alone at its odd positions (at most"
+                        f" {halves[0]}) and up to {halves[1]} at its even ones, as the high halves of {wider} ids read as"
+                        f" {cfg.token_dtype} do; {advice}save them with numpy.save as .npy, which records their width")
     problem = _not_token_ids(tokens, vocab_size)
     if problem:
         hint = f" (read as {cfg.token_dtype}: is that the width it was written in? data.token_dtype)" if raw and ">=" in problem else ""
@@ -516,23 +535,44 @@ def _not_token_ids(tokens: np.ndarray, vocab_size: int) -> str | None:
     return None
 
 
-def _every_other_zero(tokens: np.ndarray, sample: int = 1 << 20) -> bool:
-    """Whether the odd positions of the file's start are all 0 while the even ones are not."""
+def _high_halves(tokens: np.ndarray, sample: int = 1 << 20) -> tuple[int, int] | None:
+    """The largest id at the odd and at the even positions of the file's start, where the odd ones
+    look like the high halves of ids twice as wide (little-endian): all below 16 (0 and 1 for a
+    vocabulary under 2**17 read at half width), and far below the even ones. Text's ids are spread
+    alike over both."""
     start = np.asarray(tokens[:sample])
-    return len(start) >= 64 and not start[1::2].any() and bool(start[0::2].any())
+    if len(start) < 64:
+        return None
+    odd, even = int(start[1::2].max()), int(start[0::2].max())
+    return (odd, even) if odd < 16 and even > 16 * odd else None
 
 
 CORPUS_FILES = ("train.npy", "val.npy", "corpus.json")  # a tokenized corpus, in data_dir / "data"
 
 
-def _made_from(cfg: Data, vocab_size: int) -> dict:
-    """What decides a tokenized corpus's tokens: the same answer reads back the same tokens."""
-    return {**cfg.model_dump(mode="json", exclude={"cache", "token_dtype"}), "vocab_size": vocab_size}
+def _made_from(cfg: Data, vocab_size: int, text: str | None) -> dict:
+    """What decides a tokenized corpus's tokens: the same answer reads back the same tokens. The
+    text's fingerprint (``_text_fingerprint``) tells a source's files edited since apart."""
+    return {**cfg.model_dump(mode="json", exclude={"cache", "token_dtype"}), "vocab_size": vocab_size, "text": text}
 
 
-def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool) -> None:
+def _text_fingerprint(texts: list[str], tokenizer: str | None) -> str:
+    """Of the text read from a source, and of the tokenizer file given to encode it (one replaced
+    at the same path encodes it otherwise)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for text in texts:
+        digest.update(text.encode("utf-8", "surrogatepass"))
+        digest.update(b"\0")
+    if tokenizer:
+        digest.update(Path(tokenizer).read_bytes())
+    return digest.hexdigest()
+
+
+def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool, text: str | None) -> None:
     """A tokenized corpus made from other data would be read back in place of this data: replace
-    it where ``replace`` allows (the run's own folder, on a fresh start), refuse otherwise."""
+    it where ``replace`` allows (the run's own folder, on a fresh start), refuse otherwise. Its
+    text is compared where ``text`` gives its fingerprint now and the corpus recorded one (a
+    resume reads back the tokens it trained on, whatever its files hold now)."""
     cache = data_dir / "data"
     try:
         made_from = json.loads((cache / "corpus.json").read_text())
@@ -544,13 +584,17 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         made_from |= {"source": anchored_source(made_from["source"]), "tokenizer": absolute(made_from["tokenizer"])}
     except (TypeError, KeyError, AttributeError):
         pass  # not a record of this shape: told apart below
-    wanted = _made_from(cfg, vocab_size)
+    wanted = _made_from(cfg, vocab_size, text)
+    if isinstance(made_from, dict) and (text is None or made_from.get("text") is None):  # nothing to compare the text with
+        wanted["text"] = made_from.get("text")
     if made_from == wanted:
         return
     if not replace:
         made = "whose corpus.json does not read"
         if isinstance(made_from, dict):
-            made = "tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in wanted if made_from.get(key) != wanted[key])
+            differ = [key for key in wanted if made_from.get(key) != wanted[key]]
+            made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
+                    if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
         raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
                         f" (a study: another --out), or remove {cache} to tokenize again")
     for name in CORPUS_FILES:
@@ -583,7 +627,7 @@ def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> tuple[np.nd
     on): a token file's ids, or text (or examples) tokenized with ``tokenizer`` (a run's own); and
     which of them count (of examples, their responses; None: every one)."""
     path = Path(cfg.source)
-    if path.suffix in TOKEN_FILES and path.is_file():
+    if holds_token_ids(cfg.source) and path.is_file():
         return _token_file(path, cfg, vocab_size), None
     if tokenizer is None:
         raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
@@ -605,14 +649,19 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     path = Path(cfg.source)
     if holds_examples(cfg.source):
         return _examples(cfg, vocab_size, seq_len, seed, data_dir, resume)
-    if path.suffix in TOKEN_FILES and path.is_file():
+    if holds_token_ids(cfg.source) and path.is_file():
         tokens = _token_file(path, cfg, vocab_size)
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
     cache = data_dir / "data"
-    _drop_other_corpus(cfg, vocab_size, data_dir, replace)
+    reread = resume and (cache / "train.npy").is_file()  # the tokens it trained on, whatever the source holds now
+    texts = None if reread else read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+    text = None if texts is None else _text_fingerprint(texts, cfg.tokenizer)
+    _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)
     if not (cache / "train.npy").is_file():
-        texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+        if texts is None:
+            texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+            text = _text_fingerprint(texts, cfg.tokenizer)
         own = data_dir / "tokenizer.json"
         if cfg.tokenizer or (resume and own.is_file()):  # a resume keeps the tokenizer its run generates with
             tokenizer = load_tokenizer(cfg.tokenizer or str(own), vocab_size)
@@ -624,7 +673,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote
         write_text_whole(data_dir / "tokenizer.json", tokenizer.to_str(pretty=True))
         write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
-        write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size), indent=2))
+        write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size, text), indent=2))
         write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
     damaged = f"the tokenized corpus in {cache} is damaged"
     again = f"remove {cache} to tokenize it again"

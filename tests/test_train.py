@@ -528,7 +528,8 @@ def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(cli, tm
     monkeypatch.chdir(tmp_path / "elsewhere")
     code, _, stderr = cli("generate", "../run", "--prompt", "the lazy", "--max-new-tokens", "4")
     assert code == 0, stderr
-    assert f"tokenizer {tmp_path / 'shared' / 'tokenizer.json'}" in stderr
+    assert "tokenizer ../run/tokenizer.json" in stderr  # its own copy
+    assert (tmp_path / "run" / "tokenizer.json").read_bytes() == (tmp_path / "shared" / "tokenizer.json").read_bytes()
     resumed = cli("train", spec, "--out", "../run", "--resume", "--steps", "3")
     assert resumed[0] == 0, resumed[2]
     for file in (config, corpus):  # as a run recorded them before paths were made absolute
@@ -536,6 +537,16 @@ def test_a_run_records_its_data_paths_whole_so_it_is_found_from_anywhere(cli, tm
     monkeypatch.chdir(tmp_path)
     older = cli("train", spec, "--out", "run", "--resume", "--steps", "4")  # from where it was started
     assert older[0] == 0, older[2]
+    own = (tmp_path / "run" / "tokenizer.json").read_bytes()
+    # another corpus in the shared cache, as its refusal of other data advises, replaces the cache's tokenizer, not the run's
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "b.txt").write_text("a wholly different text, with words of its own: zebra quartz. " * 400)
+    shutil.rmtree(tmp_path / "shared" / "data")
+    wider = tmp_path / "v512.yaml"  # a vocabulary with merges to learn: tokenizers of 256 byte tokens are all alike
+    wider.write_text(f"extends: {spec}\nname: v512\nvocab_size: 512\n")
+    assert cli("train", wider, "--out", "other-run", "--data", "other", *SMALL, "--set", "data.cache=shared", "--steps", "1")[0] == 0
+    assert (tmp_path / "shared" / "tokenizer.json").read_bytes() != own == (tmp_path / "run" / "tokenizer.json").read_bytes()
+    (tmp_path / "run" / "tokenizer.json").unlink()  # as a run from before runs kept a copy, reading the cache's
     (tmp_path / "shared" / "tokenizer.json").unlink()  # byte tokens in its place would print garbage
     refused(cli("generate", "run", "--max-new-tokens", "4"),
             f"the run's tokenizer is not at {tmp_path / 'shared' / 'tokenizer.json'}, where data.cache")

@@ -233,14 +233,18 @@ def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
 
 
 def tokenizer_of(run_dir: Path) -> Path | None:
-    """A run's tokenizer.json: in its config's ``data.cache``, or in the run itself. A run on token
-    ids or on a recall task has none; one on text that cannot be found is an error, since byte
-    tokens in its place would print garbage. A config that does not validate is a SpecError."""
+    """A run's tokenizer.json: in the run itself (a run on a shared ``data.cache`` keeps a copy,
+    since the cache's is replaced with its corpus), else in that cache (a run from before they
+    kept one). A run on token ids or on a recall task has none; one on text that cannot be found is
+    an error, since byte tokens in its place would print garbage. A config that does not validate
+    is a SpecError."""
     from archlab.train.config import load_config, tokenized
 
     file = run_dir / "config.yaml"
-    if not file.is_file():  # a run without its config: its own tokenizer, if it has one
-        return run_dir / "tokenizer.json" if (run_dir / "tokenizer.json").is_file() else None
+    if (run_dir / "tokenizer.json").is_file():
+        return run_dir / "tokenizer.json"
+    if not file.is_file():  # a run without its config or tokenizer
+        return None
     data = load_config(str(file)).data
     tokenizer = Path(data.cache or run_dir) / "tokenizer.json"
     if tokenizer.is_file():

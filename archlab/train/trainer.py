@@ -499,6 +499,9 @@ class Trainer:
             if self.resumed_corpus not in (None, data.fingerprint):
                 raise TrainError(f"{data.describe} is not the data the run trained on: its checkpoint records"
                                  f" {self.resumed_corpus}, the data now gives {data.fingerprint}; {put_back()}")
+            shared, own = data_dir / "tokenizer.json", self.run_dir / "tokenizer.json"
+            if data_dir != self.run_dir and shared.is_file() and not (resume and own.is_file()):
+                write_text_whole(own, shared.read_text())  # the run's own: a shared cache's is replaced with its corpus
             return data
 
         data = self.world.from_main(first)

@@ -1875,3 +1875,17 @@ def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word
     pieces = list(_training_pieces(dna))
     assert "".join(pieces) == dna and len(pieces) == 8  # cut at 1,000 to 7,000 of its 8,000 characters
     assert all(len(run) <= LONGEST_WORD for piece in pieces for run in piece.split())
+
+
+def test_evaluate_refuses_a_held_out_split_that_is_not_the_runs(cli, tmp_path):
+    """A resume refused data changed since by its fingerprint; evaluate scored whatever the source
+    held now (shuffled examples: mostly training ones), without a word."""
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.random.default_rng(0).integers(0, 256, 6000))
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", tokens, *SMALL, "--steps", "1")[0] == 0
+    assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2")[0] == 0
+    np.save(tokens, np.random.default_rng(1).integers(0, 256, 6000))
+    refused(cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2"),
+            f"is not the data {run} trained on: its checkpoint records", "give --data to score other text")
+    assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2", "--data", tokens)[0] == 0

@@ -9,6 +9,7 @@ task is scored on fresh sequences of each length instead, at the answer position
 
 from __future__ import annotations
 
+import json
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -76,16 +77,18 @@ class Loaded:
     config: TrainConfig
     tokenizer: Path | None
     data: str | None
+    corpus: str | None  # the fingerprint of the tokens the checkpoint trained on (None: one from before they recorded it)
 
     @classmethod
     def of(cls, run: Path, data: str | None = None) -> Loaded:
-        _, model, _, tokenizer = load_trained(run)
+        _, model, used, tokenizer = load_trained(run)
         if run.parent.name == "checkpoints":
             raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says what data"
                                   " it held out (its latest checkpoint is scored)")
         if not (run / "config.yaml").is_file():
             raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
-        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data)
+        corpus = json.loads((used / "state.json").read_text()).get("corpus")  # load_trained read it whole
+        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus)
 
     @property
     def source(self) -> str:
@@ -117,6 +120,10 @@ class Loaded:
         cfg, vocab = self.config, self.model.spec.vocab_size
         if self.data is None:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
+            if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
+                raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
+                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back to"
+                                      " score its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 

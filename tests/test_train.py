@@ -264,6 +264,22 @@ def test_a_text_folder_leaves_out_its_hidden_folders(tmp_path):
     assert read_texts(str(tmp_path / ".venv"), 20) == ["import os\n" * 2]  # given as the corpus, it is read
 
 
+def test_a_text_folder_follows_linked_folders_once_and_drops_byte_order_marks(tmp_path):
+    """A linked subfolder was skipped without a word (a corpus of links held "no text"), and a
+    file's byte-order mark became the first characters of the corpus."""
+    from archlab.train.data import read_texts
+
+    shared, corpus = tmp_path / "shared", tmp_path / "corpus"
+    shared.mkdir()
+    (shared / "a.txt").write_text("shared text")
+    corpus.mkdir()
+    (corpus / "linked").symlink_to(shared, target_is_directory=True)
+    (corpus / "again").symlink_to(shared, target_is_directory=True)  # one folder, linked twice: read once
+    (shared / "up").symlink_to(corpus, target_is_directory=True)  # a loop
+    (corpus / "own.md").write_bytes("\ufeffits own".encode())
+    assert read_texts(str(corpus), 5000) == ["shared text", "its own"]
+
+
 @pytest.mark.parametrize("max_bytes", [1, 4095, 4096, 8193, 100_001])
 def test_a_text_file_is_read_as_far_as_max_bytes_as_reading_it_whole_cut_it(tmp_path, max_bytes):
     """The same characters, newlines read as text mode reads them, so a corpus tokenizes as it did."""

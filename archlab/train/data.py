@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 import sysconfig
 import warnings
@@ -190,8 +191,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
         path = Path(source)
         if not path.exists():
             raise DataError(f"data source {source!r}: no such file or folder")
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES
-                       and not _hidden(p.relative_to(path))) if path.is_dir() else [path]
+        files = _text_files(path) if path.is_dir() else [path]
         looked_for = (f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}, outside hidden folders such as .git"
                       f" or .venv" if path.is_dir() else "")
         root = path if path.is_dir() else None
@@ -242,7 +242,7 @@ def _read_text(file: Path, wanted: int) -> str:
     """The first ``wanted`` characters of a UTF-8 text file, as ``read_text()[:wanted]`` gives
     them, read no further (a file larger than memory, an endless stream such as /dev/zero)."""
     try:
-        with open(file, encoding="utf-8") as f:
+        with open(file, encoding="utf-8-sig") as f:  # a byte-order mark, which some editors write, is no text
             text = f.read(wanted)
     except UnicodeDecodeError as exc:
         raise _NotText(f"not UTF-8: byte 0x{exc.object[exc.start]:02x}") from None
@@ -268,9 +268,19 @@ def _say_cut(source: str, max_bytes: int) -> None:
                   " raise data.max_bytes to train on the rest", stacklevel=3)
 
 
-def _hidden(relative: Path) -> bool:
-    """A file under a hidden folder (.git, .venv) of a text folder: tooling, not the corpus."""
-    return any(part.startswith(".") for part in relative.parts[:-1])
+def _text_files(folder: Path) -> list[Path]:
+    """The text files of a folder, in every subfolder but hidden ones (.git, .venv: tooling, not
+    the corpus), linked ones too (which ``Path.rglob`` skips), each real folder once."""
+    found, seen = [], set()
+    for root, folders, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:  # a link back up the tree, or a second link to one folder
+            folders[:] = []
+            continue
+        seen.add(real)
+        folders[:] = sorted(name for name in folders if not name.startswith("."))  # a folder linked twice: read where first in order
+        found += [Path(root, name) for name in names if Path(name).suffix.lower() in TEXT_SUFFIXES and Path(root, name).is_file()]
+    return sorted(found)
 
 
 def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:

@@ -673,8 +673,14 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
             texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
             text = _text_fingerprint(texts, cfg.tokenizer)
         own = data_dir / "tokenizer.json"
-        if cfg.tokenizer or (resume and own.is_file()):  # a resume keeps the tokenizer its run generates with
-            tokenizer = load_tokenizer(cfg.tokenizer or str(own), vocab_size)
+        if cfg.tokenizer:
+            tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
+        elif resume and own.is_file():  # a resume keeps the tokenizer its run generates with
+            try:
+                tokenizer = load_tokenizer(str(own), vocab_size)
+            except DataError as exc:
+                raise DataError(f"{exc}; put it back, or remove it to train one again from the text (the resume then checks"
+                                " the tokens against its checkpoint)") from None
         else:
             tokenizer = train_tokenizer(texts, vocab_size)
         ids = _encoded(cfg.source, texts, tokenizer)
@@ -696,7 +702,8 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         problem = _not_token_ids(splits[split], vocab_size)  # ids past the vocabulary would stop the first step
         if problem:
             raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
-    _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or {again}")
+    _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or remove it and"
+                                           f" {cache} to tokenize again")
     return TokenSource(splits["train"], splits["val"], seq_len, seed, repr(cfg.source))
 
 

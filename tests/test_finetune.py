@@ -505,6 +505,15 @@ def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines,
     refused(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", path], said.format(path=str(path)))
 
 
+def test_examples_not_utf8_are_named_by_their_line(cli, tmp_path):
+    """Decoded ahead of the lines, the file's error named no line, where every other one does."""
+    path = tmp_path / "latin1.jsonl"
+    good = b'{"prompt": "a", "response": "b"}\n'
+    path.write_bytes(good * 300 + '{"prompt": "caf\u00e9", "response": "b"}\n'.encode("latin-1") + good)
+    refused(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", path],
+            f"line 301 of {str(path)!r} is not UTF-8 text (byte 0xe9); convert the file to UTF-8")
+
+
 def test_examples_read_whatever_their_files_suffix_case_or_byte_order_mark(examples, tmp_path):
     """JSON Lines by either name, in either case, with or without a byte-order mark; too few examples
     within max_bytes say that it cut them short."""

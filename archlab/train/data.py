@@ -310,6 +310,17 @@ MESSAGE_END = "<|end|>"
 HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # a message's role, as its text begins
 
 
+def _first_line_not_utf8(file: Path) -> tuple[int, int] | None:
+    """The number of a file's first line that does not decode as UTF-8, and its first bad byte."""
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return number, line[exc.start]
+    return None
+
+
 def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
     """The examples of a ``.jsonl`` file, one JSON object a line, in order, up to ``max_bytes``
     characters of their text: each as its pieces of text, with whether their tokens count (see
@@ -339,8 +350,9 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
                 pieces, chars = _example(value, f"line {number} of {source!r}", line)
                 examples.append(pieces)
                 total += chars
-        except UnicodeDecodeError as exc:
-            raise DataError(f"data source {source!r} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})") from None
+        except UnicodeDecodeError as exc:  # met reading ahead: the line is found again byte by byte
+            number, byte = _first_line_not_utf8(Path(source)) or ("?", exc.object[exc.start])
+            raise DataError(f"line {number} of {source!r} is not UTF-8 text (byte 0x{byte:02x}); convert the file to UTF-8") from None
     if cut:
         _say_cut(source, max_bytes)
     if len(examples) < 2:

@@ -514,7 +514,7 @@ def chat(
     <|end|>, which is not shown). The conversation so far is tokenized as training tokenized it,
     piece by piece, which a prompt given to generate is not, and stays in the cache: a turn feeds
     only the last reply (so tokenized) and the new message."""
-    from archlab.train.data import HEADERS, MESSAGE_END, DataError, reply_prompt
+    from archlab.train.data import HEADERS, MESSAGE_END, DataError, holds_pairs, reply_prompt
 
     sampling = _sampling(temperature, top_k, top_p, seed)
     system = None if system is None else _utf8("--system", system)
@@ -528,6 +528,10 @@ def chat(
     if source is not None and not holds_examples(source):
         err.print(f"[yellow]notice[/]: {escape(str(run))} trained on {escape(source)}, not on conversations: its replies need not end"
                   " where a message does", highlight=False)
+    elif source is not None and holds_pairs(source):
+        err.print(f"[yellow]notice[/]: {escape(str(run))} trained on the prompt/response pairs of {escape(source)}, not on"
+                  " conversations: it learned a response after a bare prompt, ended by a newline, not the turns chat gives it"
+                  " (`generate --prompt` asks as it learned)", highlight=False)
     engine = Engine(model.to(_dtype(spec, dtype)).eval())
     messages = [] if system is None else [{"role": "system", "content": system}]
     typed = sys.stdin.isatty()

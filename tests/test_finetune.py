@@ -871,3 +871,15 @@ def test_a_worker_on_another_definition_keeps_the_starts_of_the_variants_it_does
     starts = join(narrower, out, url, grace_period=60).user_attrs["starts"]
     assert sorted(starts) == ["tuned"] and sorted(starts["tuned"]) == ["0", "1"]
     assert starts["tuned"]["1"]["checkpoint"] == str(pretrained / "checkpoints/step-00000004")
+
+
+def test_chat_says_a_run_fine_tuned_on_pairs_learned_no_turns(cli, pretrained, examples, tmp_path, monkeypatch):
+    """Its replies end at a newline, after a bare prompt; chat gives it role headers and turns."""
+    run = tmp_path / "pairs"
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--init", pretrained, "--data", examples,
+                          "--steps", "1", *SMALL)
+    assert code == 0, stderr
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n"))
+    code, _, stderr = cli("chat", run, "--max-new-tokens", "1")
+    assert code in (0, None) and (f"{run} trained on the prompt/response pairs of {examples}, not on conversations: it learned a"
+                                  " response after a bare prompt, ended by a newline") in " ".join(stderr.split()), stderr

@@ -310,6 +310,16 @@ MESSAGE_END = "<|end|>"
 HEADERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # a message's role, as its text begins
 
 
+def holds_pairs(source: str) -> bool:
+    """Whether a file of examples holds prompt/response pairs alone, which teach a response after
+    a bare prompt, ended by a newline, and no conversation's turns (a line naming "messages")."""
+    try:
+        with open(source, encoding="utf-8-sig", errors="replace") as f:
+            return not any('"messages"' in line for line in f)
+    except OSError:
+        return False  # gone since: nothing to say of it
+
+
 def _first_line_not_utf8(file: Path) -> tuple[int, int] | None:
     """The number of a file's first line that does not decode as UTF-8, and its first bad byte."""
     with open(file, "rb") as f:

@@ -430,6 +430,9 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
         _error(str(exc))
         raise typer.Exit(1) from None
     err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
+    if tokenizer is None:
+        err.print(f"[yellow]notice[/]: {escape(str(source))} has no tokenizer (it trained on token ids or a recall task): text is read"
+                  " and printed as UTF-8 bytes, ids 0 to 255, which its ids need not be", highlight=False)
     return spec, model, codec
 
 

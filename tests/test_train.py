@@ -1905,6 +1905,9 @@ def test_evaluate_refuses_a_held_out_split_that_is_not_the_runs(cli, tmp_path):
     run = tmp_path / "run"
     assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", tokens, *SMALL, "--steps", "1")[0] == 0
     assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2")[0] == 0
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "2")  # its prompt was read as bytes without a word
+    assert code in (0, None) and f"{run} has no tokenizer (it trained on token ids or a recall task): text is read and printed as" \
+        " UTF-8 bytes" in " ".join(stderr.split()), stderr
     np.save(tokens, np.random.default_rng(1).integers(0, 256, 6000))
     refused(cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2"),
             f"is not the data {run} trained on: its checkpoint records", "give --data to score other text")

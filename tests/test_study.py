@@ -295,6 +295,9 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
     edited = edit(variants={"yoco": {"spec": "yoco.yaml", "set": {"init_std": 0.01}}, "yoco-u": {"spec": "yoco-u.yaml"}})
     with pytest.raises(StudyChanged, match=r"spec\.init_std 0\.02 -> 0\.01"):
         check_unchanged(edited, optuna_study)
+    with pytest.raises(StudyChanged, match=r"yoco seed 0 lr slot 0: lr 0\.002 \(a grid point\) -> drawn over \[0\.002, 0\.008\] \(tpe\); "):
+        check_unchanged(edit(sampler="tpe"), optuna_study)  # it listed lr[0] (absent) -> 0.002, lr[1] (absent) -> 0.008
+    edited = edit(sampler="grid")
     # a trial recorded before trials kept their setup is checked by the lr and steps it kept
     legacy = optuna.create_study(study_name="edited-tiny")
     legacy.add_trial(optuna.trial.create_trial(

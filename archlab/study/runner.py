@@ -98,6 +98,9 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         recorded = as_recorded_now(kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept}))
         current = study.setup(key[0], key[2])
         differences = describe_differences(recorded, {name: current.get(name) for name in recorded})
+        if "lr" in recorded and isinstance(recorded["lr"], list) != isinstance(current["lr"], list):  # grid <-> tpe
+            differences = [f"lr {_lr_said(recorded['lr'])} -> {_lr_said(current['lr'])}",
+                           *(d for d in differences if not d.startswith("lr"))]
         was, now = kept.get("started_from"), (starts or {}).get(key[0], {}).get(key[1])
         if "init" in current and "init" not in recorded:  # a setup records init only where set: this trial trained from scratch
             init = current["init"]
@@ -117,6 +120,11 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
             + (" (and the studies or runs its variants start from)" if moved else "")
             + ", or run the study afresh with another --out (or --storage); the trials already there are kept"
         )
+
+
+def _lr_said(lr: float | list[float]) -> str:
+    """A setup's learning rate: a grid's point, or the range a TPE draw is taken from."""
+    return f"drawn over [{lr[0]:g}, {lr[1]:g}] (tpe)" if isinstance(lr, list) else f"{lr:g} (a grid point)"
 
 
 def shown(url: str) -> str:

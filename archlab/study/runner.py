@@ -70,7 +70,11 @@ def default_dir(study: Study) -> Path:
 
 
 def storage_url(out: Path, url: str | None) -> str:
-    """The given storage, or a SQLite file in the study directory (one machine, no server)."""
+    """The given storage, or a SQLite file in the study directory (one machine, no server). A
+    server's URL whose user or password holds an @ is refused: the driver would take what follows
+    it for the host, and print that piece of the password in its error."""
+    if url and url.partition("://")[2].split("/", 1)[0].count("@") > 1:
+        raise StorageError(f"{shown(url)}: its user or password holds an @, which ends them in a URL; write it as %40")
     return url or sqlalchemy.engine.URL.create("sqlite", database=str((out / "optuna.db").resolve())).render_as_string()  # a ? in it quoted
 
 
@@ -348,7 +352,9 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
         agreed = optuna_study.user_attrs.get("grace_period")  # the running workers'
         if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
-                               f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period {agreed}")
+                               f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period"
+                               f" {agreed} (another may be given once no trial is running; a worker given {agreed} takes over a"
+                               " stopped worker's trial once it has been silent that long)")
         # a trial whose starting run is missing would fail; the study stops now instead
         starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
         check_unchanged(study, optuna_study, starts)
@@ -663,6 +669,7 @@ def _work(study: Study, out: Path, url: str, console: Console, grace_period: int
     live = console.is_interactive  # a terminal; a log file gets a plain line per trial instead
     with Progress(*columns, console=console, disable=not live) as progress:
         task = progress.add_task("study", total=len(planned), now="")
+        waiting = False  # said once a wait begins
         while True:
             trial_id = claim(optuna_study, url, out, planned)
             progress.update(task, completed=len(settled(optuna_study.get_trials(deepcopy=False))))
@@ -670,9 +677,14 @@ def _work(study: Study, out: Path, url: str, console: Console, grace_period: int
                 unfinished = optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
                 if not any(t.state == TrialState.RUNNING or planned_as(t) in planned for t in unfinished):
                     break
+                if not live and not waiting:  # a log's reader would see nothing for as long as it waits
+                    console.print(f"waiting for {len(unfinished)} trial(s) of other workers (one whose worker is gone is taken"
+                                  f" over once silent for --grace-period, {grace_period} s)", highlight=False, markup=False)
+                waiting = True
                 progress.update(task, now="waiting for other workers' trials")
                 time.sleep(heartbeat_interval(grace_period))
                 continue
+            waiting = False
             trial = optuna_study._storage.get_trial(trial_id)
             now = "{} seed {} lr slot {}".format(*planned_as(trial))
             progress.update(task, now=now)

@@ -181,7 +181,7 @@ def cost_problems(model: Model) -> list[str]:
     ``state_bytes`` with the cache the engine makes, in the model's dtype and the spec's
     inference dtype (a block may keep some state in the one and some in float32), and
     ``grows_kv_cache`` with how its state grows (``growth_problems``)."""
-    cost, problems = Cost(model.spec), params_problems(model) + growth_problems(model)
+    cost, problems = Cost(model.spec), params_problems(model)
     dtypes = dict.fromkeys([_dtype_name(next(model.parameters()).dtype), model.spec.inference_dtype])
     for dtype, context in ((dtype, context) for dtype in dtypes for context in CACHE_CONTEXTS):
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
@@ -190,7 +190,7 @@ def cost_problems(model: Model) -> list[str]:
                             f" holds {held.total:,} B (is each tensor of new_state counted, at its size for this context"
                             " (a window caps it) and in the dtype it is given?)")
             break
-    return problems
+    return problems + growth_problems(model)  # after the cache is made: each state a dict of row-first tensors
 
 
 def params_problems(model: Model) -> list[str]:

@@ -21,7 +21,7 @@ from archlab.model import Model
 from archlab.registry import RegistryError, named, said
 
 CACHE_CONTEXTS = (1, 17, 4097)  # tokens: one, a few past a typical tiny window, and past most windows
-GROWTH_CONTEXTS = (4096, 8192)  # a state that grows with the context differs in size between these
+GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a state that differs in size between these grows (on meta: free)
 DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
 DECODE_TOLERANCE = 1e-4  # of the largest logit, in float32: the built-in blocks agree to about 1e-6
 SHAPE_CHECK_LENGTH = 16  # tokens in training's forward pass before its first step: shapes alone, so a few
@@ -101,10 +101,12 @@ def shapes_checked(model: Model) -> Iterator[None]:
                 got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
                 raise RegistryError(f"{named(block)}: its forward returned {got} for an x of {list(x.shape)}; a block's"
                                     " forward gives back the shape of its x, [rows, n, d_model]")
-            if output.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):  # autocast's matmuls give its dtype
+            if torch.promote_types(x.dtype, output.dtype) != x.dtype and not torch.is_autocast_enabled(x.device.type):
+                # wider than x (float32 for a bfloat16 x): the residual add would widen the stream, and the next layer's
+                # matmul against weights in x's dtype fail; a narrower one (a forward under its own autocast) is widened back
                 raise RegistryError(f"{named(block)}: its forward returned {_dtype_name(output.dtype)} for an x of"
-                                    f" {_dtype_name(x.dtype)}; a block's forward gives back x's dtype, the one the layers"
-                                    " after it compute in")
+                                    f" {_dtype_name(x.dtype)}; a block's forward gives back x's dtype (or a narrower one),"
+                                    " the one the layers after it compute in")
         return check
 
     handles = [layer.mixer.register_forward_hook(hook(model.spec.block_at(i))) for i, layer in enumerate(model.layers)]

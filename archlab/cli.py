@@ -382,6 +382,9 @@ def generate(
         raise typer.BadParameter("--stop '' is empty; give text to stop at")
     if source.is_dir():
         spec, model, codec = _trained(source)
+        if codec.tokenizer is None:
+            err.print(f"[yellow]notice[/]: {escape(str(source))} has no tokenizer (it trained on token ids or a recall task): text is"
+                      " read and printed as UTF-8 bytes, ids 0 to 255, which its ids need not be", highlight=False)
     else:
         spec, model = _load_one(source), None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
@@ -430,9 +433,6 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
         _error(str(exc))
         raise typer.Exit(1) from None
     err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
-    if tokenizer is None:
-        err.print(f"[yellow]notice[/]: {escape(str(source))} has no tokenizer (it trained on token ids or a recall task): text is read"
-                  " and printed as UTF-8 bytes, ids 0 to 255, which its ids need not be", highlight=False)
     return spec, model, codec
 
 

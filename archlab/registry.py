@@ -46,10 +46,10 @@ class BrokenPlugin(UserWarning):
 def distributions(classes) -> dict[str, str]:
     """The installed packages, other than archlab, that registered these block spec classes, with
     their versions: a run's numbers depend on their code as on archlab's."""
-    found = {}
+    found, tags = {}, {_tags(cls): cls for cls in classes}
     for ep in entry_points(group=GROUP):
-        if ep.dist is not None and not _is_archlab(ep) and any(ep.value == plugin(cls) and (ep.name,) == _tags(cls) for cls in classes):
-            found[ep.dist.name] = ep.dist.version
+        if ep.dist is not None and not _is_archlab(ep) and (ep.name,) in tags and _load(ep) is tags[(ep.name,)]:
+            found[ep.dist.name] = ep.dist.version  # the class it loads, wherever its module re-exports it from
     return found
 
 

@@ -207,7 +207,9 @@ def install_plugin(root, *entries):
 
 
 def test_block_from_another_installed_package(cli, tmp_path):
-    env = install_plugin(tmp_path, "causal_mean = my_blocks:CausalMeanSpec")
+    # registered where its package re-exports it, as packages often do: found there as in its own module
+    env = install_plugin(tmp_path, "causal_mean = my_exports:CausalMeanSpec")
+    (tmp_path / "my_exports.py").write_text("from my_blocks import CausalMeanSpec  # noqa: F401\n")
     spec = tmp_path / "mine.yaml"
     spec.write_text(textwrap.dedent(f"""\
         extends: {ROOT / 'specs/tiny/yoco-u.yaml'}

@@ -108,12 +108,31 @@ def test_a_forward_in_another_dtype_is_named(cli, monkeypatch, swa, tmp_path):
     assert cli("build", SPEC)[0] == 0  # in float32, its inference dtype, the same forward is what the layers after it take
 
 
+def test_a_forward_narrower_than_its_x_is_widened_back(cli, monkeypatch, swa, tmp_path):
+    """As one under its own autocast gives: the residual add widens it, the layers after compute in x's dtype."""
+    built = swa.build
+
+    def build(self, ctx):
+        module = built(self, ctx)
+        module.forward = types.MethodType(lambda mixer, x, inp: type(mixer).forward(mixer, x, inp).bfloat16(), module)
+        return module
+
+    monkeypatch.setattr(swa, "build", build)
+    code, out, stderr = cli("build", SPEC)
+    assert code == 0 and "its forward returned" not in stderr, stderr
+    windowed = tmp_path / "yoco-w5000.yaml"  # a ring of 5,000 rows is not full at 4,096 tokens, and does not grow
+    windowed.write_text(SPEC.read_text().replace("window: 16", "window: 5000"))
+    monkeypatch.undo()
+    code, out, stderr = cli("build", windowed)
+    assert code == 0, stderr
+
+
 @pytest.mark.parametrize(("change", "said"), [
     # a window's cache that forgets the window: equal to the cache up to the window (64), over it past
     # (two layers' 2,097,664 B of K,V rows for 4,097 tokens where their rings hold 32,768, beside the global 1,048,832)
     ("state_bytes", "state_bytes() give 3,146,496 B per sequence at 4097 tokens in float32, the cache holds 1,081,600 B"),
     # a ring of the window's size flagged as growing: a prefill would leave an earlier prompt's keys in it
-    ("grows_kv_cache", "grows_kv_cache is True, but its state's k, v does not grow with the context (from 4,096 to 8,192 tokens)"),
+    ("grows_kv_cache", "grows_kv_cache is True, but its state's k, v does not grow with the context (from 1,048,576 to 2,097,152 tokens)"),
 ])
 def test_cache_formulas_and_flags_are_checked_past_the_window(cli, monkeypatch, swa, change, said, tmp_path):
     spec = tmp_path / "yoco-w64.yaml"

@@ -836,7 +836,7 @@ def test_a_storage_lost_while_a_trial_trains_is_said_and_fails_no_trial(tmp_path
 
 
 @pytest.mark.parametrize(("url", "said"), [
-    ("postgresql://alice:pw@127.0.0.1:port/db", "cannot open the study storage postgresql://alice:***@127.0.0.1:port/db:"),
+    ("postgresql://alice:pw@127.0.0.1:port/db", "postgresql://alice:***@127.0.0.1:port/db: its port is not a number"),
     ("postgres://alice:pw@127.0.0.1:5432/db", "postgres://alice:***@127.0.0.1:5432/db: a PostgreSQL URL begins postgresql://"),
     ("postgresql://alice:p@ss@127.0.0.1:5432/db",  # the driver's error named the host 'ss@127.0.0.1', the password's end
      "postgresql://alice:***@127.0.0.1:5432/db: its user or password holds an @, which ends them in a URL; write it as %40"),

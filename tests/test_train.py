@@ -1883,6 +1883,17 @@ def test_a_tokenized_corpus_is_not_reused_for_text_edited_since(cli, tmp_path):
             f"{cache / 'data'} holds a corpus tokenized from the text {str(corpus)!r} held before it changed")
     assert before == {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
 
+    # one tokenizer at two paths (two fine-tuned runs' own copies of a base's) reads the same text into the same tokens
+    from archlab.train.data import train_tokenizer
+
+    copies = [tmp_path / "base1.json", tmp_path / "base2.json"]
+    for copy in copies:
+        copy.write_text(train_tokenizer(["the lazy dog sleeps. " * 100], 256).to_str())
+    for n, copy in enumerate(copies):
+        code, _, stderr = cli(*train, "--out", tmp_path / f"tuned{n}", "--data", corpus, "--set", f"data.cache={tmp_path / 'tuned'}",
+                              "--set", f"data.tokenizer={copy}")
+        assert code == 0, stderr
+
 
 def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word():
     """Training on a whitespace-free run took time quadratic in its length: 11 s for 200K
@@ -1908,6 +1919,8 @@ def test_evaluate_refuses_a_held_out_split_that_is_not_the_runs(cli, tmp_path):
     code, _, stderr = cli("generate", run, "--max-new-tokens", "2")  # its prompt was read as bytes without a word
     assert code in (0, None) and f"{run} has no tokenizer (it trained on token ids or a recall task): text is read and printed as" \
         " UTF-8 bytes" in " ".join(stderr.split()), stderr
+    code, _, stderr = cli("chat", run)  # refused: no notice of how it would have read text first
+    assert code == 1 and "has no tokenizer" not in stderr and "with no tokenizer to read a conversation with" in stderr, stderr
     np.save(tokens, np.random.default_rng(1).integers(0, 256, 6000))
     refused(cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2"),
             f"is not the data {run} trained on: its checkpoint records", "give --data to score other text")

@@ -75,6 +75,13 @@ def storage_url(out: Path, url: str | None) -> str:
     it for the host, and print that piece of the password in its error."""
     if url and url.partition("://")[2].split("/", 1)[0].count("@") > 1:
         raise StorageError(f"{shown(url)}: its user or password holds an @, which ends them in a URL; write it as %40")
+    try:
+        if url:
+            sqlalchemy.engine.make_url(url).port  # parsed as it is read
+    except ValueError:  # the driver would say "invalid literal for int()"
+        raise StorageError(f"{shown(url)}: its port is not a number") from None
+    except sqlalchemy.exc.ArgumentError:
+        pass  # opening it says what is wrong
     return url or sqlalchemy.engine.URL.create("sqlite", database=str((out / "optuna.db").resolve())).render_as_string()  # a ? in it quoted
 
 

@@ -619,6 +619,9 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     wanted = _made_from(cfg, vocab_size, text)
     if isinstance(made_from, dict) and (text is None or made_from.get("text") is None):  # nothing to compare the text with
         wanted["text"] = made_from.get("text")
+    elif isinstance(made_from, dict):  # the fingerprint holds the tokenizer's bytes: one copied elsewhere is the same
+        made_from.pop("tokenizer", None)
+        wanted.pop("tokenizer")
     if made_from == wanted:
         return
     if not replace:
@@ -628,7 +631,8 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
             made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
                     if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
         raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
-                        f" (a study: another --out), or remove {cache} to tokenize again")
+                        f" (a study: another --out, since its trials so far trained on that corpus), or remove {cache} to"
+                        " tokenize again")
     for name in CORPUS_FILES:
         (cache / name).unlink(missing_ok=True)
     (data_dir / "tokenizer.json").unlink(missing_ok=True)

@@ -122,8 +122,9 @@ class Loaded:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
             if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
                 raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
-                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back to"
-                                      " score its held-out split, or give --data to score other text")
+                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back (and"
+                                      f" remove {Path(cfg.data.cache or self.run) / 'data'}, tokenized from other text) to score"
+                                      " its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 

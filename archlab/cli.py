@@ -374,7 +374,6 @@ def generate(
     folder) brings its weights and tokenizer; a bare spec brings random weights and byte tokens."""
     from archlab.train.data import DataError
 
-
     sampling = _sampling(temperature, top_k, top_p, seed)
     _check_paging(page_size, page_kernel)
     prompt, stop = _utf8("--prompt", prompt), tuple(_utf8("--stop", text) for text in stop or ())

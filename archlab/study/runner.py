@@ -14,6 +14,7 @@ next worker to join. A worker leaves once nothing it plans is waiting and nothin
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -73,16 +74,16 @@ def storage_url(out: Path, url: str | None) -> str:
     """The given storage, or a SQLite file in the study directory (one machine, no server). A
     server's URL whose user or password holds an @ is refused: the driver would take what follows
     it for the host, and print that piece of the password in its error."""
-    if url and url.partition("://")[2].split("/", 1)[0].count("@") > 1:
+    if url is None:
+        return sqlalchemy.engine.URL.create("sqlite", database=str((out / "optuna.db").resolve())).render_as_string()  # a ? in it quoted
+    if url.partition("://")[2].split("/", 1)[0].count("@") > 1:
         raise StorageError(f"{shown(url)}: its user or password holds an @, which ends them in a URL; write it as %40")
-    try:
-        if url:
-            sqlalchemy.engine.make_url(url).port  # parsed as it is read
-    except ValueError:  # the driver would say "invalid literal for int()"
-        raise StorageError(f"{shown(url)}: its port is not a number") from None
-    except sqlalchemy.exc.ArgumentError:
-        pass  # opening it says what is wrong
-    return url or sqlalchemy.engine.URL.create("sqlite", database=str((out / "optuna.db").resolve())).render_as_string()  # a ? in it quoted
+    with contextlib.suppress(sqlalchemy.exc.ArgumentError):  # not a URL at all: opening it says what is wrong
+        try:
+            sqlalchemy.engine.make_url(url)  # it parses the port, as int() would say of one that is no number
+        except ValueError:
+            raise StorageError(f"{shown(url)}: its port is not a number") from None
+    return url
 
 
 class StorageError(Exception):
@@ -584,10 +585,8 @@ def heartbeat(trial_id: int, storage: RDBStorage):
 
     def beat() -> None:
         while True:
-            try:
+            with contextlib.suppress(*STORAGE_ERRORS):  # a beat missed
                 storage.record_heartbeat(trial_id)
-            except STORAGE_ERRORS:
-                pass
             if stop.wait(storage.get_heartbeat_interval()):
                 return
 

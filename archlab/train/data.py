@@ -690,14 +690,13 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
     cache = data_dir / "data"
-    reread = resume and (cache / "train.npy").is_file()  # the tokens it trained on, whatever the source holds now
-    texts = None if reread else read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
-    text = None if texts is None else _text_fingerprint(texts, cfg.tokenizer)
-    _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)
-    if not (cache / "train.npy").is_file():
-        if texts is None:
-            texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
-            text = _text_fingerprint(texts, cfg.tokenizer)
+    if resume and (cache / "train.npy").is_file():  # the tokens it trained on, whatever the source holds now
+        texts, text = None, None
+    else:
+        texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+        text = _text_fingerprint(texts, cfg.tokenizer)
+    _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
+    if texts is not None and not (cache / "train.npy").is_file():
         own = data_dir / "tokenizer.json"
         if cfg.tokenizer:
             tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)

@@ -322,6 +322,32 @@ def test_trials_trained_under_another_definition_are_not_reported_as_this_ones(t
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_study_whose_text_changed_since_its_trials_ran_is_refused(tmp_path, cli):
+    """Removing the shared corpus, as the refusal of the changed text allows, tokenizes the new text:
+    the trials still to run would train on it beside those that trained on the old."""
+    text = tmp_path / "text.txt"
+    first = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(1500))
+    text.write_text(first)
+    path, out = mini(tmp_path, "retexted", steps=2), tmp_path / "out"
+    tiny = yaml.safe_load(path.read_text())["scales"]["tiny"]
+    study = rewrite(path, scales={"tiny": {**tiny, "train": {**tiny["train"], "data": {"source": str(text)}}}})
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
+    text.write_text(first.replace("return x", "return -x"))
+    code, _, stderr = cli("study", "run", path, "--out", out)
+    assert code == 1 and "held before it changed" in stderr, stderr  # the shared corpus's own refusal
+    for made in ("data", "tokenizer.json"):
+        subprocess.run(["rm", "-r", str(out / made)], check=True)
+    code, _, stderr = cli("study", "run", path, "--out", out)
+    said = " ".join(stderr.split())
+    assert code == 1 and "Traceback" not in stderr and "the 1 trial of retexted-tiny run so far trained on another corpus than" in said, stderr
+    assert [t.state for t in trials_of(url, "retexted")].count(TrialState.COMPLETE) == 1  # nothing else trained
+    text.write_text(first)  # put back: tokenized again to the same tokens, the study goes on
+    assert len(join(study, out, url, grace_period=60).get_trials()) == 4
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
 def test_variants_and_seeds_may_be_added_and_removed_after_trials_ran(tmp_path):
     path, out = mini(tmp_path, "grown", steps=2, lr={"low": 0.003, "high": 0.003, "points": 1}), tmp_path / "out"
     study = load_study(str(path))

@@ -43,12 +43,13 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in
+from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in, remove_corpus
 from archlab.train.trainer import Trainer
 
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
 STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
+CORPUS = "corpus"  # the study's user attribute where join records the fingerprint of the corpus its trials share
 PLOTS = ("curves", "loss_vs_flops")  # the report's plots, each NAME.png beside it
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
 # trials, a shared tokenized corpus, and the report with its plots
@@ -132,6 +133,25 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
             + (" (and the studies or runs its variants start from)" if moved else "")
             + ", or run the study afresh with another --out (or --storage); the trials already there are kept"
         )
+
+
+def check_corpus(optuna_study: optuna.Study, fingerprint: str | None, source: str, out: Path) -> None:
+    """Refuse a study whose trials trained on other tokens than its data gives now (its text was
+    edited, and the tokenized corpus removed to tokenize it again): their results and those of the
+    trials still to run would be compared as one study's. The corpus refused is removed, so that the
+    text put back tokenizes again. The first worker to tokenize records the corpus."""
+    recorded = optuna_study.user_attrs.get(CORPUS)
+    if fingerprint is None or recorded == fingerprint:
+        return
+    started = [t for t in optuna_study.get_trials(deepcopy=False) if t.state is not TrialState.WAITING]
+    if recorded is not None and started:
+        remove_corpus(out)
+        raise StudyChanged(
+            f"the {len(started)} trial{'s' * (len(started) > 1)} of {optuna_study.study_name} run so far trained on another corpus"
+            f" than {source!r} gives now (its text changed since): the storage records {recorded}, the data now gives"
+            f" {fingerprint}; put the text back, or run the study afresh with another --out (or --storage); the trials already"
+            " there are kept")
+    optuna_study.set_user_attr(CORPUS, fingerprint)
 
 
 def _lr_said(lr: float | list[float]) -> str:
@@ -386,8 +406,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
         try:
-            if study.shares_corpus:
-                prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out)  # tokenize the corpus once for this worker's trials
+            if study.shares_corpus:  # tokenize the corpus once for this worker's trials
+                check_corpus(optuna_study, prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint, cfg.data.source, out)
             elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
                 read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
             else:

@@ -633,8 +633,13 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
                         f" (a study: another --out, since its trials so far trained on that corpus), or remove {cache} to"
                         " tokenize again")
+    remove_corpus(data_dir)
+
+
+def remove_corpus(data_dir: Path) -> None:
+    """The tokenized corpus in ``data_dir`` and its tokenizer, gone: the next start tokenizes again."""
     for name in CORPUS_FILES:
-        (cache / name).unlink(missing_ok=True)
+        (data_dir / "data" / name).unlink(missing_ok=True)
     (data_dir / "tokenizer.json").unlink(missing_ok=True)
 
 

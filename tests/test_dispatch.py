@@ -413,6 +413,29 @@ def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):
     assert Kernels("gdn", "fla", ("fla",), ("chunk_gated_delta_rule",))(torch.device("cpu"))["chunk_gated_delta_rule"].__module__.startswith("fla.")
 
 
+def test_a_plugin_naming_an_fla_kernel_gets_its_fallbacks(monkeypatch):
+    """By another of fla's modules or as the function itself; a function of the plugin's own that
+    calls fla's is the plugin's, and nothing is known of it."""
+    import fla.ops.simple_gla as simple_gla
+
+    def own_scan(*args, **kwargs):
+        return simple_gla.chunk_simple_gla(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "choose", lambda *args: "fla")
+    cpu = torch.device("cpu")
+    for named in ("fla.ops.simple_gla.chunk:chunk_simple_gla", simple_gla.chunk_simple_gla):
+        table = {("torch", "scan"): own_scan, ("fla", "scan"): named}
+        monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: False)
+        with pytest.raises(BackendError, match="backend 'fla' cannot run scan here: fla's scan runs chunk sizes of a power of 2 from 16, not 48"):
+            Kernels("gla", "fla", ("fla",), ("scan",), table=table, chunk_size=48)(cpu)
+        assert Kernels("gla", "fla", ("fla",), ("scan",), table=table, chunk_size=64)(cpu)["scan"] is simple_gla.chunk_simple_gla
+        monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: True)
+        dispatch._fallback_notice.cache_clear()
+        with pytest.warns(UserWarning, match=r"gla: scan runs on the PyTorch implementation: .*fla #640"):
+            assert Kernels("gla", "auto", ("fla",), ("scan",), table=table, chunk_size=64)(cpu)["scan"] is own_scan
+    assert dispatch.cannot_run("fla", "scan", 48, {("fla", "scan"): own_scan}) is None
+
+
 def test_fla_is_asked_about_its_gated_backward():
     dispatch.fla_refuses_gated_backward.cache_clear()
     assert dispatch.fla_refuses_gated_backward() is False  # no Hopper GPU here

@@ -179,33 +179,51 @@ ADAPTERS = {
 }
 
 
-# fla's chunk kernels run some chunk sizes only (op -> the sizes in words; whether a size is one):
-# 0.6.0 refuses the others at the call, but for powers of 2 under 16, which Triton's matrix
-# products over the chunk (chunk_h's, chunk_o's) refuse to compile for 16-bit inputs.
+# fla's chunk kernels that run some chunk sizes only ("module:function" -> the sizes in words; whether
+# a size is one): 0.6.0 refuses the others at the call, but for powers of 2 under 16, which
+# Triton's matrix products over the chunk (chunk_h's, chunk_o's) refuse to compile for 16-bit inputs.
 FLA_CHUNK_SIZES = {
-    "chunk_gated_delta_rule": ("16, 32 or 64", lambda size: size in (16, 32, 64)),
-    **dict.fromkeys(("chunk_simple_gla", "chunk_retention", "mamba_chunk_scan_combined"),
+    "fla.ops.gated_delta_rule:chunk_gated_delta_rule": ("16, 32 or 64", lambda size: size in (16, 32, 64)),
+    **dict.fromkeys(("fla.ops.simple_gla:chunk_simple_gla", "fla.ops.retention:chunk_retention"),
                     ("a power of 2 from 16", lambda size: size >= 16 and size & (size - 1) == 0)),
 }
+# fla kernels whose backward runs fla's gated chunk_bwd_dqkwg (a per-token decay g)
+FLA_GATED_BACKWARD = {"fla.ops.gated_delta_rule:chunk_gated_delta_rule", "fla.ops.simple_gla:chunk_simple_gla",
+                      "fla.ops.comba:chunk_comba", "fla.ops.precond_gated_delta_rule:chunk_precond_gated_delta_rule"}
+FLA_NAMED = FLA_CHUNK_SIZES.keys() | FLA_GATED_BACKWARD
 
 
-def chunk_size_refused(backend: str, op: str, chunk_size: int | None) -> str | None:
-    """Why ``backend``'s kernel for ``op`` cannot take ``chunk_size``, or None."""
-    if backend != "fla" or chunk_size is None or op not in FLA_CHUNK_SIZES:
+def fla_kernel(backend: str, op: str, table: Mapping[tuple[str, str], str | Callable] | None = None) -> str | None:
+    """The fla kernel named above that does ``op``'s work on ``backend``, or None. A block's own
+    ``table`` may name it by another of its modules, or give the function itself: it is found by
+    what it is (a function of the block's own that calls fla's is not)."""
+    if backend != "fla":
         return None
-    sizes, runs = FLA_CHUNK_SIZES[op]
-    return None if runs(chunk_size) else f"fla's {op} runs chunk sizes of {sizes}, not {chunk_size}"
+    if table and (backend, op) in table:
+        target = table[(backend, op)]
+    else:
+        target = KERNELS.get((backend, ADAPTERS[(backend, op)][0] if (backend, op) in ADAPTERS else op))
+    if target in FLA_NAMED:
+        return target
+    if target is None or not installed("fla"):
+        return None
+    function = _load(target) if isinstance(target, str) else target
+    return next((name for name in sorted(FLA_NAMED) if _load(name) is function), None)
 
 
-def check_chunk_size(problems: Problems, op: str, chunk_size: int, backend: str) -> None:
+def chunk_size_refused(backend: str, op: str, chunk_size: int | None, table: Mapping | None = None) -> str | None:
+    """Why ``backend``'s kernel for ``op`` cannot take ``chunk_size``, or None."""
+    sizes = FLA_CHUNK_SIZES.get(fla_kernel(backend, op, table)) if chunk_size is not None else None
+    if sizes is None or sizes[1](chunk_size):
+        return None
+    return f"fla's {op} runs chunk sizes of {sizes[0]}, not {chunk_size}"
+
+
+def check_chunk_size(problems: Problems, op: str, chunk_size: int, backend: str, table: Mapping | None = None) -> None:
     """A block that names fla is refused a chunk size fla cannot take when its spec is read, not at
     its first step on a GPU (``auto`` runs the op on PyTorch there instead, with a notice)."""
-    if why := chunk_size_refused(backend, op, chunk_size):
+    if why := chunk_size_refused(backend, op, chunk_size, table):
         problems.at("chunk_size").add(f"{why}; choose such a size, or set backend: auto or torch")
-
-
-# fla ops whose backward runs fla's gated chunk_bwd_dqkwg (a per-token decay g)
-FLA_GATED_BACKWARD = {"chunk_gated_delta_rule", "chunk_simple_gla", "mamba_chunk_scan_combined"}
 
 
 @cache
@@ -218,12 +236,12 @@ def fla_refuses_gated_backward() -> bool:
     return IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1 and importlib.util.find_spec("tilelang") is None
 
 
-def cannot_run(backend: str, op: str, chunk_size: int | None = None) -> str | None:
+def cannot_run(backend: str, op: str, chunk_size: int | None = None, table: Mapping | None = None) -> str | None:
     """Why an installed kernel must not run ``op`` here, at a block's chunk size, or None."""
-    if backend == "fla" and op in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
+    if fla_kernel(backend, op, table) in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
         return ("fla's gated chunk backward is wrong with Triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla #640);"
                 " upgrade Triton to >= 3.7.1 or install tilelang")
-    return chunk_size_refused(backend, op, chunk_size)
+    return chunk_size_refused(backend, op, chunk_size, table)
 
 
 @cache
@@ -239,8 +257,9 @@ def _fallback_notice(block: str, op: str, reason: str) -> None:
 class Kernels:
     """A block's core ops, chosen once per device type. A block keeps its own as ``self.kernels``,
     where ``Model.compile_layers`` finds them to choose before tracing. A plugin block whose ops
-    are not in ``KERNELS`` gives its own ``table``, its PyTorch ops under ``"torch"``. A chunked
-    block gives its ``chunk_size``, which some kernels cannot take."""
+    are not in ``KERNELS`` gives its own ``table``, its PyTorch ops under ``"torch"``; one naming an
+    fla kernel of ``FLA_CHUNK_SIZES`` or ``FLA_GATED_BACKWARD`` gets their fallbacks too. A
+    chunked block gives its ``chunk_size``, which some kernels cannot take."""
 
     def __init__(self, block: str, requested: str, backends: tuple[str, ...], ops: tuple[str, ...], auto: tuple[str, ...] | None = None,
                  table: Mapping[tuple[str, str], str | Callable] | None = None, chunk_size: int | None = None):
@@ -262,7 +281,7 @@ class Kernels:
         return self._chosen[device.type]
 
     def _resolve(self, backend: str, op: str):
-        reason = None if backend == "torch" else cannot_run(backend, op, self.chunk_size)
+        reason = None if backend == "torch" else cannot_run(backend, op, self.chunk_size, self.table)
         if reason is None:
             return kernel(backend, op, self.table)
         if self.requested == backend:

@@ -7,9 +7,12 @@ for theirs."""
 from __future__ import annotations
 
 import copy
+import inspect
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -18,7 +21,8 @@ from archlab.cost import Cost, formula
 from archlab.engine import Engine
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
-from archlab.registry import RegistryError, named, said
+from archlab.ops.dispatch import BackendError
+from archlab.registry import RegistryError, named, raised, said
 
 CACHE_CONTEXTS = (1, 17, 4097)  # tokens: one, a few past a typical tiny window, and past most windows
 GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a state that differs in size between these grows (on meta: free)
@@ -42,27 +46,27 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
     passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
     tokens = torch.randint(0, model.spec.vocab_size, (2, n))
-    with shapes_checked(model):
-        try:
-            with Watched("cpu", "its activations and gradients"):
-                with torch.set_grad_enabled(not forward_only):
-                    logits, aux = model(tokens, return_aux=True)
-                if not forward_only:
-                    (logits.float().logsumexp(-1).mean() + aux).backward()
-        except RegistryError as exc:  # a block's output of another shape
-            return CpuCheck(passes, False, [str(exc)])
-        if not logits.isfinite().all():
-            return CpuCheck(passes, False, [f"the forward pass gives nan or inf: first {first_non_finite(model, tokens)}"])
-        if broken := [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]:
-            return CpuCheck(passes, False, [f"the forward pass is finite, the gradients of {len(broken)} parameter(s) are not:"
-                                            f" {', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}"])
-        problems = flops_problems(model)
-        try:
+    try:
+        with shapes_checked(model), Watched("cpu", "its activations and gradients"):
+            with torch.set_grad_enabled(not forward_only):
+                logits, aux = model(tokens, return_aux=True)
+            if not forward_only:
+                (logits.float().logsumexp(-1).mean() + aux).backward()
+    except RegistryError as exc:  # a block's output of another shape, or its forward raised
+        return CpuCheck(passes, False, [str(exc)])
+    if not logits.isfinite().all():
+        return CpuCheck(passes, False, [f"the forward pass gives nan or inf: first {first_non_finite(model, tokens)}"])
+    if broken := [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]:
+        return CpuCheck(passes, False, [f"the forward pass is finite, the gradients of {len(broken)} parameter(s) are not:"
+                                        f" {', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}"])
+    problems = flops_problems(model)
+    try:
+        with shapes_checked(model):
             problems += cost_problems(model) + decode_problems(model, max(min(n, 48), DECODE_LENGTH)) + inference_dtype_problems(model)
-        except RegistryError as exc:  # a module's state the cache cannot hold, a formula that raises, an output's shape
-            problems.append(str(exc))
-        except Exception as exc:  # a block's new_state that raises
-            problems.append(f"making the cache raised {said(exc)} (blocks: {_blocks(model)})")
+    except RegistryError as exc:  # a module's state the cache cannot hold, a formula that raises, an output's shape
+        problems.append(str(exc))
+    except Exception as exc:  # a block's new_state that raises
+        problems.append(f"making the cache raised {said(exc)} (blocks: {_blocks(model)})")
     return CpuCheck(passes, True, problems)
 
 
@@ -93,9 +97,19 @@ def first_non_finite(model: Model, tokens: torch.Tensor) -> str:
 def shapes_checked(model: Model) -> Iterator[None]:
     """Each block's forward must give back a tensor of its input's shape: one that does not is named
     as it returns, with both shapes, where the residual add after it would fail naming neither (or
-    broadcast without a word)."""
+    broadcast without a word). A forward that raises is named too, with the line of its module's
+    file that it raised from, where a traceback would show the plugin's code to someone who only
+    wrote a spec."""
+    running: list = [None]  # the block whose forward has begun and not yet returned, with its module (blocks do not nest)
+
+    def begin(block):
+        def enter(module, args):
+            running[0] = block, module
+        return enter
+
     def hook(block):
         def check(module, args, output):
+            running[0] = None
             x = args[0]
             if not (isinstance(output, torch.Tensor) and output.shape == x.shape):
                 got = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
@@ -109,12 +123,29 @@ def shapes_checked(model: Model) -> Iterator[None]:
                                     " the one the layers after it compute in")
         return check
 
-    handles = [layer.mixer.register_forward_hook(hook(model.spec.block_at(i))) for i, layer in enumerate(model.layers)]
+    handles = [handle for i, layer in enumerate(model.layers) for handle in (
+        layer.mixer.register_forward_pre_hook(begin(model.spec.block_at(i))),
+        layer.mixer.register_forward_hook(hook(model.spec.block_at(i))))]
     try:
         yield
+    except (RegistryError, BackendError, MemoryError, torch.OutOfMemoryError):  # said already, or not the block's code
+        raise
+    except Exception as exc:
+        if running[0] is None:
+            raise
+        block, module = running[0]
+        raise RegistryError(raised(block, "forward", exc) + _raised_at(type(module), exc)) from exc
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _raised_at(module_class: type, exc: BaseException) -> str:
+    """Where in the file defining ``module_class`` an exception was last on its way: the line that
+    raised it, or called what did."""
+    source = inspect.getsourcefile(module_class)
+    lines = [frame.f_lineno for frame, _ in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == source]
+    return f" (at {Path(source).name}:{lines[-1]})" if lines else ""
 
 
 def first_forward(model: Model) -> None:

@@ -3,6 +3,7 @@ is named with the block and its plugin in one line, not shown as a traceback thr
 built-in sliding-window block stands in for a plugin, broken in this process alone (a plugin
 installed from another package is tested in test_cli.py, in processes of their own)."""
 
+import re
 import types
 
 import pytest
@@ -84,6 +85,31 @@ def test_a_forward_of_another_shape_is_named_and_training_writes_nothing(cli, mo
     code, _, stderr = cli("study", "run", study, "--data", "mqar", "--out", tmp_path / "study")  # a trial records why it failed
     assert code == 1 and f"RegistryError: {said.format('1, 16', '1, 16')}" in (tmp_path / "study" / "report.md").read_text(), stderr
     assert not list((tmp_path / "study" / "trials").glob("*/*"))
+
+
+def test_a_forward_that_raises_is_named_with_its_line(cli, monkeypatch, swa, tmp_path):
+    """It gave a traceback through archlab's model in every command; training's first step had
+    written the run's files before it."""
+    built = swa.build
+
+    def build(self, ctx):
+        module = built(self, ctx)
+        module.forward = types.MethodType(lambda mixer, x, inp: type(mixer).forward(mixer, x[..., 1:], inp), module)
+        return module
+
+    monkeypatch.setattr(swa, "build", build)
+    source = (ROOT / "blocks" / "attention.py").read_text().splitlines()
+    line = next(i for i, text in enumerate(source, 1) if "self.qkv_proj(x)" in text)  # where the narrower x first fails
+    said = re.compile(rf"block 'swa' \({re.escape(plugin(swa))}\): its forward raised RuntimeError: mat1 and mat2 shapes cannot be"
+                      rf" multiplied \(\d+x63 and 64x\d+\) \(at attention\.py:{line}\)")
+    code, out, stderr = cli("build", SPEC)
+    assert code == 1 and said.search(" ".join(stderr.split())) and "1 problem(s)" in out and "Traceback" not in stderr, stderr
+    run = tmp_path / "runs" / "a"
+    for command in (["train", SPEC, "--out", run, "--steps", "1"], ["generate", SPEC, "--max-new-tokens", "1"],
+                    ["bench", SPEC, "--seq-len", "8", "--gen", "1"]):
+        code, _, stderr = cli(*command)
+        assert code == 2 and said.search(" ".join(stderr.split())) and "Traceback" not in stderr, (command, stderr)
+    assert not run.parent.exists()
 
 
 def test_a_forward_in_another_dtype_is_named(cli, monkeypatch, swa, tmp_path):

@@ -46,6 +46,22 @@ class Strict(BaseModel):
                                               {"key": key, "value": str(value).lower()})
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_kind(cls, data: Any) -> Any:
+        """A mapping without its tag, for a field whose default is one kind of a tagged union, is that
+        kind where every key it gives is one of that kind's fields: ``norm: {eps: 1e-5}`` sets the
+        default RMSNorm's eps, as ``--set norm.eps=1e-5`` does. Else the tag is said to be missing."""
+        if not isinstance(data, dict):
+            return data
+        tagged = {}
+        for key, info in cls.model_fields.items():
+            value, default, tag = data.get(key), info.default, info.discriminator
+            if (isinstance(tag, str) and isinstance(value, dict) and tag not in value and isinstance(default, BaseModel)
+                    and value.keys() <= type(default).model_fields.keys()):
+                tagged[key] = {tag: getattr(default, tag), **value}
+        return {**data, **tagged} if tagged else data
+
 
 def _wants_a_number(annotation: Any) -> bool:
     kinds = _kinds(annotation)

@@ -406,7 +406,7 @@ class ModelSpec(HoldsBlocks):
             root.at("ffn.top_k").add(f"top_k={self.ffn.top_k} exceeds n_experts={self.ffn.n_experts}")
         if isinstance(self.layout, YocoLayout) and isinstance(self.layout.cross_decoder.position, RoPE):
             if self.layout.global_kv.head_dim % 2:
-                root.at("layout.global_kv.head_dim").add("RoPE in the cross-decoder needs an even head_dim")
+                root.at("layout.global_kv.head_dim").add(f"RoPE in the cross-decoder needs an even head_dim, got {self.layout.global_kv.head_dim}")
         self._check_loop(root.at("loop"))
         return root.found
 
@@ -429,6 +429,10 @@ class ModelSpec(HoldsBlocks):
             return
         if isinstance(self.layout, YocoLayout):
             boundary = self.layout.self_decoder.n_layers
+            if loop.position == "all":
+                at.at("position").add(f"'all' loops a plain stack; in a YOCO layout, 'lower' loops the self-decoder"
+                                      f" (0..{boundary - 1}) and 'upper' the cross-decoder ({boundary}..{n - 1}), or 'range' a part of one")
+                return
             if start < boundary < end:
                 at.add(
                     f"layers {start}..{end - 1} straddle the global K,V projection after layer {boundary - 1};"
@@ -651,10 +655,11 @@ def describe_differences(old: Any, new: Any) -> list[str]:
 
 def _loc(parts: tuple, data: Any) -> str:
     """pydantic's loc as a dotted path through the input, without the union tags it inserts."""
-    out = ""
+    out, key = "", None
     for part in parts:
-        if isinstance(data, dict) and part not in data and part in (data.get("type"), data.get("position")):
-            continue  # the tag of the union member pydantic chose
+        if isinstance(data, dict) and part not in data and (part in (data.get("type"), data.get("position")) or _member(key, part)):
+            continue  # the tag of the union member pydantic chose (a default's, where the mapping gave none: Strict._default_kind)
+        key = part if isinstance(part, str) else key
         if isinstance(data, str) and part == data:
             continue  # a shorthand tag ("rope") that pydantic expanded; the keys after it are kept
         data = data[part] if isinstance(data, (dict, list)) and _has(data, part) else None

@@ -35,8 +35,8 @@ class RetentionSpec(BlockSpec):
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
         check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
-        if ctx.rope_theta is not None and self.dims(ctx.d_model)[0] % 2:
-            problems.at("head_dim").add("RoPE needs an even head_dim")
+        if ctx.rope_theta is not None and (head_dim := self.dims(ctx.d_model)[0]) % 2:
+            problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}")
         check_chunk_size(problems, "chunk_simple_gla" if self.gated else "chunk_retention", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:

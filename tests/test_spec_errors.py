@@ -63,6 +63,8 @@ CASES = [
      ["vocab_size:", "less than or equal to 2147483647"]),
     ("heads vs width", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 5")}, "s.yaml",
      ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
+    ("odd retnet head_dim under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 4, head_dim: 7}")},
+     "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 7"]),
     ("kv heads vs heads", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 4, n_kv_heads: 3")}, "s.yaml",
      ["n_kv_heads=3 must divide n_heads=4"]),
     ("cross heads vs global kv", {"s.yaml": BASE.replace("n_kv_heads: 2", "n_kv_heads: 3")}, "s.yaml",
@@ -75,7 +77,8 @@ CASES = [
      "s.yaml", ["loop:", "outside the stack of 4 layers"]),
     ("loop straddles yoco halves", {"s.yaml": BASE + "loop: {position: range, start: 1, end: 3, times: 2}\n"},
      "s.yaml", ["straddle the global K,V projection", "self-decoder (0..1)", "cross-decoder (2..3)"]),
-    ("all-stack loop in yoco", {"s.yaml": BASE + "loop: {position: all, times: 2}\n"}, "s.yaml", ["straddle"]),
+    ("all-stack loop in yoco", {"s.yaml": BASE + "loop: {position: all, times: 2}\n"}, "s.yaml",
+     ["loop.position: 'all' loops a plain stack; in a YOCO layout, 'lower' loops the self-decoder (0..1) and 'upper' the cross-decoder (2..3)"]),
     ("upper loop on a stack", {"s.yaml": STACK + "loop: {position: upper, times: 2}\n"}, "s.yaml",
      ["loop.position", "names a YOCO half", "'prefix', 'all' or 'range'"]),
     ("cache option over blocks that keep no K,V",
@@ -235,6 +238,21 @@ def test_an_override_inside_a_kind_left_at_its_default_sets_that_default(tmp_pat
     with pytest.raises(archlab.SpecError) as caught:  # the cross-decoder's default is no position, which has no theta
         archlab.load_spec(tmp_path / "s.yaml", ["layout.cross_decoder.position.theta=500"])
     assert "layout.cross_decoder.position.theta: unknown key" in str(caught.value)
+
+
+def test_a_mapping_without_its_kind_in_a_spec_is_its_defaults_kind(tmp_path):
+    """As ``--set`` does above: ``norm: {eps: 0}`` said "missing 'type'", not what is wrong with eps.
+    A mapping with a key its default's kind lacks still needs its kind said."""
+    (tmp_path / "s.yaml").write_text(BASE + "norm: {eps: 1.0e-5}\nffn: {hidden: 64}\n")
+    spec = archlab.load_spec(tmp_path / "s.yaml")
+    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.spec.SwiGLU(hidden=64))
+    for given, said in (("norm: {eps: 0}", "norm.eps: Input should be greater than 0 (got 0)"),
+                        ("loop: {times: 3}", "loop: missing 'position', which says what kind this is"),  # the default, none, has no times
+                        ("ffn: {n_experts: 4}", "ffn: missing 'type', which says what kind this is (one of: swiglu, moe)")):
+        (tmp_path / "s.yaml").write_text(BASE + given + "\n")
+        with pytest.raises(archlab.SpecError) as caught:
+            archlab.load_spec(tmp_path / "s.yaml")
+        assert said in str(caught.value), given
 
 
 def test_overrides_may_be_a_mapping():

@@ -245,7 +245,7 @@ def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrain
     monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 8 * 2**20)  # the weights fit, 10,000 positions do not
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
     code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", 10_000)
-    assert code == 1 and "new tokens and room for 10,028 more does not fit in memory (its states ask for" in stderr, stderr
+    assert code == 1 and "new tokens and room for 10,028 more does not fit in memory (a cache's states (1 sequence of up to " in stderr, stderr
     assert stdout == "User: Hi.\n\n"  # and no "Assistant: " left without its line's end
 
 
@@ -432,8 +432,9 @@ def test_starting_weights_that_do_not_fit_are_refused(cli, pretrained, tmp_path)
     damaged = tmp_path / "damaged"
     shutil.copytree(pretrained, damaged)
     (damaged / "checkpoints/step-00000004/model.safetensors").write_bytes(b"\0" * 64)
-    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", damaged],
-                      f"checkpoint {damaged / 'checkpoints/step-00000004'} is damaged")
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", damaged],  # it said "remove it to resume"
+                      f"checkpoint {damaged / 'checkpoints/step-00000004'} is damaged (",
+                      f"); give --init the one before it, {damaged / 'checkpoints/step-00000002'}")
     assert "fine-tuning needs" not in cli("train", "specs/tiny/transformer.yaml", "--init", damaged, "--out", tmp_path / "run")[2]
 
 
@@ -492,8 +493,8 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": true}]}'],
      'line 2 of {path!r}: message 0 has "weight": true'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b<|end|>c"}]}'],
-     "line 2 of {path!r}: message 1 holds <|end|>, which ends a message (the model would learn to end it there); take it out of the"
-     " content"),
+     "line 2 of {path!r}: message 1 holds <|end|>, which ends a message where the model reads it (and, in training, learns to end"
+     " one there); take it out of the content"),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
     (['{"prompt": "a", "response": "b"}', '{"prompt": "\\ud800", "response": "b"}'],
      'line 2 of {path!r} holds "\\ud800", half of a UTF-16 surrogate pair, which is not text'),

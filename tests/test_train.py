@@ -340,6 +340,22 @@ def test_a_run_writes_neither_over_its_tokenizer_nor_into_the_text_it_reads(cli,
     assert cli("train", "specs/tiny/transformer.yaml", "--out", hidden, "--data", corpus, *SMALL, "--steps", "1")[0] == 0
 
 
+def test_a_finished_run_resumed_with_nothing_to_do_writes_nothing(cli, tmp_path):
+    """It rewrote metrics.jsonl all the same, so the resume of a run on a read-only disk failed."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, "--set", "data.source=mqar", *SMALL, "--steps", "2")[0] == 0
+    before = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in run.rglob("*")}
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume")
+    assert code == 0 and before == {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in run.rglob("*")}, stderr
+
+
+def test_a_run_named_as_its_recall_task_trains(cli, tmp_path, monkeypatch):
+    """``--out mqar --data mqar`` was refused as a run inside "the text folder mqar": the run's own, just made."""
+    monkeypatch.chdir(tmp_path)
+    code, _, stderr = cli("train", ROOT / "specs/tiny/transformer.yaml", "--out", "mqar", "--data", "mqar", *SMALL, "--steps", "1")
+    assert code == 0 and (tmp_path / "mqar" / "checkpoints").is_dir(), stderr
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
 def test_an_endless_stream_is_read_no_further_than_max_bytes():
     """/dev/zero was read whole, until the kernel killed the run with no word; NUL bytes are binary."""
@@ -1240,10 +1256,13 @@ def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tm
     with open(text / "cli.py", "a") as f:
         f.write("# one more line\n")
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3"),
-            f"{str(text)!r} is not the data the run trained on", f"put the run's data back (and remove {run / 'data'}, tokenized")
-    assert (run / "tokenizer.json").read_bytes() == tokenizer  # tokenized again with the run's own
+            f"{str(text)!r} is not the data the run trained on", "the data now gives", "; put the run's data back to resume")
+    assert (run / "tokenizer.json").read_bytes() == tokenizer  # tokenized again with the run's own, which is kept
+    assert not (run / "data").exists()  # the corpus it refused: else the text put back was refused as other text than it
+    refused(cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2"), f"is not the data {run} trained on",
+            "; put the run's data back to score its held-out split")
+    assert not (run / "data").exists() and (run / "tokenizer.json").read_bytes() == tokenizer
     shutil.copy(ROOT / "archlab/cli.py", text)
-    shutil.rmtree(run / "data")
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
     assert code == 0, stderr
 
@@ -1409,6 +1428,12 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                            ([checkpoints(trained_on_text)[-1], "--seq-len", "64"],
                             f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder, {trained_on_text}, whose")):
         refused(cli("evaluate", *args), fragment)
+    damaged = tmp_path / "damaged"  # its state.json gave a traceback, JSONDecodeError or AttributeError
+    shutil.copytree(trained_on_text, damaged)
+    latest = checkpoints(damaged)[-1]
+    for state, why in (('{"step": ', "JSONDecodeError: Expecting value"), ("[1, 2]", "its state.json is not a mapping: [1, 2]")):
+        (latest / "state.json").write_text(state)
+        refused(cli("evaluate", damaged, "--seq-len", "64"), f"checkpoint {latest} is damaged ({why}", "); remove it to score the one before")
 
 
 def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, trained_on_text, trained_on_mqar, tmp_path):

@@ -43,7 +43,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in, remove_corpus
+from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
 from archlab.train.trainer import Trainer
 
 
@@ -135,17 +135,18 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         )
 
 
-def check_corpus(optuna_study: optuna.Study, fingerprint: str | None, source: str, out: Path) -> None:
+def check_corpus(optuna_study: optuna.Study, fingerprint: str | None, source: str, undo: Callable[[], None]) -> None:
     """Refuse a study whose trials trained on other tokens than its data gives now (its text was
     edited, and the tokenized corpus removed to tokenize it again): their results and those of the
-    trials still to run would be compared as one study's. The corpus refused is removed, so that the
-    text put back tokenizes again. The first worker to tokenize records the corpus."""
+    trials still to run would be compared as one study's. ``undo`` removes the corpus just tokenized
+    (``undo_tokenizing``), so that the text put back tokenizes again. The first worker to tokenize
+    records the corpus."""
     recorded = optuna_study.user_attrs.get(CORPUS)
     if fingerprint is None or recorded == fingerprint:
         return
     started = [t for t in optuna_study.get_trials(deepcopy=False) if t.state is not TrialState.WAITING]
     if recorded is not None and started:
-        remove_corpus(out)
+        undo()
         raise StudyChanged(
             f"the {len(started)} trial{'s' * (len(started) > 1)} of {optuna_study.study_name} run so far trained on another corpus"
             f" than {source!r} gives now (its text changed since): the storage records {recorded}, the data now gives"
@@ -407,7 +408,8 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
         try:
             if study.shares_corpus:  # tokenize the corpus once for this worker's trials
-                check_corpus(optuna_study, prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint, cfg.data.source, out)
+                undo = undo_tokenizing(out)
+                check_corpus(optuna_study, prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint, cfg.data.source, undo)
             elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
                 read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
             else:

@@ -119,41 +119,57 @@ def weights_hash(path: Path) -> str:
         return hashlib.file_digest(weights, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
-def _check_weights_hash(path: Path, info: dict) -> None:
+def _check_weights_hash(path: Path, info: dict, use: str = "resume") -> None:
     """A CheckpointError if the weights of ``path`` are not the bytes its state.json (``info``)
     recorded; a checkpoint saved before hashes were recorded is taken as it is."""
     recorded = info.get("weights_blake2b")
     if recorded is not None and recorded != weights_hash(path):
-        raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs")
+        raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs", use)
 
 
-def _damaged(path: Path, why: str) -> CheckpointError:
-    """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps one."""
-    step = step_of(path)
-    if step is None:  # a copy under another name: which checkpoint comes before it is not known
-        return CheckpointError(f"checkpoint {path} is damaged ({why})")
-    if any(step_of(kept) < step for kept in checkpoints(path.parent.parent)):
-        return CheckpointError(f"checkpoint {path} is damaged ({why}); remove it to resume from the one before")
-    return CheckpointError(f"checkpoint {path} is damaged ({why}), and no checkpoint before it is kept: train the run again"
-                           " into a new --out (or remove this one's checkpoints and metrics.jsonl)")
+def _damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
+    """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps
+    one. ``use``: what it was read for (``resume``, ``init`` or ``score``), which says how."""
+    step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
+    earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
+    said = f"checkpoint {path} is damaged ({why})"
+    if earlier:
+        return CheckpointError(said + {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
+                                       "init": f"; give --init the one before it, {earlier[-1]}"}[use])
+    if use == "resume" and step is not None:
+        return CheckpointError(f"{said}, and no checkpoint before it is kept: train the run again into a new --out (or remove"
+                               " this one's checkpoints and metrics.jsonl)")
+    return CheckpointError(said)
+
+
+def info_of(path: Path, use: str = "resume") -> dict:
+    """What checkpoint ``path``'s state.json records (its step, the corpus it trained on...); one
+    that does not read as a mapping is a damaged checkpoint."""
+    try:
+        info = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise _damaged(path, f"{type(exc).__name__}: {exc}", use) from None
+    if not isinstance(info, dict):
+        raise _damaged(path, f"its state.json is not a mapping: {str(info)[:60]}", use)
+    return info
 
 
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
     try:
         _load_weights(path, model)
-        info = json.loads((path / "state.json").read_text())
     except CheckpointError:
         raise
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+    info = info_of(path)
     try:
         trainer_state = torch.load(path / "trainer.pt", weights_only=True)
     except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
         raise _damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
-    step = info.get("step") if isinstance(info, dict) else None
+    step = info.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
@@ -184,11 +200,10 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
 def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -> None:
     """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape;
     ``check_hash``: checked against the hash its state.json records, where it has one (a run
-    going on from them would train on bytes changed on the disk in silence)."""
+    fine-tuned from them would train on bytes changed on the disk in silence)."""
     try:
         if check_hash and (path / "state.json").is_file():
-            info = json.loads((path / "state.json").read_text())
-            _check_weights_hash(path, info if isinstance(info, dict) else {})
+            _check_weights_hash(path, info_of(path, "init"), "init")
         _load_weights(path, model)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:  # ValueError: a state.json that is not JSON
         raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None

@@ -8,6 +8,7 @@ distributed run each take their slice of the same global batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -15,6 +16,7 @@ import os
 import re
 import sysconfig
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import torch
 
 from archlab.files import write_text_whole, write_whole
 from archlab.loss import IGNORE
-from archlab.train.config import SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids
+from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -222,7 +224,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
 def reads_files_in(source: str, folder: Path) -> bool:
     """Whether ``read_texts(source)`` would read files written into ``folder``: one inside the
     source's folder, outside its hidden folders."""
-    if source == "stdlib" or source.startswith("hf:") or not Path(source).is_dir():
+    if source in NAMED_SOURCES or source.startswith("hf:") or not Path(source).is_dir():  # a named source is never a folder's files
         return False
     try:
         inside = folder.resolve().relative_to(Path(source).resolve())
@@ -416,8 +418,8 @@ def _message_pieces(messages: object, where: str) -> list[tuple[str, bool]]:
             raise DataError(f'{where}: message {index} has "weight": {json.dumps(message["weight"])}; an assistant\'s message may'
                             " have a weight of 0 (context, not trained on) or 1")
         if MESSAGE_END in message["content"]:
-            raise DataError(f"{where}: message {index} holds {MESSAGE_END}, which ends a message (the model would learn to end"
-                            " it there); take it out of the content")
+            raise DataError(f"{where}: message {index} holds {MESSAGE_END}, which ends a message where the model reads it (and,"
+                            " in training, learns to end one there); take it out of the content")
         counts = message["role"] == "assistant" and weight == 1
         pieces += [(HEADERS[message["role"]], False), (message["content"], counts), (MESSAGE_END + "\n", counts)]
     return pieces
@@ -636,11 +638,28 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     remove_corpus(data_dir)
 
 
-def remove_corpus(data_dir: Path) -> None:
-    """The tokenized corpus in ``data_dir`` and its tokenizer, gone: the next start tokenizes again."""
+def remove_corpus(data_dir: Path, tokenizer: bool = True) -> None:
+    """The tokenized corpus in ``data_dir`` (and its tokenizer) gone: the next start tokenizes again."""
     for name in CORPUS_FILES:
         (data_dir / "data" / name).unlink(missing_ok=True)
-    (data_dir / "tokenizer.json").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a folder holding more, or none
+        (data_dir / "data").rmdir()
+    if tokenizer:
+        (data_dir / "tokenizer.json").unlink(missing_ok=True)
+
+
+def undo_tokenizing(data_dir: Path) -> Callable[[], None]:
+    """What undoes the tokenizing a start is about to do into ``data_dir``: it removes the corpus and
+    tokenizer that were not there. A start refused once it knows its tokens (another corpus than
+    its checkpoint's) then leaves the folder as it found it, so that the data put back tokenizes
+    again, rather than being refused as other text than the corpus there."""
+    corpus, tokenizer = (data_dir / "data" / "train.npy").is_file(), (data_dir / "tokenizer.json").is_file()
+
+    def undo() -> None:
+        if not corpus:
+            remove_corpus(data_dir, tokenizer=not tokenizer)
+
+    return undo
 
 
 DataSource = TokenSource | RecallTask  # what a trainer draws batches from

@@ -9,7 +9,6 @@ task is scored on fresh sequences of each length instead, at the answer position
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -22,9 +21,9 @@ from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
-from archlab.train.checkpoint import load_trained
+from archlab.train.checkpoint import info_of, load_trained
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
-from archlab.train.data import Batch, RecallTask, prepare, tokens_of
+from archlab.train.data import Batch, RecallTask, prepare, tokens_of, undo_tokenizing
 
 
 class EvaluationError(Exception):
@@ -87,7 +86,7 @@ class Loaded:
                                   " it held out (its latest checkpoint is scored)")
         if not (run / "config.yaml").is_file():
             raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
-        corpus = json.loads((used / "state.json").read_text()).get("corpus")  # load_trained read it whole
+        corpus = info_of(used, "score").get("corpus")
         return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus)
 
     @property
@@ -119,12 +118,15 @@ class Loaded:
         of them count (of examples, their responses; None: every one), and what they are, in words."""
         cfg, vocab = self.config, self.model.spec.vocab_size
         if self.data is None:
-            held_out = prepare(cfg.data, vocab, 1, cfg.seed, Path(cfg.data.cache or self.run), resume=True)
+            data_dir = Path(cfg.data.cache or self.run)
+            undo = undo_tokenizing(data_dir)
+            held_out = prepare(cfg.data, vocab, 1, cfg.seed, data_dir, resume=True)
             if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
+                undo()
+                again = f" (and remove {data_dir / 'data'}, tokenized from other text)" if (data_dir / "data").is_dir() else ""
                 raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
-                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back (and"
-                                      f" remove {Path(cfg.data.cache or self.run) / 'data'}, tokenized from other text) to score"
-                                      " its held-out split, or give --data to score other text")
+                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{again} to"
+                                      " score its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 

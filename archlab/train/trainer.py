@@ -39,7 +39,7 @@ from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, 
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in
+from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, undo_tokenizing
 
 
 T = TypeVar("T")
@@ -407,7 +407,9 @@ class Trainer:
                 records, lines = read_metrics(metrics)
             except RunError as exc:
                 raise TrainError(f"{exc}; mend or remove it to resume") from None
-            write_text_whole(metrics, "".join(line + "\n" for record, line in zip(records, lines) if record["step"] <= step))
+            kept = "".join(line + "\n" for record, line in zip(records, lines) if record["step"] <= step)
+            if kept != metrics.read_text():  # else left as it is: a finished run resumed with nothing to do writes nothing
+                write_text_whole(metrics, kept)
         self._adopt_config(step, steps)
         self._adopt_environment(step, settings)
 
@@ -489,14 +491,17 @@ class Trainer:
             return f"put the run's data back{again} to resume"
 
         def first():
+            undo = undo_tokenizing(data_dir)
             try:
                 data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume)  # a fresh start may replace a failed attempt's corpus
             except ShortSplit as exc:
                 if self.resumed_corpus is None:  # a fresh start, or a run of a recall task
                     raise
+                undo()
                 raise TrainError(f"{exc.describe} is not the data the run trained on: its {exc.split} split has {exc.have:,} tokens,"
                                  f" fewer than one of the run's {self.cfg.seq_len:,}-token sequences needs; {put_back()}") from None
             if self.resumed_corpus not in (None, data.fingerprint):
+                undo()
                 raise TrainError(f"{data.describe} is not the data the run trained on: its checkpoint records"
                                  f" {self.resumed_corpus}, the data now gives {data.fingerprint}; {put_back()}")
             shared, own = data_dir / "tokenizer.json", self.run_dir / "tokenizer.json"

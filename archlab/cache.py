@@ -83,7 +83,8 @@ class Cache:
         projections, keys = [step for step in model.plan.steps if step.project], model.plan.state_keys()
         shapes = [new_global("meta") for _ in projections]  # the meta device: shapes, no memory
         shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
-        check_room(sum(map(_size, shapes)), device, "its states")
+        check_room(sum(map(_size, shapes)), device,
+                   f"a cache's states ({sequences:,} sequence{'s' * (sequences != 1)} of up to {capacity:,} positions)")
         self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
         states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from archlab.cache import Cache
@@ -34,6 +35,11 @@ def _token_id(value) -> bool:
     return _whole(value) and 0 <= value < 2**63
 
 
+def _real(value) -> bool:
+    """A number (Python's or numpy's, whole or not), not a bool nor text."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the next token is chosen. ``temperature == 0`` (or ``top_k == 1``) is greedy. A seed
@@ -47,19 +53,20 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if not 0 <= self.temperature < math.inf:  # nan too
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (_real(self.temperature) and 0 <= self.temperature < math.inf):  # nan too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and not (_whole(self.top_k) and self.top_k >= 1):
             raise ValueError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
-        if not isinstance(self.stop_tokens, Sequence) or not all(map(_token_id, self.stop_tokens)):
-            raise ValueError(f"stop_tokens must be a sequence of token ids, got {self.stop_tokens!r}")
+        stops = self.stop_tokens.tolist() if isinstance(self.stop_tokens, (torch.Tensor, np.ndarray)) else self.stop_tokens
+        if not (isinstance(stops, Sequence) and not isinstance(stops, str)) or not all(map(_token_id, stops)):
+            raise ValueError(f"stop_tokens must be a sequence of token ids, whole numbers from 0, got {self.stop_tokens!r}")
         # as Python ints, which torch takes where a numpy integer is refused
         object.__setattr__(self, "seed", None if self.seed is None else int(self.seed))
-        object.__setattr__(self, "stop_tokens", tuple(map(int, self.stop_tokens)))
+        object.__setattr__(self, "stop_tokens", tuple(map(int, stops)))
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Next tokens [B] from logits [B, V]. Non-finite logits raise nothing here: the engine
@@ -149,10 +156,10 @@ class Engine:
         ``page_size``: keep the global K,V in pages of that many positions, handed out as the
         sequences grow (YOCO layouts; the paper's serving stack uses 256), and decode over them
         with ``page_kernel``: ``torch`` or ``flex`` (``archlab.kv``)."""
-        if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        if page_size is not None and page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if not (_whole(prefill_chunk) and prefill_chunk >= 1):
+            raise ValueError(f"prefill_chunk must be a whole number >= 1, got {prefill_chunk!r}")
+        if page_size is not None and not (_whole(page_size) and page_size >= 1):
+            raise ValueError(f"page_size must be a whole number >= 1, got {page_size!r}")
         if page_kernel not in PAGE_KERNELS:
             raise ValueError(f"page_kernel must be one of {', '.join(PAGE_KERNELS)}, got {page_kernel!r}")
         if page_size is not None and model.global_kv is None:
@@ -162,6 +169,9 @@ class Engine:
         self.model, self.prefill_chunk, self.page_size, self.page_kernel = model, prefill_chunk, page_size, page_kernel
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
+        if self.device.type == "meta":
+            raise ValueError(f"{model.spec.name} is on the meta device, which holds shapes and no weights; build it on a"
+                             " device that computes (build_model(spec), or load_trained(run)) to generate")
         model.choose_kernels()  # a kernel that cannot run here fails now, not mid-generation
         if cuda_graph:
             check_capturable(model)
@@ -211,12 +221,25 @@ class Engine:
     def check_prompts(self, prompts: Sequence) -> list[torch.Tensor]:
         """Prompts as 1-D token tensors (lists of ids are taken too), each at least one token long
         and inside the vocabulary, or a ValueError that says which is not."""
+        if isinstance(prompts, (str, bytes)):
+            raise ValueError(f"prompts are token ids, not text ({prompts[:20]!r}): encode text with the run's tokenizer first"
+                             " (load_trained gives its tokenizer.json)")
+        if isinstance(prompts, Iterator):  # a generator of prompts, read once, here
+            prompts = list(prompts)
+        if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
+            raise ValueError(f"prompts must be a list of prompts (or a 2-D tensor of them), got {type(prompts).__name__}")
         if not len(prompts):
             raise ValueError("no prompts given; pass a list of at least one")
         vocab = self.model.spec.vocab_size
         checked = []
         for i, prompt in enumerate(prompts):
-            ids = torch.as_tensor(prompt)
+            if isinstance(prompt, (str, bytes)):
+                raise ValueError(f"prompt {i} is text ({prompt[:20]!r}), not token ids: encode text with the run's tokenizer"
+                                 " first (load_trained gives its tokenizer.json)")
+            try:
+                ids = torch.as_tensor(prompt)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as exc:  # None, a nested list, an id past int64
+                raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, whole numbers from 0 ({exc})") from None
             if ids.ndim != 1:
                 raise ValueError(f"prompt {i} must be a 1-D sequence of token ids, got shape {list(ids.shape)}"
                                  + (" (one prompt goes in a list: [ids])" if ids.ndim == 0 else ""))

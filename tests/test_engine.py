@@ -169,9 +169,13 @@ def test_bad_sampling_arguments_are_named():
         with pytest.raises(ValueError, match=f"top_k must be a whole number >= 1, got {value}"):
             Sampling(temperature=1.0, top_k=value)
     for stops in (10, [10, 2.5], "\n", [-1], [2**63]):
-        with pytest.raises(ValueError, match=re.escape(f"stop_tokens must be a sequence of token ids, got {stops!r}")):
+        with pytest.raises(ValueError, match=re.escape(f"stop_tokens must be a sequence of token ids, whole numbers from 0, got {stops!r}")):
             Sampling(stop_tokens=stops)
-    assert Sampling(stop_tokens=[10, 11]).stop_tokens == (10, 11)
+    for stops in ([10, 11], torch.tensor([10, 11]), np.array([10, 11])):  # as prompts may be (tensors were refused)
+        assert Sampling(stop_tokens=stops).stop_tokens == (10, 11)
+    for name, value in (("temperature", "1"), ("temperature", None), ("top_p", "0.5")):  # a TypeError from a comparison
+        with pytest.raises(ValueError, match=re.escape(f"{name} must be a")):
+            Sampling(**{name: value})
     for seed in (2.5, -1, 2**64):
         with pytest.raises(ValueError, match=f"seed must be a whole number from 0 to 2\\*\\*63 - 1, got {seed}"):
             Sampling(temperature=1.0, seed=seed)
@@ -225,8 +229,21 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
         archlab.generate(model, [], 2)
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got nan"):
         archlab.generate(model, [[5]], 2, temperature=float("nan"))
-    with pytest.raises(ValueError, match="stop_tokens must be a sequence of token ids, got 10"):
+    with pytest.raises(ValueError, match="stop_tokens must be a sequence of token ids, whole numbers from 0, got 10"):
         archlab.generate(model, [[5]], 2, stop_tokens=10)
+    # each raised from inside torch or Python, naming no argument
+    for prompts, message in ((["hello"], "prompt 0 is text ('hello'), not token ids: encode text with the run's tokenizer"),
+                             ("hello", "prompts are token ids, not text ('hello')"), (5, "prompts must be a list of prompts"),
+                             ([[1, None]], "prompt 0 must be a 1-D sequence of token ids, whole numbers from 0"),
+                             ([[1, 2**70]], "prompt 0 must be a 1-D sequence of token ids"), ([[1, [2]]], "prompt 0 must be a 1-D sequence")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            archlab.generate(model, prompts, 2)
+    assert archlab.generate(model, (p for p in [[5, 6, 7], [8]]), 3).tokens == lists  # a generator of prompts, read once
+    for option, value in (("page_size", 2.5), ("prefill_chunk", 1.5)):
+        with pytest.raises(ValueError, match=f"{option} must be a whole number >= 1, got {value}"):
+            archlab.generate(model, [[5]], 2, **{option: value})
+    with pytest.raises(ValueError, match="yoco-u is on the meta device, which holds shapes and no weights"):
+        archlab.generate(archlab.build_model(model.spec, device="meta"), [[5]], 2)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=0), Sampling(temperature=1.0, top_k=3, seed=0)],

@@ -60,7 +60,8 @@ def test_a_model_asks_for_its_weights_as_built(path, free):
 def test_generate_refuses_a_cache_without_room_before_writing_the_prompt(cli, free):
     free(2 * WEIGHTS)  # the weights fit, a cache of 10,002 positions does not
     code, stdout, stderr = cli("generate", SPEC, "--prompt", "hi", "--max-new-tokens", 10_000)
-    assert code == 1 and "a cache for 2 prompt + 10,000 new tokens does not fit in memory (its states ask for 9.8 MiB" \
+    assert code == 1 and "a cache for 2 prompt + 10,000 new tokens does not fit in memory (a cache's states (1 sequence of up to 10,002 positions) ask" \
+        " for 9.8 MiB" \
         f" with {2 * WEIGHTS / 2**20:.1f} MiB free); lower --max-new-tokens" in stderr, stderr
     assert stdout == ""  # not "hi" with the error after it on the same line
 

@@ -233,7 +233,7 @@ def test_feeding_a_prompt_far_past_the_capacity_is_named(full):
 
 def test_paging_asks_for_a_positive_page_size_and_a_known_kernel():
     model = archlab.build_model(archlab.load_spec(TINY[0].parent / "yoco.yaml"))
-    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="page_size must be a whole number >= 1, got 0"):
         Engine(model, page_size=0)
     with pytest.raises(ValueError, match="page_kernel must be one of torch, flex, got 'triton'"):
         Engine(model, page_size=256, page_kernel="triton")

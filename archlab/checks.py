@@ -19,7 +19,7 @@ import torch
 from archlab.cache import Cache
 from archlab.cost import Cost, formula
 from archlab.engine import Engine
-from archlab.memory import ACTIVATIONS, Watched
+from archlab.memory import ACTIVATIONS, Watched, out_of_memory
 from archlab.model import Model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, named, raised, said
@@ -128,10 +128,10 @@ def shapes_checked(model: Model) -> Iterator[None]:
         layer.mixer.register_forward_hook(hook(model.spec.block_at(i))))]
     try:
         yield
-    except (RegistryError, BackendError, MemoryError, torch.OutOfMemoryError):  # said already, or not the block's code
+    except (RegistryError, BackendError):  # said already
         raise
     except Exception as exc:
-        if running[0] is None:
+        if running[0] is None or out_of_memory(exc):  # not in a block's forward, or not its code's fault: said as such
             raise
         block, module = running[0]
         raise RegistryError(raised(block, "forward", exc) + _raised_at(type(module), exc)) from exc

@@ -25,7 +25,7 @@ import typer
 from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from archlab.block import Problem, ceil_div
 from archlab.cache import Cache
@@ -33,7 +33,7 @@ from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
-from archlab.memory import ACTIVATIONS, NoRoom, Watched
+from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin
@@ -135,7 +135,7 @@ def show(path: Annotated[Path, typer.Argument(help="a spec file or a training ru
 @app.command()
 def blocks() -> None:
     """List the registered block plugins and their options."""
-    table = Table("type", "plugin", "options (defaults)")
+    table = Table("type", Column("plugin", overflow="fold"), "options (defaults)")  # folded, not cut, on a narrow terminal
     for name, cls in block_specs().items():
         fields = ", ".join(
             f"{k}={'required' if f.is_required() else f.default!r}" for k, f in cls.model_fields.items() if k != "type"
@@ -233,9 +233,8 @@ def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callab
     rather than by the allocator's internals; ``kept`` says what of the work survives."""
     try:
         yield
-    except (RuntimeError, TypeError) as exc:  # torch.OutOfMemoryError on CUDA; on the CPU a RuntimeError
-        # (a size past int64 overflows instead: a RuntimeError, or a TypeError unpacking it)
-        if not isinstance(exc, torch.OutOfMemoryError) and not re.search(r"can't allocate memory|overflow", str(exc), re.I):
+    except (RuntimeError, TypeError) as exc:
+        if not out_of_memory(exc):
             raise
         if isinstance(exc, NoRoom):
             size = f" ({exc})"
@@ -359,7 +358,7 @@ def generate(
     source: Annotated[Path, typer.Argument(metavar="SPEC_OR_RUN", help="a spec (random weights), or a training run / checkpoint")],
     prompt: Annotated[str, typer.Option(help="prompt text")] = "Once upon a time",
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="0 is greedy; a finite number >= 0")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
     seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1,
@@ -407,7 +406,7 @@ def generate(
     size = written.cache.bytes_per_sequence()
     err.print(
         f"{written.tokens} tokens in {written.seconds:.2f}s; cache {size.global_:,} B global"
-        f" + {size.local:,} B local per sequence",
+        f" + {size.local:,} B local per sequence" + (" (global: its whole pool of pages)" if page_size and model.global_kv else ""),
         highlight=False,
     )
 
@@ -505,7 +504,7 @@ def chat(
     run: Annotated[Path, typer.Argument(help="a training run (or checkpoint) fine-tuned on conversations")],
     system: Annotated[str | None, typer.Option(help="a system message the conversation begins with")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="the longest reply, in tokens")] = 256,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.0,
+    temperature: Annotated[float, typer.Option(help="0 is greedy; a finite number >= 0")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
     seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1, help="sampling seed")] = None,

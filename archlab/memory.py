@@ -10,6 +10,7 @@ whose memory is not known beforehand (activations) is watched as it runs (``Watc
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,6 +34,15 @@ class NoRoom(torch.OutOfMemoryError):
                  else f"ask for {binary_units(asked)} with {binary_units(free)} free")
         super().__init__(f"{what} {taken}")
         self.asked, self.free, self.what = asked, free, what
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """An allocation larger than the machine: torch.OutOfMemoryError on CUDA (NoRoom, refused
+    beforehand); on the CPU a RuntimeError, and for a size past int64 a RuntimeError or a
+    TypeError unpacking it."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, (RuntimeError, TypeError)) and re.search(r"can't allocate memory|overflow", str(exc), re.I) is not None
 
 
 def free_bytes(device: torch.device | str) -> int | None:

@@ -20,6 +20,7 @@ from tokenizers.models import WordLevel
 
 from archlab import build_model, load_spec
 from archlab.cache import Cache
+from archlab.registry import block_specs, plugin
 from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import parse_budget, parse_length
@@ -94,6 +95,15 @@ def test_validate_reports_bad_spec_without_traceback(tmp_path):
     assert "5 heads do not divide d_model=64" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert "ok" in result.stdout and "yoco-u" in result.stdout
+
+
+def test_blocks_lists_every_plugin_whole_on_a_narrow_terminal():
+    """On 80 columns the plugin column was cut with an ellipsis ("blocks.attention:Attention…")."""
+    result = archlab("blocks", env={"COLUMNS": "80"})
+    assert result.returncode == 0 and "…" not in result.stdout, result.stdout + result.stderr
+    column = "".join(line.split("│")[2].strip() for line in result.stdout.splitlines() if line.startswith("│"))
+    for name, cls in block_specs().items():
+        assert plugin(cls) in column, name
 
 
 def test_validate_whole_zoo_and_show(cli, tmp_path):
@@ -689,7 +699,8 @@ def test_paths_and_names_that_look_like_markup_are_printed_as_they_are(cli, tmp_
 # (command, what stderr must say): options out of bounds are refused before any work (exit 2)
 BAD_OPTIONS = [
     (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),
-    (["generate", SPEC, "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    (["generate", SPEC, "--top-p", "0"], "top_p must be a number in (0, 1], got 0.0"),
+    (["generate", SPEC, "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),  # as inf is; typer's bound said ">= 0"
     (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
     (["generate", SPEC, "--prompt", b"ab\xffcd".decode("utf-8", "surrogateescape")], "--prompt b'ab\\xffcd' is not UTF-8 text"),
     (["generate", SPEC, "--stop", b"\xff".decode("utf-8", "surrogateescape")], "--stop b'\\xff' is not UTF-8 text"),
@@ -733,7 +744,8 @@ def test_a_run_that_lost_its_spec_is_said_so_and_its_config_not_read_as_a_spec(c
 
 
 @pytest.mark.parametrize("args,message,size", [  # a cache is sized before it is made; activations fail as they are
-    (["generate", SPEC, "--max-new-tokens", 10**13], "a cache for 16 prompt + 10,000,000,000,000 new tokens does not fit in memory (its states ask for ",
+    (["generate", SPEC, "--max-new-tokens", 10**13], "a cache for 16 prompt + 10,000,000,000,000 new tokens does not fit in memory (a cache's states (1 sequence of up to"
+     " 10,000,000,000,016 positions) ask for ",
      " TiB with "),
     (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", 10**13], "yoco: a batch of 1 x (16 prompt + 10,000,000,000,000 new tokens) does not fit",
      " TiB with "),

@@ -138,13 +138,25 @@ class Problems:
         self.found.append(Problem(self.prefix or "<root>", msg))
 
 
+@dataclass
+class CacheBytes:
+    """Bytes of inference state per sequence: ``global_`` grows with the context, ``local`` does not."""
+
+    global_: int
+    local: int
+
+    @property
+    def total(self) -> int:
+        return self.global_ + self.local
+
+
 class BlockSpec(Strict):
     """Base class of block specs. Subclasses set ``type: Literal[...]`` and the flags below."""
 
     type: str
 
     reads_global_kv: ClassVar[bool] = False  # cross-decoder block: attends to the global K,V
-    grows_kv_cache: ClassVar[bool] = False  # keeps a K,V cache that grows with the context
+    grows_kv_cache: ClassVar[bool] = False  # keeps a state that grows with the context (a K,V cache), whole or in part
     shares_kv: ClassVar[bool] = False  # honours MixerInput.kv_memo (loops with kv_cache: shared)
     keeps_state: ClassVar[bool] = True  # has inference state, so a prefill must run it
     supports_streams: ClassVar[bool] = False  # can give ParScale streams their own prefix K,V
@@ -164,9 +176,10 @@ class BlockSpec(Strict):
         form); ``reuse_kv``: the K,V come from an earlier loop iteration."""
 
     @abstractmethod
-    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
+    def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int | CacheBytes:
         """Bytes of ``new_state`` for one sequence of ``context`` tokens, K,V rows at
-        ``kv_bytes`` each element (the cache dtype)."""
+        ``kv_bytes`` each element (the cache dtype): growing with the context (global) where
+        ``grows_kv_cache`` says so, else local; or, for a state that is both, ``CacheBytes``."""
 
     @abstractmethod
     def build(self, ctx: BuildContext) -> nn.Module:

@@ -5,7 +5,8 @@
   (``archlab.kv``);
 - a state per (segment, iteration, layer), made by the layer's mixer (K,V rows, a window ring,
   recurrent and conv states); layers whose K,V a loop shares keep one for all iterations, and
-  stateless mixers (cross-attention) none.
+  stateless mixers (cross-attention) none. Each of its tensors grows with the context or does not
+  (``growing``): only those that do not are put back before a prefill, and marked and rewound.
 
 Every other tensor is batch-first, so a subset of sequences can be taken out, prefilled and put
 back (a paged global K,V stays where it is: the subset gets a view of its page table).
@@ -14,10 +15,10 @@ back (a paged global K,V stays where it is: the subset gets a view of its page t
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
+from archlab.block import CacheBytes
 from archlab.kv import PageTable, pages_for, past_capacity
 from archlab.memory import check_room
 from archlab.plan import Step
@@ -41,16 +42,15 @@ def _size(state: State) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-@dataclass
-class CacheBytes:
-    """Bytes held per sequence: ``global`` grows with the context, ``local`` does not."""
+GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a tensor whose size differs between these grows
 
-    global_: int
-    local: int
 
-    @property
-    def total(self) -> int:
-        return self.global_ + self.local
+def growing(mixer: torch.nn.Module, dtype: torch.dtype) -> set[str]:
+    """The names of the tensors of ``mixer``'s state that grow with the context: of a size that
+    differs between two contexts past any window (made on the meta device: no memory)."""
+    with torch.device("meta"):
+        small, large = (mixer.new_state(1, context, dtype) for context in GROWTH_CONTEXTS)
+    return {name for name, tensor in small.items() if tensor.shape != large[name].shape}
 
 
 class Cache:
@@ -88,22 +88,31 @@ class Cache:
         self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
         states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
-        self._grows = {key: model.spec.block_at(key[2]).grows_kv_cache for key in self.layers}
+        mixers = {key[2]: model.layers[key[2]].mixer for key in self.layers}
+        grows = {layer: growing(mixer, dtype) for layer, mixer in mixers.items()}
+        self._grows = {key: grows[key[2]] for key in self.layers}
+        # where a state both grows and does not: the first row of its fixed tensors as new_state made them, for
+        # start_over (making them again would allocate the growing ones too)
+        self._initial_fixed = {key: {name: t[:1].clone() for name, t in s.items() if name not in self._grows[key]}
+                               for key, s in self.layers.items() if self._grows[key]}
         self._initial = initial
         self.fresh = True  # nothing fed into it yet (the engine says when)
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
         global_ = sum(_size(s) for s in self.global_kv.values())
-        global_ += sum(_size(s) for key, s in self.layers.items() if self._grows[key])
-        local = sum(_size(s) for key, s in self.layers.items() if not self._grows[key])
+        global_ += sum(t.numel() * t.element_size() for t in self._layer_tensors(grown=True))
+        local = sum(t.numel() * t.element_size() for t in self._layer_tensors(grown=False))
         return CacheBytes(global_ // self.sequences, local // self.sequences)
+
+    def _layer_tensors(self, grown: bool) -> list[torch.Tensor]:
+        return [t for key, s in self.layers.items() for name, t in s.items() if (name in self._grows[key]) == grown]
 
     def local_tensors(self) -> list[torch.Tensor]:
         """The tensors that do not grow with the context (windows, recurrent and conv states):
         the ones a repeated decoding step would change, where a growing cache only rewrites
         the same rows."""
-        return [t for key, s in self.layers.items() if not self._grows[key] for t in s.values()]
+        return self._layer_tensors(grown=False)
 
     def mark(self) -> list[torch.Tensor]:
         """A copy of the states that decoding changes in place, to ``rewind`` to: the cache then
@@ -121,9 +130,9 @@ class Cache:
         recurrent state left by an earlier use would carry on silently. A growing K,V needs
         nothing: its old rows lie past the new positions, and each is written before it is read."""
         for key, state in self.layers.items():
-            if not self._grows[key]:
-                for name, tensor in self._initial(key, self.sequences * self.streams).items():
-                    state[name].copy_(tensor)
+            initial = self._initial_fixed[key] if self._grows[key] else self._initial(key, self.sequences * self.streams)
+            for name, tensor in initial.items():
+                state[name].copy_(tensor)  # a first row of one broadcast over the rows
         self.overrun.zero_()  # the rows an overrun wrote are rewritten before they are read
         self.fresh = True
 

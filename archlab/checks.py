@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from archlab.cache import Cache
+from archlab.cache import GROWTH_CONTEXTS, Cache, growing
 from archlab.cost import Cost, formula
 from archlab.engine import Engine
 from archlab.memory import ACTIVATIONS, Watched, out_of_memory
@@ -25,7 +25,6 @@ from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, named, raised, said
 
 CACHE_CONTEXTS = (1, 17, 4097)  # tokens: one, a few past a typical tiny window, and past most windows
-GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a state that differs in size between these grows (on meta: free)
 DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
 DECODE_TOLERANCE = 1e-4  # of the largest logit, in float32: the built-in blocks agree to about 1e-6
 SHAPE_CHECK_LENGTH = 16  # tokens in training's forward pass before its first step: shapes alone, so a few
@@ -214,16 +213,22 @@ def cost_problems(model: Model) -> list[str]:
     ``state_bytes`` with the cache the engine makes, in the model's dtype and the spec's
     inference dtype (a block may keep some state in the one and some in float32), and
     ``grows_kv_cache`` with how its state grows (``growth_problems``)."""
-    cost, problems = Cost(model.spec), params_problems(model)
+    cost, problems, split = Cost(model.spec), params_problems(model), []
     dtypes = dict.fromkeys([_dtype_name(next(model.parameters()).dtype), model.spec.inference_dtype])
     for dtype, context in ((dtype, context) for dtype in dtypes for context in CACHE_CONTEXTS):
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
-        if analytic != held:
+        if analytic.total != held.total:
             problems.append(f"state_bytes() give {analytic.total:,} B per sequence at {context} tokens in {dtype}, the cache"
                             f" holds {held.total:,} B (is each tensor of new_state counted, at its size for this context"
                             " (a window caps it) and in the dtype it is given?)")
             break
-    return problems + growth_problems(model)  # after the cache is made: each state a dict of row-first tensors
+        if analytic != held and not split:
+            split.append(f"state_bytes() count {analytic.global_:,} B per sequence at {context} tokens as growing with the"
+                         f" context and {analytic.local:,} B as not; the cache's tensors that grow hold {held.global_:,} B, the"
+                         f" others {held.local:,} B (a block whose state both grows and does not gives state_bytes() as"
+                         " archlab.block.CacheBytes(global_, local))")
+    # after the cache is made (each state a dict of row-first tensors); a wrong flag is what splits the bytes wrongly then
+    return problems + (growth_problems(model) or split)
 
 
 def params_problems(model: Model) -> list[str]:
@@ -234,25 +239,26 @@ def params_problems(model: Model) -> list[str]:
 
 
 def growth_problems(model: Model) -> list[str]:
-    """Blocks whose state grows with the context where ``grows_kv_cache`` says it does not, or the
-    other way round, in any of its tensors. The flag decides, for the whole of a block's state,
-    whether costs count it global or local, and whether the cache puts it back as ``new_state``
-    made it before a prefill and marks and rewinds it (``Cache.start_over``, ``mark``): a state of
-    fixed size in a growing block would carry one prompt's values into the next."""
+    """Blocks whose state grows with the context where ``grows_kv_cache`` says it does not, or whose
+    state holds nothing that grows where it says it does (a window's ring): the flag says whether a
+    loop over the block keeps a growing cache, and, where ``state_bytes`` gives one number, whether
+    costs count it global or local. A state may both grow and not (attention with a short conv)."""
     problems = {}
     for i, layer in enumerate(model.layers):
         block = model.spec.block_at(i)
-        with torch.device("meta"):
-            small, large = (layer.mixer.new_state(1, context, torch.float32) for context in GROWTH_CONTEXTS)
-        grows = {name: tensor.shape != large[name].shape for name, tensor in small.items()}
-        wrong = [name for name, grown in grows.items() if grown != block.grows_kv_cache]
-        if wrong and block.type not in problems:
-            does = "does not grow" if block.grows_kv_cache else "grows"
-            problems[block.type] = (f"{named(block)}: grows_kv_cache is {block.grows_kv_cache}, but its state's"
-                                    f" {', '.join(wrong)} {does} with the context (from {GROWTH_CONTEXTS[0]:,} to"
-                                    f" {GROWTH_CONTEXTS[1]:,} tokens); a block's state grows with the context in all its"
-                                    " tensors or in none")
+        grows, names = growing(layer.mixer, torch.float32), _state_names(layer.mixer)
+        if block.type in problems or bool(grows) == block.grows_kv_cache or not names:
+            continue
+        said = (f"its state's {', '.join(sorted(grows))} grows" if grows else
+                f"no tensor of its state ({', '.join(names)}) grows")
+        problems[block.type] = (f"{named(block)}: grows_kv_cache is {block.grows_kv_cache}, but {said} with the context (from"
+                                f" {GROWTH_CONTEXTS[0]:,} to {GROWTH_CONTEXTS[1]:,} tokens)")
     return list(problems.values())
+
+
+def _state_names(mixer) -> list[str]:
+    with torch.device("meta"):
+        return list(mixer.new_state(1, 1, torch.float32))
 
 
 def decode_error(model: Model, length: int) -> float:

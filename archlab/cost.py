@@ -19,8 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from archlab.block import FLOP_KINDS, BlockSpec, Flops
-from archlab.cache import CacheBytes
+from archlab.block import FLOP_KINDS, BlockSpec, CacheBytes, Flops
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError, named, raised
 from archlab.spec import ModelSpec, YocoLayout
@@ -58,7 +57,7 @@ def peak_flops(device_name: str) -> float | None:
 
 FORMULA_RESULTS = {  # what each of a block's cost formulas gives back
     "params": "a whole number of 0 or more",
-    "state_bytes": "a whole number of 0 or more",
+    "state_bytes": "a whole number of 0 or more, or a CacheBytes of two",
     "flops": f"a Flops (a Counter) of kinds {sorted(FLOP_KINDS)} to whole counts of 0 or more",
 }
 
@@ -80,6 +79,8 @@ def _wanted(name: str, value) -> bool:
     """Whether a formula's value is what ``FORMULA_RESULTS`` says it gives back."""
     if name == "flops":
         return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v, numbers.Integral) for v in value.values())
+    if name == "state_bytes" and isinstance(value, CacheBytes):
+        return _count(value.global_, numbers.Integral) and _count(value.local, numbers.Integral)
     return _count(value, numbers.Integral)
 
 
@@ -214,8 +215,10 @@ class Cost:
             grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
         for layer, slots in Counter(layer for _, _, layer in self.plan.state_keys()).items():
             block = spec.block_at(layer)
-            size = slots * formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)
-            grows, local = (grows + size, local) if block.grows_kv_cache else (grows, local + size)
+            size = formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)
+            if not isinstance(size, CacheBytes):  # the whole of it, as the flag says
+                size = CacheBytes(size, 0) if block.grows_kv_cache else CacheBytes(0, size)
+            grows, local = grows + slots * size.global_, local + slots * size.local
         return CacheBytes(grows * self.streams, local * self.streams)
 
     def row(self, seq_len: int) -> CostRow:

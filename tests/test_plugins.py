@@ -7,8 +7,12 @@ import re
 import types
 
 import pytest
+import torch
+from torch import nn
 
-from archlab.block import Flops
+import archlab
+from archlab.block import CacheBytes, Flops
+from archlab.cost import Cost
 from archlab.registry import block_specs, plugin
 from conftest import ROOT
 from test_study import mini
@@ -158,7 +162,7 @@ def test_a_forward_narrower_than_its_x_is_widened_back(cli, monkeypatch, swa, tm
     # (two layers' 2,097,664 B of K,V rows for 4,097 tokens where their rings hold 32,768, beside the global 1,048,832)
     ("state_bytes", "state_bytes() give 3,146,496 B per sequence at 4097 tokens in float32, the cache holds 1,081,600 B"),
     # a ring of the window's size flagged as growing: a prefill would leave an earlier prompt's keys in it
-    ("grows_kv_cache", "grows_kv_cache is True, but its state's k, v does not grow with the context (from 1,048,576 to 2,097,152 tokens)"),
+    ("grows_kv_cache", "grows_kv_cache is True, but no tensor of its state (k, v) grows with the context (from 1,048,576 to 2,097,152 tokens)"),
 ])
 def test_cache_formulas_and_flags_are_checked_past_the_window(cli, monkeypatch, swa, change, said, tmp_path):
     spec = tmp_path / "yoco-w64.yaml"
@@ -188,3 +192,74 @@ def test_training_refuses_a_params_formula_the_model_does_not_hold(cli, monkeypa
     code, _, stderr = cli("train", SPEC, "--out", run, "--steps", "1", "--data", "mqar")
     assert code == 1 and "error: yoco: params() sum to 225,922, the built model holds 225,920; `archlab build` checks" in stderr, stderr
     assert not run.parent.exists()
+
+
+class ShortConvThen(nn.Module):
+    """A causal depthwise conv over a block's last inputs, then the block's own mixer: a state that
+    does not grow (those inputs) beside one that does (the mixer's K,V), as attention with a
+    short conv keeps."""
+
+    def __init__(self, mixer: nn.Module, d_model: int, width: int = 4):
+        super().__init__()
+        self.mixer, self.conv = mixer, nn.Conv1d(d_model, d_model, width, groups=d_model, bias=False)
+
+    def new_state(self, batch, capacity, dtype):
+        inputs = torch.zeros(batch, self.conv.in_channels, self.conv.kernel_size[0] - 1, dtype=dtype)
+        return {**self.mixer.new_state(batch, capacity, dtype), "inputs": inputs}
+
+    def forward(self, x, inp):
+        past = inp.state["inputs"] if inp.state is not None else x.new_zeros(x.shape[0], x.shape[2], self.conv.kernel_size[0] - 1)
+        inputs = torch.cat([past.to(x.dtype), x.transpose(1, 2)], dim=2)
+        if inp.state is not None:
+            past.copy_(inputs[:, :, -past.shape[2]:])
+        return self.mixer(self.conv(inputs).transpose(1, 2), inp)
+
+
+@pytest.fixture
+def short_conv_attention(monkeypatch):
+    """The built-in attention block with a short conv before it, as a plugin would give it; its
+    state_bytes() as given (``split``: the conv's inputs counted apart, as the cache holds them)."""
+    attention = block_specs()["attention"]
+    built, counted, sized = attention.build, attention.params, attention.state_bytes
+    monkeypatch.setattr(attention, "build", lambda self, ctx: ShortConvThen(built(self, ctx), ctx.d_model))
+    monkeypatch.setattr(attention, "params", lambda self, ctx: counted(self, ctx) + 4 * ctx.d_model)
+
+    def state_bytes(self, ctx, context, kv_bytes):
+        return CacheBytes(sized(self, ctx, context, kv_bytes), 3 * ctx.d_model * kv_bytes)
+
+    monkeypatch.setattr(attention, "state_bytes", state_bytes)
+    return attention
+
+
+def test_a_block_whose_state_partly_grows_keeps_and_costs_each_part_as_it_is(cli, short_conv_attention, monkeypatch):
+    """It was refused: a growing block's state grew in all its tensors or none. The cache tells the
+    tensors apart by their sizes, and resets and rewinds the conv's inputs alone: kept as the K,V
+    are, a prompt's last inputs were carried into the next prompt's first tokens."""
+    spec_file = ROOT / "specs" / "tiny" / "transformer.yaml"
+    code, out, stderr = cli("build", spec_file)
+    assert code == 0 and " ok " in out, out + stderr
+    spec = archlab.load_spec(spec_file)
+    torch.manual_seed(0)
+    model = archlab.build_model(spec).eval()
+    engine = archlab.Engine(model)
+    held = engine.new_cache(2, 40).bytes_per_sequence()
+    assert held == Cost(spec).cache_bytes(40, "float32") and held.local == spec.n_layers * 3 * spec.d_model * 4
+    first, second = [[5, 6, 7, 8, 9, 10], [11, 12, 13]], [[20, 21, 22, 23], [24, 25, 26, 27, 28]]
+    cache = engine.new_cache(2, 40)
+    list(engine.stream(first, 8, cache=cache))  # a cache used, then reused for other prompts
+    reused = [logits for _, logits, _ in engine.stream(second, 8, cache=cache)]
+    fresh = [logits for _, logits, _ in engine.stream(second, 8)]
+    assert max((a - b).abs().max().item() for a, b in zip(reused, fresh)) < 1e-5
+    marked = cache.mark()  # as chat marks a prompt and rewinds to it
+    assert len(marked) == spec.n_layers and all(t.shape == (2, spec.d_model, 3) for t in marked)
+    tokens, positions = torch.tensor([[1], [2]]), torch.tensor([len(p) + 8 for p in second])
+    stepped = engine.decode(tokens, positions, cache)
+    cache.rewind(marked)
+    assert torch.equal(engine.decode(tokens, positions, cache), stepped)
+    split = short_conv_attention.state_bytes  # given as one number, the costs count it all as the flag says
+    monkeypatch.setattr(short_conv_attention, "state_bytes", lambda self, *args: split(self, *args).total)
+    code, out, stderr = cli("build", spec_file)
+    said = " ".join(stderr.split())
+    assert code == 1 and re.search(r"state_bytes\(\) count [\d,]+ B per sequence at 1 tokens as growing with the context and 0 B as"
+                                   rf" not; the cache's tensors that grow hold [\d,]+ B, the others {spec.n_layers * 3 * spec.d_model * 4:,} B \(a block whose state both"
+                                   r" grows and does not gives state_bytes\(\) as archlab.block.CacheBytes\(global_, local\)\)", said), said

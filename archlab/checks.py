@@ -174,9 +174,14 @@ def decode_problems(model: Model, length: int) -> list[str]:
         return [f"decoding prompts of different lengths raised {said(exc)} (blocks: {blocks})"]
     if error <= DECODE_TOLERANCE:
         return []
+    shared = sorted({model.spec.block_at(layer).type for seg in model.plan.segments if seg.share_kv for layer in seg.layers
+                     if model.spec.block_at(layer).shares_kv})
+    also = (f"; in a loop with kv_cache: shared, every iteration of {', '.join(shared)} is handed the one state of the first:"
+            " a block that keeps more there than its K,V (a conv's last inputs) cannot share it, and sets shares_kv false"
+            if shared else "")
     return [f"decoding prompts of different lengths token by token differs from full forward passes by {error:.1e} of"
             f" the largest logit (blocks: {blocks}; does each module's forward read and update inp.state, each row at its"
-            " own inp.positions?)"]
+            f" own inp.positions?{also})"]
 
 
 def inference_dtype_problems(model: Model) -> list[str]:
@@ -217,16 +222,17 @@ def cost_problems(model: Model) -> list[str]:
     dtypes = dict.fromkeys([_dtype_name(next(model.parameters()).dtype), model.spec.inference_dtype])
     for dtype, context in ((dtype, context) for dtype in dtypes for context in CACHE_CONTEXTS):
         analytic, held = cost.cache_bytes(context, dtype), Cache(model, 1, context, getattr(torch, dtype)).bytes_per_sequence()
+        at = f"{context:,} token{'s' * (context != 1)}"
         if analytic.total != held.total:
-            problems.append(f"state_bytes() give {analytic.total:,} B per sequence at {context} tokens in {dtype}, the cache"
+            problems.append(f"state_bytes() give {analytic.total:,} B per sequence at {at} in {dtype}, the cache"
                             f" holds {held.total:,} B (is each tensor of new_state counted, at its size for this context"
                             " (a window caps it) and in the dtype it is given?)")
             break
         if analytic != held and not split:
-            split.append(f"state_bytes() count {analytic.global_:,} B per sequence at {context} tokens as growing with the"
+            split.append(f"state_bytes() count {analytic.global_:,} B per sequence at {at} as growing with the"
                          f" context and {analytic.local:,} B as not; the cache's tensors that grow hold {held.global_:,} B, the"
                          f" others {held.local:,} B (a block whose state both grows and does not gives state_bytes() as"
-                         " archlab.block.CacheBytes(global_, local))")
+                         " archlab.block.CacheBytes(global_, local): the bytes of the tensors that grow, then of the others)")
     # after the cache is made (each state a dict of row-first tensors); a wrong flag is what splits the bytes wrongly then
     return problems + (growth_problems(model) or split)
 

@@ -160,7 +160,7 @@ def test_a_forward_narrower_than_its_x_is_widened_back(cli, monkeypatch, swa, tm
 @pytest.mark.parametrize(("change", "said"), [
     # a window's cache that forgets the window: equal to the cache up to the window (64), over it past
     # (two layers' 2,097,664 B of K,V rows for 4,097 tokens where their rings hold 32,768, beside the global 1,048,832)
-    ("state_bytes", "state_bytes() give 3,146,496 B per sequence at 4097 tokens in float32, the cache holds 1,081,600 B"),
+    ("state_bytes", "state_bytes() give 3,146,496 B per sequence at 4,097 tokens in float32, the cache holds 1,081,600 B"),
     # a ring of the window's size flagged as growing: a prefill would leave an earlier prompt's keys in it
     ("grows_kv_cache", "grows_kv_cache is True, but no tensor of its state (k, v) grows with the context (from 1,048,576 to 2,097,152 tokens)"),
 ])
@@ -260,6 +260,24 @@ def test_a_block_whose_state_partly_grows_keeps_and_costs_each_part_as_it_is(cli
     monkeypatch.setattr(short_conv_attention, "state_bytes", lambda self, *args: split(self, *args).total)
     code, out, stderr = cli("build", spec_file)
     said = " ".join(stderr.split())
-    assert code == 1 and re.search(r"state_bytes\(\) count [\d,]+ B per sequence at 1 tokens as growing with the context and 0 B as"
+    assert code == 1 and re.search(r"state_bytes\(\) count [\d,]+ B per sequence at 1 token as growing with the context and 0 B as"
                                    rf" not; the cache's tensors that grow hold [\d,]+ B, the others {spec.n_layers * 3 * spec.d_model * 4:,} B \(a block whose state both"
-                                   r" grows and does not gives state_bytes\(\) as archlab.block.CacheBytes\(global_, local\)\)", said), said
+                                   r" grows and does not gives state_bytes\(\) as archlab.block.CacheBytes\(global_, local\): the bytes of"
+                                   r" the tensors that grow, then of the others\)", said), said
+
+
+def test_a_block_keeping_more_than_its_kv_in_a_shared_loop_is_told_why_it_decodes_otherwise(cli, short_conv_attention, tmp_path):
+    """Every iteration of a loop with kv_cache: shared is handed the first's state: the K,V it may
+    share, and the conv's last inputs, which it may not. build asked only whether the forward reads
+    and updates inp.state, which it does."""
+    spec = tmp_path / "looped.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs' / 'tiny' / 'transformer.yaml'}\nname: looped\n"
+                    "loop: {position: all, times: 2, kv_cache: shared}\n")
+    code, _, stderr = cli("build", spec)
+    said = " ".join(stderr.split())
+    assert code == 1 and "decoding prompts of different lengths token by token differs from full forward passes" in said, said
+    assert ("in a loop with kv_cache: shared, every iteration of attention is handed the one state of the first: a block that keeps"
+            " more there than its K,V (a conv's last inputs) cannot share it, and sets shares_kv false") in said, said
+    spec.write_text(spec.read_text().replace("kv_cache: shared", "kv_cache: per_iteration"))  # a state for each iteration
+    code, _, stderr = cli("build", spec)
+    assert code == 0, stderr

@@ -167,11 +167,14 @@ def decode_problems(model: Model, length: int) -> list[str]:
     forward passes' (see ``decode_error``)."""
     blocks = _blocks(model)
     try:
-        error = decode_error(model, length)
+        error, replaced = decode_error(model, length)
     except RegistryError:
         raise
     except Exception as exc:  # a plugin's forward that breaks on a batch of rows: said with the blocks it may be
         return [f"decoding prompts of different lengths raised {said(exc)} (blocks: {blocks})"]
+    if replaced:
+        return [f"decoding replaced {', '.join(replaced)} in inp.state with other tensors rather than updating them in place"
+                " (copy_, or an op's out=): decoding from a CUDA graph reads and writes the tensors new_state made"]
     if error <= DECODE_TOLERANCE:
         return []
     shared = sorted({model.spec.block_at(layer).type for seg in model.plan.segments if seg.share_kv for layer in seg.layers
@@ -267,13 +270,14 @@ def _state_names(mixer) -> list[str]:
         return list(mixer.new_state(1, 1, torch.float32))
 
 
-def decode_error(model: Model, length: int) -> float:
+def decode_error(model: Model, length: int) -> tuple[float, list[str]]:
     """The largest difference between the logits of full forward passes over three sequences of
     ``length`` random tokens and those of prefilling prompts of two lengths (in chunks, so that
     a chunk boundary is crossed; the two of one length together) then decoding all rows together
     token by token, each at its own position, as a fraction of the largest logit. Rows of
     different lengths find a state that is not row-first, or a forward that reads one row's
-    positions for all; two prefilled together, a chunk that reads one row's state for both."""
+    positions for all; two prefilled together, a chunk that reads one row's state for both. Also
+    the state tensors that decoding replaced rather than updated in place."""
     prompts = torch.tensor([length // 2, length // 2, length // 2 - 3])
     rows = torch.arange(len(prompts))
     tokens = torch.randint(0, model.spec.vocab_size, (len(prompts), length))
@@ -281,13 +285,16 @@ def decode_error(model: Model, length: int) -> float:
     with torch.no_grad():
         full = model(tokens)
         cache = engine.new_cache(len(prompts), length)
+        made = {(key, name): tensor for key, state in cache.layers.items() for name, tensor in state.items()}
         stepped = [engine.prefill([tokens[row, :p] for row, p in zip(rows, prompts)], cache)]
         wanted = [full[rows, prompts - 1]]
         for step in range(length - int(prompts.max())):
             positions = prompts + step
             stepped.append(engine.decode(tokens[rows, positions][:, None], positions, cache))
             wanted.append(full[rows, positions])
-    return ((torch.stack(stepped) - torch.stack(wanted)).abs().max() / full.abs().max().clamp(min=1e-30)).item()
+    replaced = sorted({f"{model.spec.block_at(key[2]).type}'s {name}" for (key, name), tensor in made.items()
+                       if cache.layers[key][name] is not tensor})
+    return ((torch.stack(stepped) - torch.stack(wanted)).abs().max() / full.abs().max().clamp(min=1e-30)).item(), replaced
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

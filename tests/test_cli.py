@@ -301,7 +301,7 @@ MISTAKES = {  # the README's plugin with one mistake made in it: what is changed
                "float32"),
     "state bytes": (("return max(4, kv_bytes) * ctx.d_model  #", "return 7  #"), "state_bytes() give", "float32"),
     "state bytes in the inference dtype": (("dtype=float32_or_wider(dtype))", "dtype=dtype)"),
-                                           "at 1 tokens in bfloat16, the cache holds", "bfloat16"),  # 4 bytes counted, 2 held
+                                           "at 1 token in bfloat16, the cache holds", "bfloat16"),  # 4 bytes counted, 2 held
     "state ignored": (("if inp.state is not None:", "if False:"), "decoding prompts of different lengths token by token differs",
                       "float32"),
     "one row's positions": (("(inp.positions + 1)", "(inp.positions[:1] + 1)"),

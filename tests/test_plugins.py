@@ -281,3 +281,19 @@ def test_a_block_keeping_more_than_its_kv_in_a_shared_loop_is_told_why_it_decode
     spec.write_text(spec.read_text().replace("kv_cache: shared", "kv_cache: per_iteration"))  # a state for each iteration
     code, _, stderr = cli("build", spec)
     assert code == 0, stderr
+
+
+def test_a_state_replaced_rather_than_updated_in_place_is_named(cli, short_conv_attention, monkeypatch):
+    """It decoded right on the CPU, where the cache reads its dict again at every step; a CUDA graph
+    replays on the tensors new_state made."""
+    class Replacing(ShortConvThen):
+        def forward(self, x, inp):
+            if inp.state is not None:
+                inp.state["inputs"] = inp.state["inputs"].clone()
+            return super().forward(x, inp)
+
+    built = short_conv_attention.build
+    monkeypatch.setattr(short_conv_attention, "build", lambda self, ctx: Replacing(built(self, ctx).mixer, ctx.d_model))
+    code, _, stderr = cli("build", ROOT / "specs" / "tiny" / "transformer.yaml")
+    assert code == 1 and ("decoding replaced attention's inputs in inp.state with other tensors rather than updating them in place"
+                          " (copy_, or an op's out=)") in " ".join(stderr.split()), stderr

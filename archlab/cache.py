@@ -53,6 +53,19 @@ def growing(mixer: torch.nn.Module, dtype: torch.dtype) -> set[str]:
     return {name for name, tensor in small.items() if tensor.shape != large[name].shape}
 
 
+def _grown(model, layer: int, state: State, dtype: torch.dtype) -> set[str]:
+    """The tensors of a layer's state that grow: none in a block whose flag says its state does
+    not grow (``build`` checks the flag), and in one whose flag says it does, those ``growing``
+    finds, or all where its new_state cannot be made that large (a block with a context limit of
+    its own)."""
+    if not model.spec.block_at(layer).grows_kv_cache:
+        return set()
+    try:
+        return growing(model.layers[layer].mixer, dtype)
+    except Exception:  # whatever the block's own check raises: its whole state is taken as growing, as flagged
+        return set(state)
+
+
 class Cache:
     """``page_size``: keep the global K,V in a pool of ``pages`` pages of that many positions
     (by default enough for every sequence to reach ``capacity``) instead of a row per position,
@@ -88,9 +101,7 @@ class Cache:
         self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
         states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
-        mixers = {key[2]: model.layers[key[2]].mixer for key in self.layers}
-        grows = {layer: growing(mixer, dtype) for layer, mixer in mixers.items()}
-        self._grows = {key: grows[key[2]] for key in self.layers}
+        self._grows = {key: _grown(model, key[2], state, dtype) for key, state in self.layers.items()}
         # where a state both grows and does not: the first row of its fixed tensors as new_state made them, for
         # start_over (making them again would allocate the growing ones too)
         self._initial_fixed = {key: {name: t[:1].clone() for name, t in s.items() if name not in self._grows[key]}

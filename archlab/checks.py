@@ -142,7 +142,10 @@ def shapes_checked(model: Model) -> Iterator[None]:
 def _raised_at(module_class: type, exc: BaseException) -> str:
     """Where in the file defining ``module_class`` an exception was last on its way: the line that
     raised it, or called what did."""
-    source = inspect.getsourcefile(module_class)
+    try:
+        source = inspect.getsourcefile(module_class)
+    except (OSError, TypeError):  # defined where no file holds it (a notebook's cell, a built-in)
+        return ""
     lines = [frame.f_lineno for frame, _ in traceback.walk_tb(exc.__traceback__) if frame.f_code.co_filename == source]
     return f" (at {Path(source).name}:{lines[-1]})" if lines else ""
 

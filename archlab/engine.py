@@ -53,6 +53,9 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):  # a 0-d tensor or array: its number
+            if isinstance(value := getattr(self, name), (torch.Tensor, np.ndarray)) and value.ndim == 0:
+                object.__setattr__(self, name, value.item())
         if not (_real(self.temperature) and 0 <= self.temperature < math.inf):  # nan too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and not (_whole(self.top_k) and self.top_k >= 1):
@@ -169,9 +172,6 @@ class Engine:
         self.model, self.prefill_chunk, self.page_size, self.page_kernel = model, prefill_chunk, page_size, page_kernel
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
-        if self.device.type == "meta":
-            raise ValueError(f"{model.spec.name} is on the meta device, which holds shapes and no weights; build it on a"
-                             " device that computes (build_model(spec), or load_trained(run)) to generate")
         model.choose_kernels()  # a kernel that cannot run here fails now, not mid-generation
         if cuda_graph:
             check_capturable(model)
@@ -258,6 +258,9 @@ class Engine:
     def _check_call(self, prompts: Sequence, max_new_tokens: int) -> list[torch.Tensor]:
         """The arguments ``generate`` and ``stream`` share, checked at the call (``stream`` is a
         generator's maker), before a cache is sized by them."""
+        if self.device.type == "meta":  # an engine there sizes caches (new_cache), and computes nothing
+            raise ValueError(f"{self.model.spec.name} is on the meta device, which holds shapes and no weights; build it on a"
+                             " device that computes (build_model(spec), or load_trained(run)) to generate")
         prompts = self.check_prompts(prompts)
         if not (_whole(max_new_tokens) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")

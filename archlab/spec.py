@@ -817,6 +817,9 @@ def _set_dotted(data: dict, key: str, value: Any) -> tuple[dict, list[str]]:
             parent = _holder(parts[:depth])
             if parent in _unions() and part == _tag_of(parent) and isinstance(value, str):
                 return data, _retag(node, parent, value, ".".join(parts[:depth]))
+            kind = old if isinstance(old, str) else old.get(_tag_of(holder)) if isinstance(old, dict) else None
+            if holder in _unions() and isinstance(value, dict) and _tag_of(holder) not in value and kind is not None:
+                value = {_tag_of(holder): kind, **value}  # the kind it replaces, not the default's (Strict._default_kind)
             node[part] = value
             return data, [path]
         if isinstance(node, dict) and node.get(part) is None:

@@ -242,8 +242,11 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
     for option, value in (("page_size", 2.5), ("prefill_chunk", 1.5)):
         with pytest.raises(ValueError, match=f"{option} must be a whole number >= 1, got {value}"):
             archlab.generate(model, [[5]], 2, **{option: value})
+    on_meta = archlab.build_model(model.spec, device="meta")
     with pytest.raises(ValueError, match="yoco-u is on the meta device, which holds shapes and no weights"):
-        archlab.generate(archlab.build_model(model.spec, device="meta"), [[5]], 2)
+        archlab.generate(on_meta, [[5]], 2)
+    assert archlab.Engine(on_meta).new_cache(2, 64).bytes_per_sequence().total > 0  # sizing a cache there is what it is for
+    assert Sampling(temperature=torch.tensor(0.5), top_p=np.float32(0.5)) == Sampling(temperature=0.5, top_p=0.5)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=0), Sampling(temperature=1.0, top_k=3, seed=0)],

@@ -297,3 +297,37 @@ def test_a_state_replaced_rather_than_updated_in_place_is_named(cli, short_conv_
     code, _, stderr = cli("build", ROOT / "specs" / "tiny" / "transformer.yaml")
     assert code == 1 and ("decoding replaced attention's inputs in inp.state with other tensors rather than updating them in place"
                           " (copy_, or an op's out=)") in " ".join(stderr.split()), stderr
+
+
+def test_a_growing_block_with_a_context_limit_of_its_own_still_generates(monkeypatch):
+    """The cache asks each growing block for a state of 2,097,152 positions (on the meta device) to
+    tell its tensors apart; one that refuses so many has its whole state taken as growing."""
+    attention = block_specs()["attention"]
+    built = attention.build
+
+    def build(self, ctx):
+        module = built(self, ctx)
+        made = module.new_state
+
+        def new_state(batch, capacity, dtype):
+            if capacity > 100_000:
+                raise ValueError(f"this block holds at most 100,000 positions, not {capacity:,}")
+            return made(batch, capacity, dtype)
+
+        module.new_state = new_state
+        return module
+
+    monkeypatch.setattr(attention, "build", build)
+    model = archlab.build_model(archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml"))
+    assert len(archlab.generate(model, [[1, 2, 3]], 2).tokens[0]) == 2
+
+
+def test_a_forward_whose_module_no_file_holds_is_named_without_its_line():
+    """A block defined in a notebook's cell: looking up the file raised in place of the block's own error."""
+    from archlab.checks import _raised_at
+
+    cell = type("Cell", (nn.Module,), {"__module__": "cell_of_a_notebook"})
+    try:
+        raise ValueError("the block's own error")
+    except ValueError as exc:
+        assert _raised_at(cell, exc) == ""

@@ -255,6 +255,20 @@ def test_a_mapping_without_its_kind_in_a_spec_is_its_defaults_kind(tmp_path):
         assert said in str(caught.value), given
 
 
+def test_a_whole_mapping_set_without_its_kind_keeps_the_kind_it_replaces(tmp_path):
+    """Filled with the default's kind instead, ``norm={eps: 1e-6}`` turned a LayerNorm into an
+    RMSNorm, and ``ffn={hidden: 256}`` an MoE into a SwiGLU, without a word (a study's ``set:``
+    likewise). It keeps its kind, as ``extends`` merges a mapping, and fields that kind lacks are refused."""
+    (tmp_path / "s.yaml").write_text(STACK + "norm: layernorm\nffn: {type: moe, n_experts: 4, top_k: 2, expert_hidden: 16}\n"
+                                     "loop: {position: all, times: 2, kv_cache: shared}\n")
+    spec = archlab.load_spec(tmp_path / "s.yaml", ["norm={eps: 1.0e-6}"])
+    assert spec.norm == archlab.spec.LayerNorm(type="layernorm", eps=1e-6)
+    for override, said in (("ffn={hidden: 256}", "ffn.hidden: unknown key"), ("loop={}", "loop.times: Field required")):
+        with pytest.raises(archlab.SpecError) as caught:
+            archlab.load_spec(tmp_path / "s.yaml", [override])
+        assert said in str(caught.value), override
+
+
 def test_overrides_may_be_a_mapping():
     """Values as given, not read as YAML; it was taken for a list of its keys, each said not to be
     a ``--set`` KEY=VALUE."""

@@ -328,20 +328,23 @@ def test_a_study_whose_text_changed_since_its_trials_ran_is_refused(tmp_path, cl
     text = tmp_path / "text.txt"
     first = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(1500))
     text.write_text(first)
-    path, out = mini(tmp_path, "retexted", steps=2), tmp_path / "out"
+    bpe = {"vocab_size": 512}  # a tokenizer trained on the text, which another text changes
+    path = mini(tmp_path, "retexted", steps=2, variants={"yoco": {"spec": "yoco.yaml", "set": bpe}, "yoco-u": {"spec": "yoco-u.yaml", "set": bpe}})
+    out = tmp_path / "out"
     tiny = yaml.safe_load(path.read_text())["scales"]["tiny"]
     study = rewrite(path, scales={"tiny": {**tiny, "train": {**tiny["train"], "data": {"source": str(text)}}}})
     url = storage_url(out, None)
     optuna_study = join(study, out, url, grace_period=60)
     assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
-    text.write_text(first.replace("return x", "return -x"))
+    text.write_text("".join(f"class K{i}(Base):\n    size = {i} ** 2\n" for i in range(1500)))  # tokenized otherwise too
     code, _, stderr = cli("study", "run", path, "--out", out)
     assert code == 1 and "held before it changed" in stderr, stderr  # the shared corpus's own refusal
-    for made in ("data", "tokenizer.json"):
-        subprocess.run(["rm", "-r", str(out / made)], check=True)
+    subprocess.run(["rm", "-r", str(out / "data")], check=True)  # as that refusal allows
+    tokenizer = (out / "tokenizer.json").read_bytes()
     code, _, stderr = cli("study", "run", path, "--out", out)
     said = " ".join(stderr.split())
     assert code == 1 and "Traceback" not in stderr and "the 1 trial of retexted-tiny run so far trained on another corpus than" in said, stderr
+    assert not (out / "data").exists() and (out / "tokenizer.json").read_bytes() == tokenizer  # as it found them
     assert [t.state for t in trials_of(url, "retexted")].count(TrialState.COMPLETE) == 1  # nothing else trained
     text.write_text(first)  # put back: tokenized again to the same tokens, the study goes on
     assert len(join(study, out, url, grace_period=60).get_trials()) == 4

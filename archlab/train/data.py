@@ -633,8 +633,8 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
             made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
                     if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
         raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
-                        f" (a study: another --out, since its trials so far trained on that corpus), or remove {cache} to"
-                        " tokenize again")
+                        f" (a study: another --out, since its trials so far trained on that corpus, and it refuses another), or"
+                        f" remove {cache} to tokenize again")
     remove_corpus(data_dir)
 
 
@@ -649,15 +649,19 @@ def remove_corpus(data_dir: Path, tokenizer: bool = True) -> None:
 
 
 def undo_tokenizing(data_dir: Path) -> Callable[[], None]:
-    """What undoes the tokenizing a start is about to do into ``data_dir``: it removes the corpus and
-    tokenizer that were not there. A start refused once it knows its tokens (another corpus than
-    its checkpoint's) then leaves the folder as it found it, so that the data put back tokenizes
-    again, rather than being refused as other text than the corpus there."""
-    corpus, tokenizer = (data_dir / "data" / "train.npy").is_file(), (data_dir / "tokenizer.json").is_file()
+    """What undoes the tokenizing a start is about to do into ``data_dir``: it removes the corpus
+    that was not there, and puts the tokenizer back as it was (none, or the bytes it held). A start
+    refused once it knows its tokens (another corpus than its checkpoint's) then leaves the folder
+    as it found it, so that the data put back tokenizes again, rather than being refused as other
+    text than the corpus there."""
+    corpus, tokenizer = (data_dir / "data" / "train.npy").is_file(), data_dir / "tokenizer.json"
+    held = tokenizer.read_bytes() if tokenizer.is_file() else None
 
     def undo() -> None:
         if not corpus:
-            remove_corpus(data_dir, tokenizer=not tokenizer)
+            remove_corpus(data_dir, tokenizer=held is None)
+        if held is not None and (not tokenizer.is_file() or tokenizer.read_bytes() != held):
+            write_whole(tokenizer, lambda f: f.write(held))
 
     return undo
 

@@ -536,6 +536,7 @@ def test_generate_streams_text_with_a_notice(cli):
         assert out.startswith("Hello") and len(out.encode()) > len("Hello")
         assert "random weights" in stderr
         assert "12 tokens" in stderr and "B global" in stderr
+        assert ("(global: its whole pool of pages)" in stderr) == ("--page-size" in paging), stderr  # read as more than rows hold
         texts.append(out)
     assert texts[0] == texts[1] == texts[2] == texts[3]  # the seed fixes the random weights too; pages change nothing
     assert warnings.showwarning is shown  # the notices' form was the command's alone, not its caller's after it

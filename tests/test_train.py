@@ -1023,6 +1023,8 @@ def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, t
     kept, said = resumed("other", [{"from step": 0, **older}], 6)
     assert kept == [{"from step": 0, **older}, {"from step": 4, **here}]
     assert f"the steps before this resume trained in another setting (torch 2.12.0 -> {torch.__version__})" in said
+    kept, said = resumed("two", [{"from step": 0, **here, "processes": "2"}], 6)  # said "processes 2 -> (absent)"
+    assert "another setting (processes 2 -> 1)" in said, said
     # a setting recorded from step 4 on, whose steps the resume from step 4 trains again, goes
     kept, said = resumed("again", [{"from step": 0, **here}, {"from step": 4, **older}], 6)
     assert kept == [{"from step": 0, **here}] and "another setting" not in said

@@ -440,7 +440,8 @@ class Trainer:
         and record from which step it holds. Settings of steps the resume trains again are dropped."""
         before = [s for s in recorded if s["from step"] < step]
         last = setting_of(before[-1]) if before else None
-        if last is not None and (differ := describe_differences(last, self.environment)):
+        one = {"processes": "1"}  # recorded only above one (environment), said as such here rather than "(absent)"
+        if last is not None and (differ := describe_differences({**one, **last}, {**one, **self.environment})):
             self._say(f"[yellow]notice[/]: the steps before this resume trained in another setting ({escape('; '.join(differ))});"
                       " its numbers may not repeat to the bit those of a run in a single setting. environment.yaml records each, from"
                       " the step it began at")

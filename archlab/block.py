@@ -50,15 +50,18 @@ class Strict(BaseModel):
     @classmethod
     def _default_kind(cls, data: Any) -> Any:
         """A mapping without its tag, for a field whose default is one kind of a tagged union, is that
-        kind where every key it gives is one of that kind's fields: ``norm: {eps: 1e-5}`` sets the
-        default RMSNorm's eps, as ``--set norm.eps=1e-5`` does. Else the tag is said to be missing."""
+        kind where no key it gives is another kind's field alone: ``norm: {eps: 1e-5}`` sets the
+        default RMSNorm's eps, as ``--set norm.eps=1e-5`` does, and ``norm: {epsilon: 1e-5}`` is said
+        to hold an unknown key. Where one is (``loop: {times: 3}``), the tag is said to be missing."""
         if not isinstance(data, dict):
             return data
         tagged = {}
         for key, info in cls.model_fields.items():
             value, default, tag = data.get(key), info.default, info.discriminator
-            if (isinstance(tag, str) and isinstance(value, dict) and tag not in value and isinstance(default, BaseModel)
-                    and value.keys() <= type(default).model_fields.keys()):
+            if not (isinstance(tag, str) and isinstance(value, dict) and tag not in value and isinstance(default, BaseModel)):
+                continue
+            others = {name for kind in get_args(info.annotation) for name in getattr(kind, "model_fields", {})}
+            if not (value.keys() - type(default).model_fields.keys()) & others:
                 tagged[key] = {tag: getattr(default, tag), **value}
         return {**data, **tagged} if tagged else data
 

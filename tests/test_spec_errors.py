@@ -248,7 +248,8 @@ def test_a_mapping_without_its_kind_in_a_spec_is_its_defaults_kind(tmp_path):
     assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.spec.SwiGLU(hidden=64))
     for given, said in (("norm: {eps: 0}", "norm.eps: Input should be greater than 0 (got 0)"),
                         ("loop: {times: 3}", "loop: missing 'position', which says what kind this is"),  # the default, none, has no times
-                        ("ffn: {n_experts: 4}", "ffn: missing 'type', which says what kind this is (one of: swiglu, moe)")):
+                        ("ffn: {n_experts: 4}", "ffn: missing 'type', which says what kind this is (one of: swiglu, moe)"),
+                        ("norm: {epsilon: 1.0e-5}", "norm.epsilon: unknown key")):  # a misspelt key, not a missing tag
         (tmp_path / "s.yaml").write_text(BASE + given + "\n")
         with pytest.raises(archlab.SpecError) as caught:
             archlab.load_spec(tmp_path / "s.yaml")

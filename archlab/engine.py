@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +35,11 @@ def _token_id(value) -> bool:
     return _whole(value) and 0 <= value < 2**63
 
 
+def _scalar(value):
+    """A 0-d tensor or array as its number (a common way to carry a hyperparameter); else the value."""
+    return value.item() if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0 else value
+
+
 def _real(value) -> bool:
     """A number (Python's or numpy's, whole or not), not a bool nor text."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -53,9 +58,8 @@ class Sampling:
     stop_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("temperature", "top_p"):  # a 0-d tensor or array: its number
-            if isinstance(value := getattr(self, name), (torch.Tensor, np.ndarray)) and value.ndim == 0:
-                object.__setattr__(self, name, value.item())
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            object.__setattr__(self, name, _scalar(getattr(self, name)))
         if not (_real(self.temperature) and 0 <= self.temperature < math.inf):  # nan too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if self.top_k is not None and not (_whole(self.top_k) and self.top_k >= 1):
@@ -159,6 +163,7 @@ class Engine:
         ``page_size``: keep the global K,V in pages of that many positions, handed out as the
         sequences grow (YOCO layouts; the paper's serving stack uses 256), and decode over them
         with ``page_kernel``: ``torch`` or ``flex`` (``archlab.kv``)."""
+        prefill_chunk, page_size = _scalar(prefill_chunk), _scalar(page_size)
         if not (_whole(prefill_chunk) and prefill_chunk >= 1):
             raise ValueError(f"prefill_chunk must be a whole number >= 1, got {prefill_chunk!r}")
         if page_size is not None and not (_whole(page_size) and page_size >= 1):
@@ -224,10 +229,10 @@ class Engine:
         if isinstance(prompts, (str, bytes)):
             raise ValueError(f"prompts are token ids, not text ({prompts[:20]!r}): encode text with the run's tokenizer first"
                              " (load_trained gives its tokenizer.json)")
-        if isinstance(prompts, Iterator):  # a generator of prompts, read once, here
-            prompts = list(prompts)
         if not isinstance(prompts, (Sequence, torch.Tensor, np.ndarray)):
-            raise ValueError(f"prompts must be a list of prompts (or a 2-D tensor of them), got {type(prompts).__name__}")
+            if not isinstance(prompts, Iterable):
+                raise ValueError(f"prompts must be a list of prompts (or a 2-D tensor of them), got {type(prompts).__name__}")
+            prompts = list(prompts)  # a generator of prompts (or a dict's values), read once, here
         if not len(prompts):
             raise ValueError("no prompts given; pass a list of at least one")
         vocab = self.model.spec.vocab_size

@@ -247,6 +247,8 @@ def test_prompts_may_be_lists_and_bad_ones_are_named():
         archlab.generate(on_meta, [[5]], 2)
     assert archlab.Engine(on_meta).new_cache(2, 64).bytes_per_sequence().total > 0  # sizing a cache there is what it is for
     assert Sampling(temperature=torch.tensor(0.5), top_p=np.float32(0.5)) == Sampling(temperature=0.5, top_p=0.5)
+    # 0-d tensors as options, and a dict's values as prompts, were taken before these checks: still taken
+    assert archlab.generate(model, {"a": [5, 6, 7], "b": [8]}.values(), 3, prefill_chunk=torch.tensor(2)).tokens == lists
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=1.0, seed=0), Sampling(temperature=1.0, top_k=3, seed=0)],

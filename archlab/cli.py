@@ -730,17 +730,21 @@ def cost(
 def equal_flops(
     reference: Annotated[Path, typer.Argument(help="the spec whose training budget is matched")],
     others: Annotated[list[Path], typer.Argument(help="specs to give the same training FLOPs")],
-    steps: Annotated[int, typer.Option(min=1, help="training steps of the reference")] = 20_000,
-    seq_len: Annotated[str, typer.Option(help="training sequence length")] = "8K",
+    steps: Annotated[int | None, typer.Option(min=1, help="training steps of the reference (default: a run's own, else 20,000)")] = None,
+    seq_len: Annotated[str | None, typer.Option(help="training sequence length (default: a run's own, else 8K)")] = None,
 ) -> None:
-    """Steps each spec may train for to spend the reference's training FLOPs (same tokens per step)."""
+    """Steps each spec may train for to spend the reference's training FLOPs (same tokens per step).
+    A reference that is a training run gives its own steps and sequence length, unless given."""
 
-    n = _lengths([seq_len], TRAINING_LENGTH)[0]
+    trained = _trained_config(reference)
+    n = _lengths([seq_len], TRAINING_LENGTH)[0] if seq_len is not None else trained.seq_len if trained else 8 * 1024
+    steps = steps or (trained.steps if trained else 20_000)
     ref = _load_one(reference)
     good, bad = _load_all(others)
     if bad or not good:
         raise typer.Exit(1)
-    table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference")
+    table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference",
+                  title=f"{steps:,} reference steps of {n:,}-token sequences", title_justify="left")
     compared = [(_spec_file(reference), ref), *good]
     stepless = []
     for label, (_, spec) in zip(_labels(compared), compared):
@@ -752,6 +756,19 @@ def equal_flops(
     if stepless:
         err.print(f"[yellow]notice[/]: {escape(', '.join(stepless))}: one step costs more FLOPs than the reference's {steps:,}"
                   " step(s) in all; give more --steps", highlight=False)
+
+
+def _trained_config(path: Path):
+    """The training config of a run (its folder, or its spec.yaml), or None: a spec, or a run whose
+    config.yaml is gone (a damaged one is said as such)."""
+    config = _spec_file(path).parent / "config.yaml"
+    if not (_is_run(_spec_file(path).parent) and config.is_file()):
+        return None
+    try:
+        return load_config(str(config))
+    except SpecError as exc:
+        _report(exc)
+        raise typer.Exit(1) from None
 
 
 def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, flops: float | None, say: Console) -> int:

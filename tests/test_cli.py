@@ -821,6 +821,26 @@ def test_equal_flops_says_when_a_spec_gets_no_step(cli):
     assert "notice: yoco-u: one step costs more FLOPs than the reference's 1 step(s) in all; give more --steps" in stderr, stderr
 
 
+def test_equal_flops_takes_a_reference_runs_own_steps_and_length(cli, tmp_path):
+    """A run trained on 128-token sequences was costed at 8K, where the comparison can flip (a
+    transformer run got 0.625x of another's steps there, 1.75x at its own length), and the table
+    said at neither."""
+    from archlab.cost import equal_flops_steps
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "spec.yaml").write_text(cli("show", SPEC)[1])
+    (run / "config.yaml").write_text("steps: 300\nseq_len: 128\n")
+    other = "specs/tiny/yoco-u.yaml"
+    for given, (steps, n) in (([], (300, 128)), (["--steps", "50", "--seq-len", "8K"], (50, 8192))):
+        code, out, stderr = cli("equal-flops", run, other, *given)
+        matched = equal_flops_steps(load_spec(ROOT / SPEC), steps, load_spec(ROOT / other), n)
+        row = next(line for line in out.splitlines() if "yoco-u" in line)
+        assert code in (0, None) and f"{steps:,} reference steps of {n:,}-token sequences" in out, stderr
+        assert row.split("│")[3].strip() == f"{matched:,}", out
+    assert "20,000 reference steps of 8,192-token sequences" in cli("equal-flops", SPEC, other)[1]  # a spec: the defaults
+
+
 def test_a_length_option_given_twice_where_one_is_taken_is_refused(cli):
     code, stdout, stderr = cli("equal-flops", SPEC, "specs/tiny/yoco.yaml", "--seq-len", "8K", "--seq-len", "16")
     assert code == 2 and "--seq-len takes one length here; it is given twice" in stderr and not stdout, stderr

@@ -41,7 +41,7 @@ from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_s
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, holds_examples, kept_on_resume, load_config
-from archlab.train.curves import Axis, labels
+from archlab.train.curves import Axis, labels, tokens_apart
 
 app = typer.Typer(
     help="archlab: declarative exploration of efficient decoder architectures.",
@@ -908,7 +908,7 @@ def curves(
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(render(rows, fmt))
-    for line in trained_with(read) + started_from(read):
+    for line in trained_with(read) + started_from(read) + tokens_apart(folders, [run.label for run in read]):
         err.print(line, markup=False, highlight=False)
     if plot_path is not None:
         err.print(f"plot written to {plot_path}", markup=False)
@@ -942,6 +942,8 @@ def evaluate(
 
     rows = [row for found in _each_trained_run(runs, data, plot_path, score).values() for row in found]
     sys.stdout.write(render(rows, fmt))
+    for line in tokens_apart(runs, labels(runs)):
+        err.print(line, markup=False, highlight=False)
     if plot_path is not None:
         plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)

@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib.metadata
+import hashlib
 import json
 import os
 import pickle
@@ -1294,6 +1295,14 @@ def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_
     assert out.splitlines()[0].endswith(",tok/s,eval acc") and out.splitlines()[1].endswith(",") and len(out.splitlines()) == 3, stderr
     assert (tmp_path / "steps.png").read_bytes().startswith(b"\x89PNG")
     assert f"- trained with: {describe(environment(torch.device('cpu')))}\n" in stderr  # both trained by this process
+    # a text run's loss per token of its tokenizer beside a recall task's: said, where it was compared without a word
+    tokenizer = hashlib.blake2b((trained_on_text / "tokenizer.json").read_bytes(), digest_size=4).hexdigest()
+    apart = (f"notice: the runs' losses are per token of different tokenizers or data, and do not compare as numbers:"
+             f" tokenizer {tokenizer}: {trained_on_text}; the mqar task: {trained_on_mqar}")  # both named run: by path
+    assert apart in " ".join(stderr.split()), stderr
+    evaluated = cli("evaluate", trained_on_text, trained_on_mqar, "--seq-len", "32", "--last", "8", "--sequences", "2")
+    assert evaluated[0] in (0, None) and apart in " ".join(evaluated[2].split()), evaluated[2]
+    assert "do not compare" not in cli("curves", trained_on_text, trained_on_text)[2]
 
     # the best evaluation is not the last: a hand-written log
     (tmp_path / "logged").mkdir()

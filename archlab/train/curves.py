@@ -4,6 +4,7 @@ steps, tokens or training FLOPs (``archlab curves``)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import statistics
@@ -225,6 +226,36 @@ def started_from(runs: list[Run]) -> list[str]:
         if init:
             lines.append(f"- {run.label} was fine-tuned from {init}: its steps, tokens and FLOPs count from there")
     return lines
+
+
+def tokens_apart(folders: list[Path], names: list[str]) -> list[str]:
+    """A line where the runs' losses are per token of different tokenizers (or of token ids, or a
+    recall task's): side by side in one table or plot, such numbers do not compare."""
+    by_tokens: dict[str, list[str]] = {}
+    for folder, name in zip(folders, names):
+        by_tokens.setdefault(_tokens_of(folder), []).append(name)
+    if len(by_tokens) <= 1:
+        return []
+    return ["notice: the runs' losses are per token of different tokenizers or data, and do not compare as numbers: "
+            + "; ".join(f"{what}: {', '.join(runs)}" for what, runs in by_tokens.items())]
+
+
+def _tokens_of(folder: Path) -> str:
+    """What a run's tokens are, in words: its tokenizer (by a hash of its file), or its data's ids."""
+    from archlab.spec import SpecError
+    from archlab.train.checkpoint import CheckpointError, tokenizer_of
+    from archlab.train.config import SYNTHETIC, load_config
+
+    try:
+        tokenizer = tokenizer_of(folder)
+        source = load_config(str(folder / "config.yaml")).data.source if (folder / "config.yaml").is_file() else None
+    except (CheckpointError, SpecError):
+        return "a tokenizer not found"
+    if tokenizer is not None:
+        return f"tokenizer {hashlib.blake2b(tokenizer.read_bytes(), digest_size=4).hexdigest()}"
+    if source is None:
+        return "tokens not known (no config.yaml)"
+    return f"the {source} task" if source in SYNTHETIC else f"the token ids of {source}"
 
 
 def _decimals(value: float | None) -> Decimals | None:

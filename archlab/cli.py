@@ -30,7 +30,7 @@ from rich.table import Column, Table
 from archlab.block import Problem, ceil_div
 from archlab.cache import Cache
 from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
-from archlab.cost import TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
+from archlab.cost import COST_PAGE_TITLE, TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
@@ -701,6 +701,9 @@ def cost(
     lengths = _lengths(seq_len, TRAINING_LENGTH)
     if doc is not None and not doc.is_dir() and doc.suffix.lower() != ".md":  # not a run's config.yaml, overwritten
         raise typer.BadParameter(f"--doc {doc}: the cost page is markdown; give a file name ending in .md")
+    if doc is not None and doc.is_file() and not _is_cost_page(doc):  # a README, notes: replaced by an 11-line page
+        raise typer.BadParameter(f"--doc {doc} holds another page than a cost page `archlab cost --doc` wrote; give a new"
+                                 " file, or remove it first")
     good, bad = _load_all(paths)
     if not good or (bad and doc is not None):  # a page of some of the specs would read as a page of them all
         raise typer.Exit(1)
@@ -947,6 +950,15 @@ def evaluate(
     if plot_path is not None:
         plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
+
+
+def _is_cost_page(path: Path) -> bool:
+    """Whether ``path`` is a cost page (``cost_doc``'s first line), which ``--doc`` may write over."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as page:
+            return page.readline().rstrip("\n") == COST_PAGE_TITLE
+    except OSError:
+        return False  # said when it is written
 
 
 def _scoring_device(name: str | None) -> torch.device:

@@ -661,6 +661,19 @@ BAD_PATHS = [
 ]
 
 
+def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
+    """Given a copy of the README, it replaced it with an 11-line cost page."""
+    notes = tmp_path / "notes.md"
+    notes.write_text("# Notes\n\nkept\n")
+    code, _, stderr = cli("cost", SPEC, "--seq-len", "1K", "--doc", notes)
+    assert code == 2 and f"--doc {notes} holds another page than a cost page `archlab cost --doc` wrote" in " ".join(stderr.split()), stderr
+    assert notes.read_text() == "# Notes\n\nkept\n"
+    page = tmp_path / "costs.md"
+    for lengths in (["1K"], ["2K"]):  # written, then written over
+        assert cli("cost", SPEC, "--seq-len", *lengths, "--doc", page)[0] in (0, None)
+    assert "| 2,048 |" in page.read_text() and "| 1,024 |" not in page.read_text()
+
+
 @pytest.mark.parametrize("args,code,message", [c[1:] for c in BAD_PATHS], ids=[c[0] for c in BAD_PATHS])
 def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message):
     paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt"}

@@ -1370,7 +1370,8 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
     (lambda records: records.reverse(), "line 2, is not a metrics record (its step 3 does not follow step 4)"),
     (lambda records: records.insert(1, dict(records[0])), "line 2, is not a metrics record (its step 1 does not follow step 1)"),
     (lambda records: records[0].update(step=0), "line 1, is not a metrics record (its step 0 is not a step)"),
-], ids=["text", "null", "nan", "inf", "bool", "negative tokens", "reversed", "repeated", "step 0"])
+    (lambda records: records[2].update(tokens=1000), "line 3, is not a metrics record (its tokens 1000 are fewer than step 2's"),
+], ids=["text", "null", "nan", "inf", "bool", "negative tokens", "reversed", "repeated", "step 0", "tokens going back"])
 def test_curves_refuse_metrics_training_did_not_write_and_name_the_line(cli, trained_on_text, tmp_path, change, said):
     """Each was read as a table (a NaN picked as the best loss, steps counted backwards) or failed with a traceback."""
     run = tmp_path / "run"

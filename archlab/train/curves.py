@@ -26,10 +26,11 @@ def _whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _wrong_with(record: dict, after: int) -> str | None:
-    """What makes a record, which follows one of step ``after``, one that training did not write:
-    it logs a step past the one before, and finite numbers (a count of tokens not below 0)."""
-    step = record["step"]
+def _wrong_with(record: dict, before: dict | None) -> str | None:
+    """What makes a record, which follows ``before`` (None: the first), one that training did not
+    write: it logs a step past the one before, and finite numbers (a count of tokens not below 0,
+    nor below the one before's)."""
+    step, after = record["step"], before["step"] if before else 0
     if not _whole(step) or step < 1:
         return f"its step {step!r} is not a step"
     if step <= after:
@@ -39,6 +40,8 @@ def _wrong_with(record: dict, after: int) -> str | None:
             return f"its {name} {json.dumps(value)} is not a finite number"
     if record.get("tokens", 0) < 0:
         return f"its tokens {record['tokens']} are fewer than none"
+    if before and record.get("tokens", math.inf) < before.get("tokens", 0):
+        return f"its tokens {record['tokens']} are fewer than step {after}'s {before['tokens']}"
     return None
 
 
@@ -53,7 +56,7 @@ def read_metrics(file: Path) -> tuple[list[dict], list[str]]:
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
-            wrong = _wrong_with(record, records[-1]["step"] if records else 0) if "step" in record else "it logs no step"
+            wrong = _wrong_with(record, records[-1] if records else None) if "step" in record else "it logs no step"
         except (ValueError, TypeError):  # not JSON, or JSON but not an object
             wrong = ""
         if wrong is not None:
@@ -287,6 +290,7 @@ def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -
             ax.axhline(baseline.evaluations[-1]["eval_loss"], color="grey", linestyle=":", linewidth=1,
                        label=f"{baseline.label}'s last")
         ax.set_xlabel({Axis.step: "step", Axis.tokens: "tokens", Axis.flops: "training FLOPs"}[axis])
+        ax.set_ylabel("loss (nats per token)")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         if ax.lines:  # no run logged one yet: an empty panel, without matplotlib's warning of an empty legend

@@ -27,7 +27,7 @@ class Decimals(float):
     plain number in JSON and CSV."""
 
     def __new__(cls, value: float, places: int):
-        number = super().__new__(cls, round(value, places))
+        number = super().__new__(cls, round(value, places) + 0.0)  # + 0.0: a -0.0 (a loss gain of -0.00001) shows as 0
         number.places = places
         return number
 

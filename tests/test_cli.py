@@ -23,7 +23,7 @@ from archlab.cache import Cache
 from archlab.registry import block_specs, plugin
 from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
-from archlab.table import parse_budget, parse_length
+from archlab.table import Decimals, Format, parse_budget, parse_length, render
 from archlab.train.checkpoint import CheckpointError, load
 from conftest import ROOT, parsed, tiny_model
 
@@ -1019,3 +1019,11 @@ def test_a_closed_stream_reads_as_empty_and_takes_what_is_written_nowhere(cli, t
         result = subprocess.run([sys.executable, "-m", "archlab", *map(str, command)], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: [os.close(fd) for fd in closed])
         assert result.returncode == 0 and "Traceback" not in result.stderr, (command, result.stderr)
+
+
+def test_a_number_rounded_to_zero_from_below_is_shown_as_zero():
+    """niah's table said a gain of -0.0000 a digit, and its map -0.00."""
+    rows = [{"run": "a", "gain/digit": Decimals(-0.00001, 4)}, {"run": "b", "gain/digit": Decimals(-0.5, 4)}]
+    table = render(rows, Format.md)
+    assert "| 0.0000 |" in table and "| -0.5000 |" in table and "-0.0000" not in table, table
+    assert f"{Decimals(-0.001, 2):.2f}" == "0.00"

@@ -265,8 +265,9 @@ def plot(runs: dict[str, list[Found]], path: Path) -> None:
                           aspect="auto")
         for i, line in enumerate(cells):
             for j, cell in enumerate(line):
-                ax.text(j, i, f"{fmean(f.hit for f in cell):.2f}\ngain {fmean(f.gain_per_digit for f in cell):.2f}/digit",
-                        ha="center", va="center", fontsize=7)
+                share, gain = Decimals(fmean(f.hit for f in cell), 2), Decimals(fmean(f.gain_per_digit for f in cell), 2)
+                ax.text(j, i, f"{share:.2f}\ngain {gain:.2f}/digit", ha="center", va="center", fontsize=7,
+                        color="white" if share < 0.25 else "black")  # white on the map's darkest reds
         ax.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths])
         ax.set_yticks(range(len(depth_list)), [f"{d:.0f}%" for d in depth_list])
         ax.set_xlabel("length (tokens)")

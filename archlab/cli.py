@@ -748,7 +748,8 @@ def equal_flops(
         raise typer.Exit(1)
     table = Table("spec", "train FLOPs/token", "steps at equal FLOPs", "vs reference",
                   title=f"{steps:,} reference steps of {n:,}-token sequences", title_justify="left")
-    compared = [(_spec_file(reference), ref), *good]
+    first = _spec_file(reference)
+    compared = [(first, ref), *((path, spec) for path, spec in good if path.resolve() != first.resolve())]  # a folder holding it
     stepless = []
     for label, (_, spec) in zip(_labels(compared), compared):
         matched = equal_flops_steps(ref, steps, spec, n)

@@ -852,6 +852,8 @@ def test_equal_flops_takes_a_reference_runs_own_steps_and_length(cli, tmp_path):
         assert code in (0, None) and f"{steps:,} reference steps of {n:,}-token sequences" in out, stderr
         assert row.split("│")[3].strip() == f"{matched:,}", out
     assert "20,000 reference steps of 8,192-token sequences" in cli("equal-flops", SPEC, other)[1]  # a spec: the defaults
+    code, out, _ = cli("equal-flops", run, tmp_path)  # a folder holding the reference run: listed once, not twice
+    assert code in (0, None) and out.count(f"({run})") == 1 and "spec.yaml)" not in out, out
 
 
 def test_a_length_option_given_twice_where_one_is_taken_is_refused(cli):

@@ -45,12 +45,12 @@ def _size(state: State) -> int:
 GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a tensor whose size differs between these grows
 
 
-def growing(mixer: torch.nn.Module, dtype: torch.dtype) -> set[str]:
-    """The names of the tensors of ``mixer``'s state that grow with the context: of a size that
-    differs between two contexts past any window (made on the meta device: no memory)."""
+def growing(mixer: torch.nn.Module, dtype: torch.dtype) -> dict[str, bool]:
+    """Each tensor of ``mixer``'s state, by name, and whether it grows with the context: of a size
+    that differs between two contexts past any window (made on the meta device: no memory)."""
     with torch.device("meta"):
         small, large = (mixer.new_state(1, context, dtype) for context in GROWTH_CONTEXTS)
-    return {name for name, tensor in small.items() if tensor.shape != large[name].shape}
+    return {name: tensor.shape != large[name].shape for name, tensor in small.items()}
 
 
 def _grown(model, layer: int, state: State, dtype: torch.dtype) -> set[str]:
@@ -61,7 +61,7 @@ def _grown(model, layer: int, state: State, dtype: torch.dtype) -> set[str]:
     if not model.spec.block_at(layer).grows_kv_cache:
         return set()
     try:
-        return growing(model.layers[layer].mixer, dtype)
+        return {name for name, grows in growing(model.layers[layer].mixer, dtype).items() if grows}
     except Exception:  # whatever the block's own check raises: its whole state is taken as growing, as flagged
         return set(state)
 

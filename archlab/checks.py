@@ -258,19 +258,14 @@ def growth_problems(model: Model) -> list[str]:
     problems = {}
     for i, layer in enumerate(model.layers):
         block = model.spec.block_at(i)
-        grows, names = growing(layer.mixer, torch.float32), _state_names(layer.mixer)
-        if block.type in problems or bool(grows) == block.grows_kv_cache or not names:
+        tensors = growing(layer.mixer, torch.float32)
+        grows = sorted(name for name, grown in tensors.items() if grown)
+        if block.type in problems or bool(grows) == block.grows_kv_cache or not tensors:
             continue
-        said = (f"its state's {', '.join(sorted(grows))} grows" if grows else
-                f"no tensor of its state ({', '.join(names)}) grows")
+        said = f"its state's {', '.join(grows)} grows" if grows else f"no tensor of its state ({', '.join(tensors)}) grows"
         problems[block.type] = (f"{named(block)}: grows_kv_cache is {block.grows_kv_cache}, but {said} with the context (from"
                                 f" {GROWTH_CONTEXTS[0]:,} to {GROWTH_CONTEXTS[1]:,} tokens)")
     return list(problems.values())
-
-
-def _state_names(mixer) -> list[str]:
-    with torch.device("meta"):
-        return list(mixer.new_state(1, 1, torch.float32))
 
 
 def decode_error(model: Model, length: int) -> tuple[float, list[str]]:

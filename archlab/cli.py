@@ -765,11 +765,11 @@ def equal_flops(
 def _trained_config(path: Path):
     """The training config of a run (its folder, or its spec.yaml), or None: a spec, or a run whose
     config.yaml is gone (a damaged one is said as such)."""
-    config = _spec_file(path).parent / "config.yaml"
-    if not (_is_run(_spec_file(path).parent) and config.is_file()):
+    run = _spec_file(path).parent
+    if not (_is_run(run) and (run / "config.yaml").is_file()):
         return None
     try:
-        return load_config(str(config))
+        return load_config(str(run / "config.yaml"))
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None

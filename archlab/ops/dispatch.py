@@ -213,7 +213,11 @@ def fla_kernel(backend: str, op: str, table: Mapping[tuple[str, str], str | Call
 
 def chunk_size_refused(backend: str, op: str, chunk_size: int | None, table: Mapping | None = None) -> str | None:
     """Why ``backend``'s kernel for ``op`` cannot take ``chunk_size``, or None."""
-    sizes = FLA_CHUNK_SIZES.get(fla_kernel(backend, op, table)) if chunk_size is not None else None
+    return _size_refused(fla_kernel(backend, op, table), op, chunk_size)
+
+
+def _size_refused(kernel_name: str | None, op: str, chunk_size: int | None) -> str | None:
+    sizes = FLA_CHUNK_SIZES.get(kernel_name) if chunk_size is not None else None
     if sizes is None or sizes[1](chunk_size):
         return None
     return f"fla's {op} runs chunk sizes of {sizes[0]}, not {chunk_size}"
@@ -238,10 +242,11 @@ def fla_refuses_gated_backward() -> bool:
 
 def cannot_run(backend: str, op: str, chunk_size: int | None = None, table: Mapping | None = None) -> str | None:
     """Why an installed kernel must not run ``op`` here, at a block's chunk size, or None."""
-    if fla_kernel(backend, op, table) in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
+    kernel_name = fla_kernel(backend, op, table)  # found once: for a plugin's function, by importing fla's modules
+    if kernel_name in FLA_GATED_BACKWARD and fla_refuses_gated_backward():
         return ("fla's gated chunk backward is wrong with Triton >= 3.4.0, < 3.7.1 on Hopper GPUs (fla #640);"
                 " upgrade Triton to >= 3.7.1 or install tilelang")
-    return chunk_size_refused(backend, op, chunk_size, table)
+    return _size_refused(kernel_name, op, chunk_size)
 
 
 @cache

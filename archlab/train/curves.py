@@ -251,13 +251,13 @@ def _tokens_of(folder: Path) -> str:
 
     try:
         tokenizer = tokenizer_of(folder)
-        source = load_config(str(folder / "config.yaml")).data.source if (folder / "config.yaml").is_file() else None
+        if tokenizer is not None:
+            return f"tokenizer {hashlib.blake2b(tokenizer.read_bytes(), digest_size=4).hexdigest()}"
+        if not (folder / "config.yaml").is_file():
+            return "tokens not known (no config.yaml)"
+        source = load_config(str(folder / "config.yaml")).data.source
     except (CheckpointError, SpecError):
         return "a tokenizer not found"
-    if tokenizer is not None:
-        return f"tokenizer {hashlib.blake2b(tokenizer.read_bytes(), digest_size=4).hexdigest()}"
-    if source is None:
-        return "tokens not known (no config.yaml)"
     return f"the {source} task" if source in SYNTHETIC else f"the token ids of {source}"
 
 

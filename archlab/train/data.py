@@ -648,6 +648,12 @@ def remove_corpus(data_dir: Path, tokenizer: bool = True) -> None:
         (data_dir / "tokenizer.json").unlink(missing_ok=True)
 
 
+def remove_advice(data_dir: Path) -> str:
+    """What to remove besides putting data back, where a corpus tokenized from other text is there."""
+    cache = data_dir / "data"
+    return f" (and remove {cache}, tokenized from other text, to tokenize it again)" if cache.is_dir() else ""
+
+
 def undo_tokenizing(data_dir: Path) -> Callable[[], None]:
     """What undoes the tokenizing a start is about to do into ``data_dir``: it removes the corpus
     that was not there, and puts the tokenizer back as it was (none, or the bytes it held). A start

@@ -23,7 +23,7 @@ from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import info_of, load_trained
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
-from archlab.train.data import Batch, RecallTask, prepare, tokens_of, undo_tokenizing
+from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
 
 
 class EvaluationError(Exception):
@@ -123,9 +123,8 @@ class Loaded:
             held_out = prepare(cfg.data, vocab, 1, cfg.seed, data_dir, resume=True)
             if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
                 undo()
-                again = f" (and remove {data_dir / 'data'}, tokenized from other text)" if (data_dir / "data").is_dir() else ""
                 raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
-                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{again} to"
+                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{remove_advice(data_dir)} to"
                                       " score its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"

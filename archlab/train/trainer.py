@@ -39,7 +39,8 @@ from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, 
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, undo_tokenizing
+from archlab.train.data import (CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, remove_advice,
+                                undo_tokenizing)
 
 
 T = TypeVar("T")
@@ -489,9 +490,7 @@ class Trainer:
         args = (self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
 
         def put_back() -> str:
-            tokenized = data_dir / "data"
-            again = f" (and remove {tokenized}, tokenized from it, to tokenize it again)" if tokenized.is_dir() else ""
-            return f"put the run's data back{again} to resume"
+            return f"put the run's data back{remove_advice(data_dir)} to resume"
 
         def first():
             undo = undo_tokenizing(data_dir)

@@ -12,7 +12,8 @@ quiet() { grep -v -e "^WARNING: Location" || true; }
 rm -rf .whl build
 "$PY" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$VERSION" \
     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
-    typing-extensions flash-linear-attention==0.6.0 fla-core==0.6.0 einops 2>&1 | quiet
+    typing-extensions flash-linear-attention==0.6.0 fla-core==0.6.0 einops \
+    optuna==5.1.0 sqlalchemy==2.1.9 alembic==1.20.1 colorlog==6.12.0 mako==1.4.3 2>&1 | quiet  # studies (the commands section)
 MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$PY" -m pip wheel -q --disable-pip-version-check --no-deps \
     --no-build-isolation -w .whl mamba-ssm==2.3.2.post1 2>&1 | quiet
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --no-build-isolation -w .whl . 2>&1 | quiet

@@ -26,8 +26,10 @@
    rows and pages, chat, curves, a two-trial study): each one's exit status, time and the device
    it trained on.
 
-Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten after every section, so a run
-cut short keeps what it measured. A section that fails records its error and the next one runs.
+Results go to OUT/gpu_check.json and OUT/gpu_check.md, rewritten before and after every section,
+so a run cut short keeps what it measured; a section's rows land in OUT/running.jsonl as each is
+measured, so one cut short keeps its rows too, even when the whole check is killed. A section that
+fails records its error (and the rows it measured) and the next one runs.
 Each section (parity: each block and backend) runs in a process of its own, killed with what it
 started if it outlives its limit: a kernel or compiler hung in native code never returns to
 Python for the limit's alarm to stop it, and would hold the rest of the device time.
@@ -61,7 +63,8 @@ from archlab.block import BuildContext, MixerInput
 from archlab.engine import Engine
 from archlab.environment import environment
 from archlab.kv import PAGE_KERNELS
-from archlab.ops.dispatch import installed, runs_on, trains_on
+from archlab.ops import dispatch
+from archlab.ops.dispatch import FLA_GATED_BACKWARD, fla_kernel, installed, runs_on, trains_on
 from archlab.train.config import TrainConfig
 from archlab.train.trainer import Trainer
 
@@ -71,6 +74,7 @@ SECTIONS = ("parity,window,graphs,paged,training,training-profile,training-fla,t
 console = Console(stderr=True)
 TOLERANCE = 3e-2  # relative error of a bf16 kernel against the bf16 PyTorch path (both ~1e-2 from fp64)
 KILL_GRACE_S = 20  # past a section's limit, for its own alarm to land and its result to be written
+ROWS: Path | None = None  # in a section's process: the file each row is appended to as it is measured
 
 # (block spec, kernel backends to compare with "torch")
 PARITY = [
@@ -81,6 +85,16 @@ PARITY = [
     ({"type": "swa", "window": 128, "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "fla", "flex"]),
     ({"type": "attention", "n_heads": 8, "n_kv_heads": 2}, ["flash_attn", "fla", "flex"]),
 ]
+
+
+def emit(row: dict) -> dict:
+    """Say ``row`` and append it to ``ROWS`` at once, so that a section cut short by its limit, or
+    the whole check killed, still hands over what it measured."""
+    console.print(row)
+    if ROWS:
+        with ROWS.open("a") as rows:
+            rows.write(json.dumps(row, default=str) + "\n")
+    return row
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -139,20 +153,37 @@ def run_apart(command: list[str], seconds: float) -> str | None:
     return None if proc.returncode == 0 else f"exited with status {proc.returncode}"
 
 
+def section_apart(command: list[str], limit_s: float, part: Path, rows: Path) -> tuple[list | dict | None, str | None]:
+    """Run one section's ``command`` in a process of its own (``run_apart``), its limit counted
+    from now, and return its result and its error: a section that failed, hit its limit or was
+    killed gives the rows it measured before, or None."""
+    part.unlink(missing_ok=True)
+    rows.unlink(missing_ok=True)
+    until = time.monotonic() + limit_s
+    why = run_apart([*command, "--part", str(part), "--until", str(until), "--rows", str(rows)], limit_s + KILL_GRACE_S)
+    outcome = json.loads(part.read_text()) if part.exists() else {"error": why or "it wrote no result"}
+    written = rows.read_text().splitlines(keepends=True) if rows.exists() else []
+    measured = [json.loads(line) for line in written if line.endswith("\n")]  # not a line cut by the kill
+    rows.unlink(missing_ok=True)
+    return outcome.get("result", measured or None), outcome.get("error")
+
+
 def block_label(fields: dict) -> str:
     return fields["type"] + (" gated" if fields.get("gated") else "")
 
 
-def parity_rows(blocks: str, device: torch.device) -> list[tuple[str, dict]]:
+def parity_rows(blocks: str, backends_wanted: str, device: torch.device) -> list[tuple[str, dict]]:
     """Each parity row as (PARITY_INDEX:BACKEND, the row so far), in PARITY's order, for the block
-    types in ``blocks`` (all when empty). Backends that cannot run here come marked skipped; the
-    others run one per process."""
-    wanted = set(filter(None, blocks.split(",")))
+    types in ``blocks`` and the backends in ``backends_wanted`` (all when empty). Backends that
+    cannot run here come marked skipped; the others run one per process."""
+    wanted, wanted_backends = (set(filter(None, given.split(","))) for given in (blocks, backends_wanted))
     rows = []
     for i, (fields, backends) in enumerate(PARITY):
         if wanted and fields["type"] not in wanted:
             continue
         for backend in backends:
+            if wanted_backends and backend not in wanted_backends:
+                continue
             row = {"block": block_label(fields), "backend": backend}
             if not installed(backend) or not runs_on(backend, device.type):
                 row["status"] = "skipped (not available here)"
@@ -160,10 +191,19 @@ def parity_rows(blocks: str, device: torch.device) -> list[tuple[str, dict]]:
     return rows
 
 
+def backward_refused(kernels) -> bool:
+    """Whether fla refuses the backward of one of these kernels here (fla #640): their forward and
+    decoding can still be measured, with archlab's refusal of the backend lifted."""
+    if kernels.backend("cuda") != "fla" or not dispatch.fla_refuses_gated_backward():
+        return False
+    return any(fla_kernel("fla", op, kernels.table) in FLA_GATED_BACKWARD for op in kernels.ops)
+
+
 def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, which: str, row_limit_s: int) -> list[dict]:
     """One parity row (``which``: PARITY_INDEX:BACKEND): a block's kernel backend against its
     PyTorch backend with the same weights, in the forward pass, input gradients and 16 decoding
-    steps, and a forward and backward pass's time on each."""
+    steps, and a forward and backward pass's time on each. Where fla refuses a kernel's backward
+    here, the row still gives its forward and decoding."""
     from archlab.spec import _resolve_blocks, block_specs
 
     _resolve_blocks()
@@ -178,15 +218,18 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, which
     causal = MixerInput(torch.arange(n, device=device)[None], causal=True)
     kernel = spec_class.model_validate({**fields, "backend": backend}).build(ctx).to(device, dtype)
     kernel.load_state_dict(reference.state_dict())
-    eager_flex = not trains_on(backend, device.type)  # FlexAttention has no CPU backward
+    forward_only = not trains_on(backend, device.type)  # FlexAttention has no CPU backward
+    if device.type == "cuda" and backward_refused(kernel.kernels):
+        dispatch.fla_refuses_gated_backward = lambda: False  # this process measures the forward alone
+        forward_only, row["grad"] = True, "refused by fla (#640)"
     console.print(f"{row['block']} / {backend} ...")
     try:
         with time_limit(row_limit_s):
             ref_out = reference(x, causal)
-            with torch.no_grad() if eager_flex else nullcontext():
+            with torch.no_grad() if forward_only else nullcontext():
                 out = kernel(x, causal)
             row["forward_rel_err"] = relative_error(out, ref_out)
-            if not eager_flex:
+            if not forward_only:
                 grad_out = torch.randn_like(ref_out)  # given, so that no loss's own kernels are timed
                 (ref_grad,) = torch.autograd.grad(ref_out, x, grad_out)
                 (grad,) = torch.autograd.grad(out, x, grad_out)
@@ -199,8 +242,7 @@ def parity(device: torch.device, dtype: torch.dtype, d_model: int, n: int, which
         row["status"] = "ok" if worst < TOLERANCE else "MISMATCH"
     except Exception as exc:  # a kernel that cannot run is a finding, not a crash of the check
         row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
-    console.print(row)
-    return [row]
+    return [emit(row)]
 
 
 def window_kernels(device: torch.device, dtype: torch.dtype, spec_path: str, batch: int, n: int, row_limit_s: int) -> list[dict]:
@@ -249,8 +291,7 @@ def window_kernels(device: torch.device, dtype: torch.dtype, spec_path: str, bat
             row["status"] = "ok" if row.get("rel_err", 0.0) < TOLERANCE else "MISMATCH"
         except Exception as exc:
             row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-        console.print(row)
+        rows.append(emit(row))
     return rows
 
 
@@ -300,10 +341,11 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4093, st
                 tokens = a.argmax(-1)
             second.check()
             row.update(logits_rel_err=worst, same_tokens=same, status="ok" if worst < 1e-2 and same else "MISMATCH")
+        except TimeoutError:  # the section's limit: no row of its own, and none after it unbounded
+            raise
         except Exception as exc:
             row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
-        rows.append(row)
-        console.print(row)
+        rows.append(emit(row))
         del model
         torch.cuda.empty_cache()
     return rows
@@ -315,13 +357,13 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
     rows, paging = [], {"page_size": page_size, "page_kernel": page_kernel}  # every row says its layout, skipped ones too
     for name in specs:
         if time.monotonic() > deadline:  # before loading and warming up a model that would measure nothing
-            rows.append({"spec": Path(name).stem, "seq_len": lengths[0], **paging, "status": "skipped: out of time"})
+            rows.append(emit({"spec": Path(name).stem, "seq_len": lengths[0], **paging, "status": "skipped: out of time"}))
             continue
         model = load(name, device)
         bench(model, model.spec.name, 256, 2, 2, cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel)  # warm-up: kernels, tuning, allocator
         for n in lengths:
             if time.monotonic() > deadline:
-                rows.append({"spec": model.spec.name, "seq_len": n, **paging, "status": "skipped: out of time"})
+                rows.append(emit({"spec": model.spec.name, "seq_len": n, **paging, "status": "skipped: out of time"}))
                 break
             prefill_rows = batch
             while prefill_rows > 1 and prefill_rows * n > prefill_tokens:
@@ -331,13 +373,12 @@ def inference(device: torch.device, specs: list[str], lengths: list[int], batch:
                 row = bench(model, model.spec.name, n, batch, gen, prefill_chunk, prefill_rows=prefill_rows,
                             cuda_graph=cuda_graph, page_size=page_size, page_kernel=page_kernel).as_dict()
             except torch.OutOfMemoryError:
-                rows.append({"spec": model.spec.name, "seq_len": n, "batch": batch, **paging, "status": "out of memory"})
+                rows.append(emit({"spec": model.spec.name, "seq_len": n, "batch": batch, **paging, "status": "out of memory"}))
                 torch.cuda.empty_cache()
                 break
-            rows.append({**row, "prefill_chunk": prefill_chunk, "status": "ok", "seconds": time.perf_counter() - began})
-            console.print(rows[-1])
+            rows.append(emit({**row, "prefill_chunk": prefill_chunk, "status": "ok", "seconds": time.perf_counter() - began}))
             if time.perf_counter() - began > budget_s:
-                rows.append({"spec": model.spec.name, "seq_len": "longer", **paging, "status": f"skipped: {n} took over {budget_s:.0f} s"})
+                rows.append(emit({"spec": model.spec.name, "seq_len": "longer", **paging, "status": f"skipped: {n} took over {budget_s:.0f} s"}))
                 break
         del model
         if device.type == "cuda":
@@ -351,9 +392,10 @@ class Measured(Exception):
 
 
 def training(device: torch.device, spec_path: str, batch: int, seq_len: int, steps: int, overrides: list[str] = (),
-             compile: bool = False, profile_steps: int = 0) -> dict:
-    """Tokens/s and MFU of the trainer, past its first half of steps. With ``profile_steps``, the
-    last that many steps run under the profiler, and the result says where their time went."""
+             compile: bool = False, profile_steps: int = 0, micro_batch: int | None = None) -> dict:
+    """Tokens/s and MFU of the trainer, past its first half of steps, its batch in passes of
+    ``micro_batch`` sequences (all at once by default). With ``profile_steps``, the last that many
+    steps run under the profiler, and the result says where their time went."""
     spec = archlab.load_spec(spec_path, overrides)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # this section's peak, not an earlier one's
@@ -366,7 +408,7 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
     with tempfile.TemporaryDirectory() as tmp, profiler:
         np.save(Path(tmp) / "tokens.npy", tokens)
         cfg = TrainConfig.model_validate({
-            "steps": steps, "batch_size": batch, "micro_batch_size": batch, "seq_len": seq_len, "log_interval": 1,
+            "steps": steps, "batch_size": batch, "micro_batch_size": micro_batch or batch, "seq_len": seq_len, "log_interval": 1,
             "eval_interval": 10_000, "checkpoint_interval": 10_000, "data": {"source": str(Path(tmp) / "tokens.npy")},
             "compile": compile,
         })
@@ -387,9 +429,10 @@ def training(device: torch.device, spec_path: str, batch: int, seq_len: int, ste
         "overrides": list(overrides),
         "compile": compile,
         "tokens_per_step": batch * seq_len,
+        "micro_batch": micro_batch or batch,
         "tok_s": float(np.median([r["tok_s"] for r in measured])),
         "mfu": float(np.median([r["mfu"] for r in measured])) if "mfu" in measured[0] else None,
-        "peak_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "loss_first_last": [records[0]["loss"], records[-1]["loss"]],
     }
     if profile_steps:
@@ -490,7 +533,7 @@ def commands(smoke: bool) -> list[dict]:
                 row["device"] = yaml.safe_load((trained / "environment.yaml").read_text())[-1].get("device", "?")  # its latest setting
             if done.returncode:
                 console.print(f"{name} exited {done.returncode}:\n" + "\n".join(said[-20:]), markup=False, highlight=False)
-            rows.append(row)
+            rows.append(emit(row))
     return rows
 
 
@@ -502,11 +545,13 @@ def report(results: dict) -> str:
                   "| block | backend | forward | input grad | 16 decode steps | fwd+bwd ms torch | fwd+bwd ms kernel | status |",
                   "|---|---|---|---|---|---|---|---|"]
         cell = lambda r, k, f: format(r[k], f) if k in r else "-"  # noqa: E731
-        lines += [f"| {r['block']} | {r['backend']} | {cell(r, 'forward_rel_err', '.1e')} | {cell(r, 'grad_rel_err', '.1e')} | "
+        lines += [f"| {r['block']} | {r['backend']} | {cell(r, 'forward_rel_err', '.1e')} | {r.get('grad') or cell(r, 'grad_rel_err', '.1e')} | "
                   f"{cell(r, 'decode_rel_err', '.1e')} | {cell(r, 'torch_ms', '.1f')} | {cell(r, 'kernel_ms', '.1f')} | {r['status']} |"
                   for r in results["parity"]]
     if "window" in results:
         lines += ["", "## The self-decoder's window attention alone, forward and backward", "",
+                  "TFLOP/s count the pairs the windows need, the backward as twice the forward (FlashAttention's"
+                  " own figures count it as 2.5 times, which reads 1.17x higher).", "",
                   "| path | rel err | ms | TFLOP/s of the needed pairs | status |", "|---|---|---|---|---|"]
         lines += [f"| {r['path']} | {format(r['rel_err'], '.1e') if 'rel_err' in r else '-'} | {format(r['ms'], '.2f') if 'ms' in r else '-'} | "
                   f"{format(r['tflops'], '.3g') if 'tflops' in r else '-'} | {r['status']} |" for r in results["window"]]
@@ -529,10 +574,10 @@ def report(results: dict) -> str:
                       for r in results[key]]
     trained = [results[k] for k in TRAINING if k in results]
     if trained:
-        lines += ["", "## Training (bf16 autocast)", "", "| spec | overrides | compiled | tokens/step | tokens/s | MFU | peak GB | loss first -> last |",
-                  "|---|---|---|---|---|---|---|---|"]
-        lines += [f"| {t['spec']} | {' '.join(t['overrides']) or '-'} | {t['compile']} | {t['tokens_per_step']:,} | {t['tok_s']:,.0f} | "
-                  f"{'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | {t['peak_gb'] or 0:.1f} | "
+        lines += ["", "## Training (bf16 autocast)", "", "| spec | overrides | compiled | tokens/step | micro-batch | tokens/s | MFU | peak GiB | loss first -> last |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {t['spec']} | {' '.join(t['overrides']) or '-'} | {t['compile']} | {t['tokens_per_step']:,} | {t.get('micro_batch', '-')} | {t['tok_s']:,.0f} | "
+                  f"{'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | {t['peak_gib'] or 0:.1f} | "
                   f"{t['loss_first_last'][0]:.3f} -> {t['loss_first_last'][1]:.3f} |" for t in trained]
     if "training_profile" in results:
         prof = results["training_profile"]
@@ -548,6 +593,9 @@ def report(results: dict) -> str:
                   for r in results["commands"]]
     for name, error in results.get("errors", {}).items():
         lines += ["", f"## {name}: failed", "", "```", error.strip()[-3000:], "```"]
+    if "running" in results:
+        lines += ["", f"## Cut short while running {results['running']}", "",
+                  "The rows it measured before the check was killed are in running.jsonl, beside this report."]
     return "\n".join(lines) + "\n"
 
 
@@ -559,16 +607,21 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
     parser.add_argument("--sections", default=SECTIONS)
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
+    parser.add_argument("--backends", default="", help="parity of these kernel backends only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
     parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--train-batch", type=int, default=8)
+    parser.add_argument("--train-micro-batch", type=int, help="sequences per pass in training (the whole batch unless given;"
+                        " 4 fits batch 8 x 2,048 in an H100's 80 GB, where 8 at once peaked at 93 GiB on the H200)")
     parser.add_argument("--train-seq-len", type=int, default=2048, help="tokens per sequence in training (the paper pretrains at 8,192)")
     parser.add_argument("--row-limit-s", type=int, default=150, help="give up on a parity row after this many seconds")
     parser.add_argument("--section-limit-s", type=int, default=420, help="give up on a section after this many seconds")
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)  # run the one section named, write its outcome here
     parser.add_argument("--row", help=argparse.SUPPRESS)  # with --part: the parity row, as PARITY_INDEX:BACKEND
     parser.add_argument("--began", type=float, help=argparse.SUPPRESS)  # the whole check's start, for --deadline-s
+    parser.add_argument("--until", type=float, help=argparse.SUPPRESS)  # with --part: when the section's limit ends
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # with --part: where each row goes as it is measured
     args = parser.parse_args()
     began = args.began or time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
@@ -579,13 +632,15 @@ def main() -> None:
     lengths = [256, 1024] if smoke else [int(n) for n in args.lengths.split(",")]
     chunk = 64 if smoke else args.prefill_chunk
     yoco_u = str(folder / "yoco-u.yaml")
-    train = (4, 64, 6) if smoke else (args.train_batch, args.train_seq_len, 16)  # batch, seq_len, steps
+    train = dict(batch=4, seq_len=64, steps=6) if smoke else dict(batch=args.train_batch, seq_len=args.train_seq_len, steps=16)
+    train["micro_batch"] = args.train_micro_batch
     flex = ["layout.self_decoder.blocks.0.backend=flex", "layout.cross_decoder.blocks.0.backend=flex"]
     fla_window = ["layout.self_decoder.blocks.0.backend=fla"]  # the cross-decoder's full causal attention stays on SDPA's flash kernel
     sections = {
         "parity": lambda: parity(device, torch.float32 if smoke else torch.bfloat16, 64 if smoke else 1024, 64 if smoke else 2048,
                                  args.row, args.row_limit_s),
-        "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16, yoco_u, *train[:2], args.row_limit_s),
+        "window": lambda: window_kernels(device, torch.float32 if smoke else torch.bfloat16, yoco_u, train["batch"], train["seq_len"],
+                                         args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
         "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
@@ -595,21 +650,24 @@ def main() -> None:
             not smoke, chunk, page_size=16 if smoke else 256, page_kernel=kernel)],
         "eager": lambda: inference(device, names, lengths[:1], batch, gen, args.budget_s, math.inf,  # one length: its section's limit bounds it
                                    512 if smoke else 65536, False, chunk),
-        "training": lambda: training(device, yoco_u, *train),
-        "training-flex": lambda: training(device, yoco_u, *train, overrides=flex),
-        "training-fla": lambda: training(device, yoco_u, *train, overrides=fla_window),
-        "training-compiled": lambda: training(device, yoco_u, *train, compile=True),
-        "training-fla-compiled": lambda: training(device, yoco_u, *train, overrides=fla_window, compile=True),
-        "training-profile": lambda: training(device, yoco_u, *train[:2], steps=4, profile_steps=2),
+        "training": lambda: training(device, yoco_u, **train),
+        "training-flex": lambda: training(device, yoco_u, **train, overrides=flex),
+        "training-fla": lambda: training(device, yoco_u, **train, overrides=fla_window),
+        "training-compiled": lambda: training(device, yoco_u, **train, compile=True),
+        "training-fla-compiled": lambda: training(device, yoco_u, **train, overrides=fla_window, compile=True),
+        "training-profile": lambda: training(device, yoco_u, **{**train, "steps": 4}, profile_steps=2),
         "commands": lambda: commands(smoke),
     }
     for option, given, known in (("--sections", args.sections, sections), ("--blocks", args.blocks, {f["type"] for f, _ in PARITY}),
+                                 ("--backends", args.backends, {b for _, backends in PARITY for b in backends}),
                                  ("--specs", args.specs, {p.stem for p in (ROOT / "specs" / "paper").glob("*.yaml")})):
         if unknown := set(filter(None, given.split(","))) - set(known):
             parser.error(f"{option}: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
     if args.part:  # one section, in the process the whole check started for it
-        try:
-            with time_limit(args.section_limit_s):
+        global ROWS
+        ROWS = args.rows
+        try:  # the limit counts from the section's start, its imports and CUDA's included, as the kill does
+            with time_limit(max(1, math.floor(args.until - time.monotonic()))):
                 outcome = {"result": sections[args.sections]()}
         except Exception:
             outcome = {"error": traceback.format_exc()}
@@ -624,6 +682,12 @@ def main() -> None:
         "errors": {},
     }
     args.out.mkdir(parents=True, exist_ok=True)
+    measured = args.out / "running.jsonl"  # the running section's rows; left behind only by a check killed in it
+
+    def write() -> None:
+        (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
+        (args.out / "gpu_check.md").write_text(report(results))
+
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "section.json"
         for name in args.sections.split(","):
@@ -631,25 +695,25 @@ def main() -> None:
                 continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
             key = {"eager": "inference_eager", "inference-paged": "inference_paged", "training-profile": "training_profile"}.get(name, name)
             units = [(f"{name} ({row['block']}, {row['backend']})", ["--row", which], row)
-                     for which, row in parity_rows(args.blocks, device)] if name == "parity" else [(name, [], None)]
+                     for which, row in parity_rows(args.blocks, args.backends, device)] if name == "parity" else [(name, [], None)]
             for label, extra, row in units:
                 if row and "status" in row:  # a parity row whose backend cannot run here
                     results.setdefault(key, []).append(row)
                     continue
-                console.rule(f"{label} ({time.monotonic() - began:.0f} s in)")
-                part.unlink(missing_ok=True)
+                results["running"] = f"{label}, from {time.monotonic() - began:.0f} s into the check"
+                console.rule(results["running"])
+                write()
                 limit = args.row_limit_s if name == "parity" else args.section_limit_s
-                why = run_apart([sys.executable, __file__, *sys.argv[1:], "--sections", name, *extra, "--part", str(part),
-                                 "--began", str(began)], limit + KILL_GRACE_S)
-                outcome = json.loads(part.read_text()) if part.exists() else {"error": why or "it wrote no result"}
-                if "error" in outcome:
-                    results["errors"][label] = outcome["error"]
-                elif name == "parity":
-                    results.setdefault(key, []).extend(outcome["result"])
-                else:
-                    results[key] = outcome["result"]
-                (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2, default=str))
-                (args.out / "gpu_check.md").write_text(report(results))
+                command = [sys.executable, __file__, *sys.argv[1:], "--sections", name, *extra, "--began", str(began)]
+                result, error = section_apart(command, limit, part, measured)
+                if error:
+                    results["errors"][label] = error
+                if name == "parity" and result:
+                    results.setdefault(key, []).extend(result)
+                elif result:
+                    results[key] = result
+                del results["running"]
+                write()
     print(report(results))
     print(f"total {time.monotonic() - began:.0f} s")
     if results["errors"]:

@@ -396,6 +396,48 @@ def test_the_gpu_check_kills_a_section_its_alarm_cannot_stop(tmp_path):
     assert run_apart([sys.executable, "-c", "raise SystemExit(3)"], 60) == "exited with status 3"
 
 
+def test_the_gpu_check_keeps_the_rows_a_section_measured_before_it_was_cut_short(tmp_path, monkeypatch):
+    """A section that fails, or hangs past its limit and is killed, hands over the rows it wrote as
+    it measured them (less a line the kill cut), and its error; the rows file goes."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "KILL_GRACE_S", 1)
+    part, rows = tmp_path / "part.json", tmp_path / "running.jsonl"
+    measures = ("import json, signal, sys, time; rows = open(sys.argv[sys.argv.index('--rows') + 1], 'a', buffering=1);"
+                " [rows.write(json.dumps({'row': i}) + '\\n') for i in (1, 2)]; rows.write('{\"row\": 3');")
+    failed = gpu_check.section_apart([sys.executable, "-c", measures + " raise SystemExit(1)"], 60, part, rows)
+    assert failed == ([{"row": 1}, {"row": 2}], "exited with status 1")
+    hung = gpu_check.section_apart([sys.executable, "-c", measures + " signal.signal(signal.SIGALRM, signal.SIG_IGN); time.sleep(600)"],
+                                   1, part, rows)
+    assert hung == ([{"row": 1}, {"row": 2}], "killed after 2 s: hung where the section's own limit could not stop it")
+    assert not rows.exists()
+    ok = gpu_check.section_apart([sys.executable, "-c", "import json, sys; open(sys.argv[sys.argv.index('--part') + 1], 'w')"
+                                  ".write(json.dumps({'result': {'tok_s': 1.0}}))"], 60, part, rows)
+    assert ok == ({"tok_s": 1.0}, None)
+
+
+def test_the_gpu_checks_parity_measures_the_forward_where_fla_refuses_the_backward(monkeypatch):
+    """On Hopper with Triton 3.4 to 3.7.1, fla refuses its gated kernels' backward (#640) and
+    archlab refuses the backend: parity then still measures their forward and decoding."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import PARITY, backward_refused, block_label
+
+    from archlab.spec import block_specs
+
+    def refused(fields: dict) -> bool:
+        block = block_specs()[fields["type"]].model_validate({**fields, "backend": "fla"})
+        return backward_refused(block.build(BuildContext(d_model=64, rope_theta=1e4)).kernels)
+
+    monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: True)
+    assert {block_label(fields): refused(fields) for fields, _ in PARITY} == {
+        "gdn": True, "retnet": False, "retnet gated": True, "mamba2": True, "swa": False, "attention": False}
+    monkeypatch.setattr(dispatch, "fla_refuses_gated_backward", lambda: False)
+    assert not any(refused(fields) for fields, _ in PARITY)
+
+
 def test_a_known_kernel_bug_falls_back_or_is_refused(packages, monkeypatch):
     """fla refuses its gated backward on Hopper with some Triton versions: auto then takes the
     PyTorch op for the gated ops only (with a notice); a spec that insists on fla is told why."""

@@ -593,6 +593,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem("<yaml>", f"cannot read a value: {str(exc).split(';')[0]}")]) from None
     except RecursionError:
         raise SpecError(str(path), [Problem("<yaml>", "nested too deeply to read")]) from None
+    if data is None:
+        raise SpecError(str(path), [Problem("<root>", "the file is empty; it must be a YAML mapping (key: value lines)")])
     if not isinstance(data, dict):
         raise SpecError(str(path), [Problem("<root>", f"the file must be a YAML mapping (key: value lines), got {type(data).__name__}")])
     parent = data.pop("extends", None)

@@ -235,7 +235,7 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert code == 1 and "error: a message cannot hold <|end|>, which ends a message where the model reads it" in stderr, stderr  # piped
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
     code, stdout, stderr = cli("chat", pretrained, "--system", "End with <|end|>.")
-    assert code == 1 and "the conversation: message 0 holds <|end|>, which ends a message" in stderr and "Traceback" not in stderr, stderr
+    assert code == 1 and "the conversation: message 1 holds <|end|>, which ends a message" in stderr and "Traceback" not in stderr, stderr
     assert stdout == "" and sys.stdin.tell() == 0  # refused before a message was read
 
 
@@ -479,21 +479,21 @@ def test_a_resume_keeps_its_starting_weights(cli, pretrained, tmp_path):
     (['{"prompt": "a", "response": "b"}', "", '["c", "d"]'], "line 3 of {path!r} is not an example"),
     (['{"prompt": "a", "response": "b"}', '{"messages": "hi"}'], 'line 2 of {path!r}: "messages" is a list of {{"role", "content"}} objects, it has "hi"'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]}'],
-     'line 2 of {path!r}: message 1 is not a {{"role": "system" | "user" | "assistant", "content": string}} object, it is'
+     'line 2 of {path!r}: message 2 is not a {{"role": "system" | "user" | "assistant", "content": string}} object, it is'
      ' {{"role": "tool", "content": "b"}}'),
-    (['{"messages": [{"role": "assistant", "content": [{"type": "text", "text": "b"}]}]}'], "line 1 of {path!r}: message 0 is not a"),
+    (['{"messages": [{"role": "assistant", "content": [{"type": "text", "text": "b"}]}]}'], "line 1 of {path!r}: message 1 is not a"),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}'],
      'line 2 of {path!r} has no assistant message to train on (none, or each with "weight": 0)'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "weight": 0}]}'],
      'line 2 of {path!r} has no assistant message to train on'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a", "weight": 1}, {"role": "assistant", "content": "b"}]}'],
-     'line 2 of {path!r}: message 0 has "weight": 1; an assistant\'s message may have a weight of 0 (context, not trained on) or 1'),
+     'line 2 of {path!r}: message 1 has "weight": 1; an assistant\'s message may have a weight of 0 (context, not trained on) or 1'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": 0.5}]}'],
-     'line 2 of {path!r}: message 0 has "weight": 0.5'),
+     'line 2 of {path!r}: message 1 has "weight": 0.5'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "assistant", "content": "b", "weight": true}]}'],
-     'line 2 of {path!r}: message 0 has "weight": true'),
+     'line 2 of {path!r}: message 1 has "weight": true'),
     (['{"prompt": "a", "response": "b"}', '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b<|end|>c"}]}'],
-     "line 2 of {path!r}: message 1 holds <|end|>, which ends a message where the model reads it (and, in training, learns to end"
+     "line 2 of {path!r}: message 2 holds <|end|>, which ends a message where the model reads it (and, in training, learns to end"
      " one there); take it out of the content"),
     (['{"prompt": "a", "response": "b"}'], "data source {path!r} holds 1 example(s); training and validation need at least one each"),
     (['{"prompt": "a", "response": "b"}', '{"prompt": "\\ud800", "response": "b"}'],

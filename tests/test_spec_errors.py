@@ -33,6 +33,7 @@ layout:
 CASES = [
     ("yaml syntax", {"s.yaml": "name: [unclosed\n"}, "s.yaml", ["YAML syntax error", "line 2"]),
     ("not a mapping", {"s.yaml": "- a\n- b\n"}, "s.yaml", ["the file must be a YAML mapping (key: value lines), got list"]),
+    ("empty", {"s.yaml": "# nothing yet\n"}, "s.yaml", ["<root>: the file is empty; it must be a YAML mapping"]),
     ("wrong type", {"s.yaml": BASE.replace("d_model: 32", "d_model: wide")}, "s.yaml",
      ["d_model:", "valid integer", "'wide'"]),
     ("blank name", {"s.yaml": BASE.replace("name: t", "name: '  '")}, "s.yaml",

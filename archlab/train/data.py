@@ -409,7 +409,7 @@ def _message_pieces(messages: object, where: str) -> list[tuple[str, bool]]:
     if not (isinstance(messages, list) and messages):
         raise DataError(f'{where}: "messages" is a list of {{"role", "content"}} objects, it has {json.dumps(messages)[:80]}')
     pieces = []
-    for index, message in enumerate(messages):
+    for index, message in enumerate(messages, 1):  # counted from 1, as the lines are
         if not (isinstance(message, dict) and message.get("role") in HEADERS and isinstance(message.get("content"), str)):
             raise DataError(f'{where}: message {index} is not a {{"role": {" | ".join(map(json.dumps, HEADERS))},'
                             f' "content": string}} object, it is {json.dumps(message)[:80]}')

@@ -588,7 +588,7 @@ class Trainer:
     def _fit(self, steps: int, resume: bool, on_eval, on_step) -> list[dict]:
         start = self._resume(steps) if resume else self._start_fresh(steps)
         if self.cfg.schedule.warmup_steps >= steps:
-            self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps} steps: the whole"
+            self._say(f"[yellow]notice[/]: schedule.warmup_steps={self.cfg.schedule.warmup_steps} with {steps:,} step{'s' * (steps != 1)}: the whole"
                       " run is warm-up and the learning rate never decays; lower it with --set schedule.warmup_steps=N")
         data = self._prepare(resume)
         if (uncounted := data.uncounted_share()) >= 0.01:

@@ -976,13 +976,18 @@ def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None
         raise typer.BadParameter("--data is empty; give a corpus, or leave it out for each run's held-out split")
     if plot_path is not None:
         _check_plot_path(plot_path)
+    scored, label = {}, None
     try:
-        return {label: score(run, label) for run, label in zip(runs, labels(runs))}
+        for run in runs:  # each path a run before any is scored
+            resolve(run)
+        for run, label in zip(runs, labels(runs)):
+            scored[label] = score(run, label)
+        return scored
     except SpecError as exc:
         _report(exc)
         raise typer.Exit(1) from None
     except (CheckpointError, DataError, EvaluationError) as exc:
-        _error(str(exc))
+        _error(f"{label}: {exc}" if label is not None and len(runs) > 1 else str(exc))  # which of the runs
         raise typer.Exit(1) from None
 
 

@@ -1440,6 +1440,11 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                            ([checkpoints(trained_on_text)[-1], "--seq-len", "64"],
                             f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder, {trained_on_text}, whose")):
         refused(cli("evaluate", *args), fragment)
+    code, _, stderr = cli("evaluate", trained_on_text, configless, "--seq-len", "64", "--last", "32")  # the second refused: which of the two
+    refused((code, _, stderr), "error: configless: ", "has no config.yaml")
+    code, _, stderr = cli("evaluate", trained_on_text, tmp_path, "--seq-len", "64", "--last", "32")  # not a run: said before any is scored
+    refused((code, _, stderr), f"{tmp_path} is not a training run with a checkpoint")
+    assert "64 tokens" not in stderr, stderr
     damaged = tmp_path / "damaged"  # its state.json gave a traceback, JSONDecodeError or AttributeError
     shutil.copytree(trained_on_text, damaged)
     latest = checkpoints(damaged)[-1]

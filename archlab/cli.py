@@ -1157,10 +1157,11 @@ def _shipped_studies() -> list[str]:
 
 
 class StudyGroup(TyperGroup):
-    """``archlab study NAME ...`` is ``archlab study run NAME ...`` for a shipped study."""
+    """``archlab study NAME ...`` is ``archlab study run NAME ...``: a name that is not a shipped
+    study is then refused with the shipped ones listed, as ``run`` refuses it."""
 
     def resolve_command(self, ctx, args):
-        if args and args[0] not in self.commands and args[0] in _shipped_studies():
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
             args = ["run", *args]
         return super().resolve_command(ctx, args)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import subprocess
+import tomllib
 from pathlib import Path
 
 import torch
@@ -21,8 +22,14 @@ from archlab.registry import distributions
 def _described_code() -> str:
     """archlab's version and, when it runs from a git checkout, the commit (``-dirty`` with
     uncommitted changes to tracked files)."""
-    version = importlib.metadata.version("archlab")
     checkout = Path(__file__).resolve().parents[1]
+    try:
+        version = importlib.metadata.version("archlab")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout run without installing it (PYTHONPATH)
+        try:
+            version = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            version = "not installed"
     if not (checkout / ".git").exists():  # an installed copy: a repository around site-packages is not its source
         return version
     try:

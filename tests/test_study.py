@@ -29,9 +29,9 @@ from archlab.environment import environment
 from archlab.spec import SpecError
 from archlab.table import Format, render
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.report import failures, report, settings, summarize
+from archlab.study.report import failures, passed_over, progress, report, settings, summarize
 from archlab.study.runner import (
-    SameVariant, StorageError, StudyChanged, check_unchanged, claim, join, open_study, planned_as, run_trial, settled, shown, storage_url,
+    SameVariantAndSeed, StorageError, StudyChanged, check_unchanged, claim, join, open_study, planned_as, run_trial, settled, shown, storage_url,
     work,
 )
 from archlab.train.trainer import Trainer
@@ -119,6 +119,7 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert "| yoco-u |" in stdout and "vs baseline" in stdout and "4 complete" in stdout
     assert "lr grid of 2 points over [0.002, 0.004]" in stdout and "\n\n\n" not in stdout  # no question: no gap
     assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in stderr.splitlines()) == 4  # a log, not a terminal
+    assert stderr.count("is read as far as data.max_bytes") == 1  # said once, not by every trial that reads the data again
     for png in ("curves.png", "loss_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     code, again, stderr = cli("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
@@ -508,6 +509,8 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
     assert worker.returncode == 130 and "Traceback" not in stderr, stderr
     assert ("interrupted; finished trials are kept, and a trial this worker was training runs again once it has sent no"
             " heartbeat for --grace-period (60 s): taken by a worker still running, or by the next `study run`") in " ".join(stderr.split())
+    (trial,) = [t for t in trials_of(f"sqlite:///{out / 'optuna.db'}", "interrupted") if t.state.name == "RUNNING"]
+    assert trial.user_attrs["stopped_worker"] == trial.user_attrs["worker"]  # the report counts it as stopped, not running
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path):
@@ -636,18 +639,21 @@ def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, cur
                                      intermediate_values=curve or {2: value, 4: value})
 
 
-def test_a_median_pruner_weighs_a_trial_against_its_own_variant():
+def test_a_median_pruner_weighs_a_trial_against_its_own_variant_and_seed():
     """yoco-u's curves lie far above yoco's here: against the median of all trials, every yoco-u
-    trial would be cut; against yoco-u's own, one near their median goes on."""
+    trial would be cut; against yoco-u's own, one near their median goes on. Seed 1 is a worse
+    seed: against seed 0's trials, its trial at the best rate was cut by its own twin."""
     study = optuna.create_study()
     for trial in (finished("yoco", 0, 0, 1.0), finished("yoco", 0, 1, 1.1), finished("yoco-u", 0, 0, 5.0), finished("yoco-u", 0, 1, 5.2)):
         study.add_trial(trial)
-    running = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 5.05, 4: 5.05})
+    running = finished("yoco-u", 0, 1, None, state=TrialState.RUNNING, curve={2: 5.05, 4: 5.05})
     median = optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=0)
     assert median.prune(study, running)  # pooled: 5.05 is above the median of all four
-    assert not SameVariant(lambda: median).prune(study, running)
-    worse = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 6.0, 4: 6.0})
-    assert SameVariant(lambda: median).prune(study, worse)
+    assert not SameVariantAndSeed(lambda: median).prune(study, running)
+    worse = finished("yoco-u", 0, 1, None, state=TrialState.RUNNING, curve={2: 6.0, 4: 6.0})
+    assert SameVariantAndSeed(lambda: median).prune(study, worse)
+    twin = finished("yoco-u", 1, 0, None, state=TrialState.RUNNING, curve={2: 5.3, 4: 5.3})  # seed 1 at seed 0's best rate
+    assert not SameVariantAndSeed(lambda: median).prune(study, twin)
 
 
 def _runs(pruner, runs):
@@ -677,9 +683,9 @@ def test_hyperband_weighs_a_trial_against_its_own_variant_and_its_steps():
 
     runs = [("yoco", 1.0, 54), ("yoco", 1.1, 54), ("yoco", 1.2, 54), ("yoco-u", 5.2, 18), ("yoco-u", 5.1, 18), ("yoco-u", 5.0, 18)]
     assert _runs(optuna.pruners.HyperbandPruner(min_resource=2), runs)[3:] == ["pruned at 6"] * 3
-    per_variant = SameVariant(lambda: VariantHyperband(min_resource=2))
+    per_variant = SameVariantAndSeed(lambda: VariantHyperband(min_resource=2))
     assert _runs(per_variant, runs) == ["complete"] * 6  # the bracket's own view of the storage pruned the second
-    per_variant = SameVariant(lambda: VariantHyperband(min_resource=2))
+    per_variant = SameVariantAndSeed(lambda: VariantHyperband(min_resource=2))
     assert _runs(per_variant, runs + [("yoco", 1.5, 54)] * 2)[6:] == ["pruned at 6"] * 2  # worse runs of a variant still are
 
 
@@ -708,6 +714,11 @@ def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
     (yoco, _) = summarize(study, trials)
     assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned/failed"]) == (3.05, 2, "0.002", "0/1")
     assert "| yoco | " in (table := render(summarize(study, trials), Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
+    # the rate it passed over is said, with its mean and seeds, rather than left for the reader to miss
+    assert passed_over(study, trials) == [
+        "- notice: `yoco` at lr 0.003 scored 2.9000, mean over 1 seed, better than the 3.0500 over 2 at its lr 0.002 in the table,"
+        " which keeps the rates with the most seeds completed (its other seeds failed, were pruned or have not finished)"]
+    assert passed_over(study, trials[:2] + [finished("yoco", 1, 1, 3.2, 0.003)]) == []  # a worse rate on fewer seeds goes unsaid
 
 
 def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its_flops(tmp_path):
@@ -731,6 +742,12 @@ def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its
 
     accuracy = _against_baseline({"a": ([2, 4], [0.2, 0.6], 10.0), "b": ([2, 4], [0.5, 0.9], 20.0)}, "a", maximize=True)
     assert accuracy["b"] == {"share of baseline tokens": 0.625, "vs baseline at its FLOPs": "-0.1000"}  # up to 0.6 at step 2.5
+    # the baseline against itself is 1 by construction: a curve that rises at its end, or is flat,
+    # first came down to its last value before its end, and read below 1 against itself
+    rising = _against_baseline({"a": ([2, 4, 6], [3.0, 2.0, 2.2], 10.0), "b": ([2, 4], [2.5, 1.5], 10.0)}, "a", maximize=False)
+    assert (rising["a"]["share of baseline tokens"], rising["b"]["share of baseline tokens"]) == (1.0, 0.75)  # 2.0: at 4, and 3
+    flat = _against_baseline({"a": ([2, 4, 6], [5.5, 5.5, 5.5], 10.0)}, "a", maximize=False)
+    assert flat["a"] == {"share of baseline tokens": 1.0, "vs baseline at its FLOPs": "+0.0000"}
     whole_steps = _against_baseline({"a": ([2, 4], [3.0, 2.0], 10.0), "b": ([2, 3], [2.9, 2.5], 12.0), "c": ([2], [2.6], 12.0)}, "a", False)
     assert whole_steps["b"]["vs baseline at its FLOPs"] == "+0.5000"  # 36 of a's 40: one step more would pass them
     assert whole_steps["c"]["vs baseline at its FLOPs"] == "-"  # 24: it never spent them
@@ -776,17 +793,32 @@ def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
-def test_a_study_run_afresh_in_another_storage_or_beside_another_study_trains_its_own_trials(tmp_path):
+def test_a_study_run_afresh_in_another_storage_trains_its_own_trials_and_another_study_is_refused(tmp_path, cli):
     """Trials are numbered from 0 in each study and storage: with one trials folder for all, the
-    second study's trials met the first one's runs and failed, every one."""
+    study run afresh met the first run's trials and failed, every one. Another study in the same
+    --out wrote its report and plots over the first's, and its corpus refused the first's next run."""
     one = {"variants": {"yoco": {"spec": "yoco.yaml"}}, "steps": 2, "lr": {"low": 0.003, "high": 0.003, "points": 1}}  # trial 0 alone
     path, out = mini(tmp_path, "first", **one), tmp_path / "out"
     log = io.StringIO()
-    for study, url in ((load_study(str(path)), None), (load_study(str(path)), f"sqlite:///{tmp_path / 'afresh.db'}"),
-                       (load_study(str(mini(tmp_path, "second", **one))), None)):
-        done = work(study, out, url, Console(file=log, width=200), grace_period=60).get_trials()
+    for url in (None, f"sqlite:///{tmp_path / 'afresh.db'}"):
+        done = work(load_study(str(path)), out, url, Console(file=log, width=200), grace_period=60).get_trials()
         assert [t.state.name for t in done] == ["COMPLETE"], log.getvalue()
-    assert len(list((out / "trials").glob("*/0000-yoco-s0-lr0"))) == 3
+    assert len(list((out / "trials").glob("*/0000-yoco-s0-lr0"))) == 2
+    report(load_study(str(path)), optuna.load_study(study_name="first-tiny", storage=storage_url(out, None)), out, storage_url(out, None))
+    other, elsewhere = mini(tmp_path, "second", **one), f"sqlite:///{tmp_path / 'other.db'}"
+    code, _, stderr = cli("study", "run", other, "--out", tmp_path / "second", "--storage", elsewhere)
+    assert code in OK, stderr
+
+    def held():  # the lock files' beside: opened by every worker
+        return sorted((p.name, p.stat().st_mtime_ns) for p in out.rglob("*") if p.suffix != ".lock")
+
+    before = held()
+    for command in (["run", other], ["run", other, "--storage", elsewhere], ["report", other, "--storage", elsewhere]):
+        code, _, stderr = cli("study", *command, "--out", out)
+        assert code == 1 and f"error: --out {out} holds study first-tiny; give this study its own --out" in " ".join(stderr.split()), stderr
+    assert held() == before  # nothing tokenized, written or created
+    code, _, stderr = cli("study", "run", path, "--out", out)  # the first study, finished, runs nothing again
+    assert code in OK, stderr
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
@@ -958,3 +990,79 @@ def test_a_report_from_a_sqlite_file_that_is_not_there_makes_none(tmp_path, cli)
     code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{typo}")
     assert code not in OK and f"no SQLite database {typo}; give the --storage the study ran with" in stderr, stderr
     assert "Traceback" not in stderr and not typo.exists()
+
+
+def test_a_run_refused_as_it_joins_leaves_no_study_to_report(tmp_path, cli):
+    """The study was created and its trials queued before the data and the studies its variants
+    start from were checked: `report` then showed an empty study, and exited 0."""
+    out, nowhere = tmp_path / "out", str(tmp_path / "nonexistent")
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out, "--data", nowhere)
+    assert code == 1 and "no such file or folder (given with --data)" in stderr, stderr
+    start = mini(tmp_path, "tuned", {"yoco": {"spec": "yoco.yaml", "init": {"study": str(mini(tmp_path, "never"))}}})
+    code, _, stderr = cli("study", "run", start, "--out", tmp_path / "tuned")
+    assert code == 1 and "starts from the trials of study never-tiny, which is neither in" in " ".join(stderr.split()), stderr
+    for path, folder, data in ((mini(tmp_path), out, ["--data", nowhere]), (start, tmp_path / "tuned", [])):
+        code, _, stderr = cli("study", "report", path, "--out", folder, *data)
+        assert code == 1 and "no study has run here yet (no optuna.db)" in " ".join(stderr.split()), stderr
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_corpus_in_the_study_folder_is_refused_without_blaming_the_data(tmp_path):
+    """A corpus tokenized at another vocabulary is the folder's, not the data's: the advice to give
+    other data with --data sent the reader after data that was fine."""
+    path, out = mini(tmp_path, "vocab", {"yoco": {"spec": "yoco.yaml"}}), tmp_path / "out"
+    join(load_study(str(path)), out, storage_url(out, None), grace_period=60)
+    bigger = rewrite(path, variants={"yoco": {"spec": "yoco.yaml", "set": {"vocab_size": 512}}})
+    with pytest.raises(Exception, match=f"{out / 'data'} holds a corpus tokenized with vocab_size 256") as refused:
+        join(bigger, out, storage_url(out, None), grace_period=60)
+    assert "--data" not in str(refused.value)
+
+
+def test_the_report_says_which_trials_lost_their_worker_and_what_became_of_them(tmp_path):
+    """A trial whose worker was stopped counted as running; trials lost with their worker were
+    said to have run again while their retries waited."""
+    study = load_study(str(mini(tmp_path, "progress")))
+    stopped = finished("yoco", 0, 0, None, state=TrialState.RUNNING, curve={2: 3.0})
+    stopped.user_attrs.update({"worker": "host:1", "stopped_worker": "host:1"})
+    lost = [optuna.trial.create_trial(state=TrialState.FAIL, params=t.params, distributions=t.distributions)
+            for t in (finished("yoco", 0, 1, 3.0), finished("yoco-u", 0, 0, 3.0))]
+    recorded = optuna.create_study()
+    for trial in (stopped, *lost):
+        recorded.add_trial(trial)
+    for number in (1, 2):
+        RetryHeartbeatStaleTrialCallback()(recorded, recorded.trials[number])
+    line = progress(study, recorded.trials)
+    assert line.startswith("- trials: 4 planned: 0 complete, 0 running, 3 waiting, 0 failed, 0 pruned, 1 whose worker was stopped"
+                           " (it runs again once silent for the --grace-period)")
+    assert line.endswith("; 2 lost their worker (see Failed trials): 2 queued again and waiting")
+    claimed = recorded.trials[3]  # a retry taken by another worker: the mark it copied is not its own
+    recorded._storage.set_trial_state_values(claimed._trial_id, state=TrialState.RUNNING)
+    recorded._storage.set_trial_user_attr(claimed._trial_id, "worker", "host:2")
+    line = progress(study, recorded.trials)
+    assert "1 running, 2 waiting" in line and line.endswith("; 2 lost their worker (see Failed trials): 1 ran again, 1 queued again and waiting")
+
+
+def test_a_study_name_that_is_not_shipped_is_answered_with_the_shipped_ones(cli):
+    code, _, stderr = cli("study", "nonexistent")
+    assert code == 1 and "no shipped study of that name; shipped: [" in stderr and "No such command" not in stderr, stderr
+
+
+def test_an_empty_study_file_is_said_to_be_empty(tmp_path, cli):
+    for text in ("", "# nothing yet\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        code, _, stderr = cli("study", "run", tmp_path / "empty.yaml", "--out", tmp_path / "out")
+        assert code == 1 and "the file is empty" in stderr and "NoneType" not in stderr, stderr
+
+
+def test_archlab_run_from_a_source_checkout_it_was_not_installed_from_names_its_version(monkeypatch):
+    import importlib.metadata
+    import tomllib
+
+    from archlab.environment import _described_code
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert _described_code().split(" at ")[0] == version

@@ -13,7 +13,9 @@ from optuna.trial import TrialState
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
-from archlab.study.runner import PLOTS, chosen, latest, learning_rate, planned_as, refuse_foreign_files, settled, shown
+from archlab.study.runner import (
+    OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study, settled, shown,
+)
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
 
@@ -38,18 +40,24 @@ def _curve(best: list[optuna.trial.FrozenTrial]) -> tuple[list[int], list[float]
 
 def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], baseline: str, maximize: bool) -> dict[str, dict]:
     """The paper's Figure 2 comparisons of each variant's mean curve (steps, values, training
-    FLOPs a step) with the baseline's, joined by straight lines: the share of the baseline's
-    tokens (all steps have as many) by which it first reaches the baseline's last value, and its
-    value at the training FLOPs the baseline spent, less the baseline's."""
+    FLOPs a step) with the baseline's, joined by straight lines: the tokens (all steps have as
+    many) by which it first reaches the baseline's best value, over those the baseline took to
+    first reach it (its own last value would put a curve that is flat or rises at its end below
+    1 against itself), and its value at the training FLOPs the baseline spent, less the baseline's."""
     if baseline not in curves:
         return {}
     their_steps, theirs, their_flops = curves[baseline]
-    found = {}
+    target = (max if maximize else min)(theirs)
+    reached, at = {}, {}
     for variant, (steps, values, flops) in curves.items():  # steps stand for tokens: every step has as many
-        reached, at = compared(steps, [s * flops for s in steps], values, theirs[-1], their_steps[-1] * their_flops, maximize, flops)
-        found[variant] = {"share of baseline tokens": "-" if reached is None else Decimals(reached / their_steps[-1], 3),
-                          "vs baseline at its FLOPs": "-" if at is None else f"{at - theirs[-1]:+.4f}"}
-    return found
+        reached[variant], at[variant] = compared(steps, [s * flops for s in steps], values, target, their_steps[-1] * their_flops,
+                                                 maximize, flops)
+    return {variant: {"share of baseline tokens": "-" if reached[variant] is None else Decimals(reached[variant] / reached[baseline], 3),
+                      "vs baseline at its FLOPs": "-" if at[variant] is None else f"{at[variant] - theirs[-1]:+.4f}"} for variant in curves}
+
+
+def _complete(done: dict[tuple, optuna.trial.FrozenTrial], variant: str) -> list[optuna.trial.FrozenTrial]:
+    return [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
 
 
 def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
@@ -59,7 +67,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
     rows, means, baseline, curves = [], {}, None, {}
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
-        complete = [t for t in mine if t.state == TrialState.COMPLETE]
+        complete = _complete(done, variant)
         cost = Cost(spec)
         steps = study.steps(variant)
         flops_per_step = cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len
@@ -92,6 +100,28 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
     return rows
 
 
+def passed_over(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
+    """A notice for each grid rate that scores better than the one a variant is scored at, on fewer
+    seeds completed: the rule that keeps the rates with the most seeds passes it over (a pruned or
+    failed seed counts against its rate), and a reader should know how near it came."""
+    if study.definition.sampler != "grid":
+        return []
+    maximize, done, lines = study.definition.maximize, _reported(study, trials), []
+    for variant in study.specs:
+        complete = _complete(done, variant)
+        if not complete:
+            continue
+        lr, best = chosen(complete, maximize, "grid")
+        score = statistics.mean(t.value for t in best)
+        for rate, of_rate in sorted(by_rate(complete).items()):
+            mean = statistics.mean(t.value for t in of_rate)
+            if len(of_rate) < len(best) and (mean > score if maximize else mean < score):
+                lines.append(f"- notice: `{variant}` at lr {rate:.2g} scored {mean:.4f}, mean over {len(of_rate)} seed"
+                             f"{'s' * (len(of_rate) > 1)}, better than the {score:.4f} over {len(best)} at its lr {lr} in the"
+                             " table, which keeps the rates with the most seeds completed (its other seeds failed, were pruned or have not finished)")
+    return lines
+
+
 def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     """Where each fine-tuned variant's reported trials started: the checkpoints of the run it
     names, or the trials of the study it names and their learning rate."""
@@ -117,15 +147,24 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
     planned = study.planned()
     attempts = [t for key, t in latest(trials).items() if key in planned]
     count = Counter(t.state.name.lower() for t in attempts)
+    stopped = sum(t.state == TrialState.RUNNING and STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")
+                  for t in attempts)  # a retry copies the mark, and is claimed by another worker
     finished = count["complete"] + count["fail"] + count["pruned"]
     waiting = len(planned) - finished - count["running"]  # queued, or not yet queued by any worker
-    line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running']} running, {waiting} waiting,"
+    line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running'] - stopped} running, {waiting} waiting,"
             f" {count['fail']} failed, {count['pruned']} pruned")
+    if stopped:
+        line += (f", {stopped} whose worker was stopped ({'they run' if stopped > 1 else 'it runs'} again once silent for the"
+                 " --grace-period)")
     if finished < len(planned):
         line += f"; **incomplete**: the table covers only the {finished} of {len(planned)} that have finished"
-    retries = sum(len(t.system_attrs.get("retry_history", [])) for t in attempts)
-    if retries:
-        line += f"; {retries} lost their worker and ran again (see Failed trials)"
+    lost = sum(len(t.system_attrs.get("retry_history", [])) for t in attempts)
+    queued = sum(t.state == TrialState.WAITING and bool(t.system_attrs.get("retry_history")) for t in attempts)
+    if lost and not queued:
+        line += f"; {lost} lost their worker and ran again (see Failed trials)"
+    elif lost:
+        again = f"{lost - queued} ran again, " if lost > queued else ""
+        line += f"; {lost} lost their worker (see Failed trials): {again}{queued} queued again and waiting"
     return line
 
 
@@ -176,7 +215,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
     done = _reported(study, trials)
     figures = {name: plt.subplots(figsize=(7, 4.5)) for name in PLOTS}
     for variant in study.specs:
-        complete = [t for (v, _, _), t in done.items() if v == variant and t.state == TrialState.COMPLETE]
+        complete = _complete(done, variant)
         if not complete:
             continue
         _, best = chosen(complete, maximize, study.definition.sampler)
@@ -206,7 +245,9 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     trials = optuna_study.get_trials(deepcopy=False)
     failed = failures(study, trials)
     refuse_foreign_files(out)
+    refuse_other_study(out, study)
     out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
+    (out / OWNER).write_text(f"{study.key}\n")
     plots = plot(study, trials, out)
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
@@ -222,6 +263,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),
+        *passed_over(study, trials),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),
         "",

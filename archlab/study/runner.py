@@ -43,7 +43,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import DataError, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
+from archlab.train.data import DataError, OtherCorpus, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
 from archlab.train.trainer import Trainer
 
 
@@ -51,10 +51,12 @@ MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
 STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
 CORPUS = "corpus"  # the study's user attribute where join records the fingerprint of the corpus its trials share
 PLOTS = ("curves", "loss_vs_flops")  # the report's plots, each NAME.png beside it
+OWNER = ".study"  # in a study's folder: the study (NAME-SCALE) whose report, plots and corpus it holds
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
-# trials, a shared tokenized corpus, and the report with its plots
+# trials, a shared tokenized corpus, the report with its plots, and whose they are
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
-               "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS)}
+               "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
+STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
@@ -89,6 +91,10 @@ def storage_url(out: Path, url: str | None) -> str:
 
 class StorageError(Exception):
     """The study's storage cannot be opened, said in words."""
+
+
+class NotThere(StorageError):
+    """The storage holds no such study (or, on SQLite, no database yet)."""
 
 
 class StudyChanged(StorageError):
@@ -200,7 +206,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
     database = _sqlite_database(url)
     if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
-        raise StorageError(f"no SQLite database {database}; give the --storage the study ran with")
+        raise NotThere(f"no SQLite database {database}; give the --storage the study ran with")
     if database in IN_MEMORY:
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
@@ -216,12 +222,12 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         raise _unopenable(url, exc) from None
     name = study.key
     if not create and name not in (held := optuna.get_all_study_names(storage)):
-        raise StorageError(f"no study {name} in {shown(url)}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
+        raise NotThere(f"no study {name} in {shown(url)}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
     first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
     pruners = {
         "none": optuna.pruners.NopPruner(),
-        "median": SameVariant(lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
-        "hyperband": SameVariant(lambda: VariantHyperband(min_resource=study.config.eval_interval)),
+        "median": SameVariantAndSeed(lambda: optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=first_evals)),
+        "hyperband": SameVariantAndSeed(lambda: VariantHyperband(min_resource=study.config.eval_interval)),
     }
     direction = "maximize" if study.definition.maximize else "minimize"
     opened = optuna.create_study(
@@ -239,20 +245,22 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     return opened
 
 
-class SameVariant(optuna.pruners.BasePruner):
-    """A pruner that weighs a trial against the trials of its own variant only: architectures'
-    loss curves differ, and a median over all of them would cut every trial of the worse ones.
-    Each variant has a pruner of its own, made by ``make``: Hyperband sizes its brackets by the
-    steps of the first run it sees finish, and an equal-FLOPs budget gives variants different steps."""
+class SameVariantAndSeed(optuna.pruners.BasePruner):
+    """A pruner that weighs a trial against the trials of its own variant and seed only, its other
+    learning rates: architectures' loss curves differ, and a median over all of them would cut
+    every trial of the worse ones; pooled over seeds, a rate's trial was cut by its own twin on a
+    luckier seed, and the report then scored the variant at a rate that kept more seeds, its worst.
+    Each (variant, seed) has a pruner of its own, made by ``make``: Hyperband sizes its brackets by
+    the steps of the first run it sees finish, and an equal-FLOPs budget gives variants different steps."""
 
     def __init__(self, make: Callable[[], optuna.pruners.BasePruner]):
         self.make, self.pruners = make, {}
 
     def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
-        variant = planned_as(trial)[0]
-        if variant not in self.pruners:
-            self.pruners[variant] = self.make()
-        return self.pruners[variant].prune(_TrialsOf(study, variant), trial)
+        variant, seed, _ = planned_as(trial)
+        if (variant, seed) not in self.pruners:
+            self.pruners[variant, seed] = self.make()
+        return self.pruners[variant, seed].prune(_TrialsOf(study, variant, seed), trial)
 
 
 class SameVariantSampler(optuna.samplers.BaseSampler):
@@ -274,11 +282,11 @@ class SameVariantSampler(optuna.samplers.BaseSampler):
 
 
 class _TrialsOf:
-    """A study seen through the trials of one variant (by the pruners and by TPE, which reads them
-    through ``_get_trials``)."""
+    """A study seen through the trials of one variant, or of one variant and seed (by the pruners,
+    and by TPE, which reads them through ``_get_trials``)."""
 
-    def __init__(self, study: optuna.Study, variant: str):
-        self._study, self.variant = study, variant
+    def __init__(self, study: optuna.Study, variant: str, seed: int | None = None):
+        self._study, self.variant, self.seed = study, variant, seed
 
     @classmethod
     def of(cls, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> _TrialsOf:
@@ -292,18 +300,18 @@ class _TrialsOf:
         return self._of_variant(self._study._get_trials(deepcopy=deepcopy, states=states, use_cache=use_cache))
 
     def _of_variant(self, trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-        return [t for t in trials if planned_as(t)[0] == self.variant]
+        return [t for t in trials if planned_as(t)[0] == self.variant and self.seed in (None, planned_as(t)[1])]
 
     def __getattr__(self, name: str):
         return getattr(self._study, name)
 
 
 class VariantHyperband(optuna.pruners.HyperbandPruner):
-    """Hyperband under ``SameVariant``: its brackets read their trials from the storage, past the
-    one variant's view they are given, so each bracket is seen through that view again."""
+    """Hyperband under ``SameVariantAndSeed``: its brackets read their trials from the storage, past
+    the one variant and seed's view they are given, so each bracket is seen through that view again."""
 
     def _create_bracket_study(self, study: _TrialsOf, bracket_id: int) -> _TrialsOf:
-        return _TrialsOf(super()._create_bracket_study(study, bracket_id), study.variant)
+        return _TrialsOf(super()._create_bracket_study(study, bracket_id), study.variant, study.seed)
 
 
 @contextmanager
@@ -375,10 +383,16 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
     """Open the study, plan its trials and prepare its data, one worker at a time (the first one
     also creates the storage's tables). Where each fine-tuned variant's seeds start is looked up
     here and recorded for the trials: a pretraining study that chooses another trial while they
-    run, or a run that gains a checkpoint, moves none of them (the next worker to join refuses)."""
+    run, or a run that gains a checkpoint, moves none of them (the next worker to join refuses).
+    Everything that may refuse the run comes before the study is created and its trials queued:
+    a refused run leaves no empty study behind for ``report`` to show."""
     with planning_lock(url, out, study.key):
-        optuna_study = open_study(study, url, grace_period)
-        agreed = optuna_study.user_attrs.get("grace_period")  # the running workers'
+        refuse_other_study(out, study)
+        try:
+            optuna_study = open_study(study, url, grace_period, create=False)
+        except NotThere:  # the first worker: created below, once nothing has refused the run
+            optuna_study = None
+        agreed = optuna_study and optuna_study.user_attrs.get("grace_period")  # the running workers'
         if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
                                f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period"
@@ -386,7 +400,19 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                                " stopped worker's trial once it has been silent that long)")
         # a trial whose starting run is missing would fail; the study stops now instead
         starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
-        check_unchanged(study, optuna_study, starts)
+        if optuna_study:
+            check_unchanged(study, optuna_study, starts)
+        cfg = study.config
+        if cfg.init:  # every trial starts from it: a run that is not there fails them all
+            try:
+                checkpoint.resolve(cfg.init)
+            except checkpoint.CheckpointError as exc:
+                raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
+        undo = undo_tokenizing(out)
+        fingerprint = _read_data(study, out)
+        optuna_study = optuna_study or open_study(study, url, grace_period)
+        check_corpus(optuna_study, fingerprint, cfg.data.source, undo)
+        (out / OWNER).write_text(f"{study.key}\n")
         recorded = optuna_study.user_attrs.get(STARTS, {})  # kept for the variants and seeds of workers on another definition
         for variant, by_seed in starts.items():
             recorded[variant] = {**recorded.get(variant, {}), **{str(seed): start for seed, start in by_seed.items()}}  # JSON's keys are text
@@ -399,28 +425,39 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 optuna_study.enqueue_trial(params, user_attrs=params)  # user attrs: shown by optuna-dashboard
             elif _lost_for_good(earlier):  # a new run tries again, as a retry, so that the report follows it
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
-        cfg = study.config
-        vocab = next(iter(study.specs.values())).vocab_size
-        if cfg.init:  # every trial starts from it: a run that is not there fails them all
-            try:
-                checkpoint.resolve(cfg.init)
-            except checkpoint.CheckpointError as exc:
-                raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
-        try:
-            if study.shares_corpus:  # tokenize the corpus once for this worker's trials
-                undo = undo_tokenizing(out)
-                check_corpus(optuna_study, prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint, cfg.data.source, undo)
-            elif holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
-                read_examples(cfg.data.source, cfg.data.max_bytes)  # so that examples that do not read stop the study now
-            else:
-                read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)  # likewise a corpus that does not read
-        except DataError as exc:
-            if study.data_given:
-                raise DataError(f"{exc} (given with --data)") from None
-            raise DataError(f"{exc}; study {study.name} reads it at scale {study.scale} (scales.{study.scale}.train.data in {study.source},"
-                            " whose question may say how to make it); give other data with --data") from None
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
+
+
+def _read_data(study: Study, out: Path) -> str | None:
+    """Read the study's data, so that data that does not read stops the study before any trial:
+    tokenize the corpus its trials share into ``out`` (its fingerprint), or read the examples or
+    text each trial tokenizes itself (None)."""
+    cfg = study.config
+    try:
+        if study.shares_corpus:  # tokenize the corpus once for this worker's trials
+            vocab = next(iter(study.specs.values())).vocab_size
+            return prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint
+        if holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
+            read_examples(cfg.data.source, cfg.data.max_bytes)
+        else:
+            read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)
+        return None
+    except OtherCorpus:  # the corpus tokenized in --out, not the data: its message says what to do
+        raise
+    except DataError as exc:
+        if study.data_given:
+            raise DataError(f"{exc} (given with --data)") from None
+        raise DataError(f"{exc}; study {study.name} reads it at scale {study.scale} (scales.{study.scale}.train.data in {study.source},"
+                        " whose question may say how to make it); give other data with --data") from None
+
+
+def refuse_other_study(out: Path, study: Study) -> None:
+    """A folder holds one study's report, plots and corpus: another study's would overwrite them,
+    and its corpus would be refused by the first study's next run."""
+    owner = (out / OWNER).read_text().strip() if (out / OWNER).is_file() else None
+    if owner not in (None, study.key):
+        raise StorageError(f"--out {out} holds study {owner}; give this study its own --out")
 
 
 def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
@@ -583,7 +620,8 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     trial = optuna.Trial(optuna_study, trial_id)
     try:
         key = planned_as(optuna_study._storage.get_trial(trial_id))
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # named even if it dies before training
+        worker = f"{socket.gethostname()}:{os.getpid()}"
+        trial.set_user_attr("worker", worker)  # named even if it dies before training
         with heartbeat(trial_id, optuna_study._storage):
             try:
                 value, state, failure = _outcome(study, trial, key, out, url)
@@ -592,6 +630,10 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
                 optuna_study.tell(trial, value, state=state, skip_if_finished=True)
             except UpdateFinishedTrialError:
                 return False
+            except KeyboardInterrupt:  # its worker stops: the report counts the trial as that, not as running
+                with contextlib.suppress(*STORAGE_ERRORS):  # the interrupt is what to say
+                    trial.set_user_attr(STOPPED, worker)  # a retry copies it, but is another worker's
+                raise
         return optuna_study._storage.get_trial(trial_id).state == state
     except STORAGE_ERRORS as exc:  # a trial is not failed for its storage's fault: it goes stale, and runs again
         raise StorageError(f"lost the study storage {shown(url)} while trial {trial.number} trained: {_in_words(exc)}; that trial"
@@ -658,12 +700,18 @@ def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str)
         best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
         low, high = min(learning_rate(t) for t in best), max(learning_rate(t) for t in best)
         return (f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"), best
-    by_lr: dict[float, list] = {}
-    for t in trials:
-        by_lr.setdefault(learning_rate(t), []).append(t)
+    by_lr = by_rate(trials)
     sign = 1 if maximize else -1
     lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
     return f"{lr:.2g}", by_lr[lr]
+
+
+def by_rate(trials: list[optuna.trial.FrozenTrial]) -> dict[float, list[optuna.trial.FrozenTrial]]:
+    """Grid trials by their learning rate."""
+    by_lr: dict[float, list] = {}
+    for t in trials:
+        by_lr.setdefault(learning_rate(t), []).append(t)
+    return by_lr
 
 
 def refuse_foreign_files(out: Path) -> None:
@@ -684,10 +732,26 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
     url = storage_url(out, url)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        return _work(study, out, url, console, grace_period)
+        with warnings.catch_warnings():
+            warnings.showwarning = _once(warnings.showwarning)
+            return _work(study, out, url, console, grace_period)
     except STORAGE_ERRORS as exc:  # the server gone between trials, say
         raise StorageError(f"lost the study storage {shown(url)}: {_in_words(exc)}; finished trials are kept there, and a"
                            " `study run` once it is back goes on") from None
+
+
+def _once(show: Callable) -> Callable:
+    """``warnings.showwarning`` saying each notice once: every trial reads the same data (a corpus
+    cut short by data.max_bytes was said by each). Python's own "once" forgets what it said
+    whenever the warning filters change, as they do while a trial trains."""
+    said = set()
+
+    def show_once(message, *args, **kwargs) -> None:
+        if str(message) not in said:
+            said.add(str(message))
+            show(message, *args, **kwargs)
+
+    return show_once
 
 
 def _work(study: Study, out: Path, url: str, console: Console, grace_period: int) -> optuna.Study:

@@ -53,6 +53,11 @@ def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) 
     return np.random.default_rng([seed, SPLITS[split], step])
 
 
+class OtherCorpus(DataError):
+    """A data cache holding a corpus tokenized from other data, or with other settings: the data
+    itself may be fine, and the message says what to do with the cache."""
+
+
 class ShortSplit(DataError):
     """A split with fewer tokens than one sequence needs: ``have`` tokens in the ``split`` split of ``describe``."""
 
@@ -632,7 +637,7 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
             differ = [key for key in wanted if made_from.get(key) != wanted[key]]
             made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
                     if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
-        raise DataError(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
+        raise OtherCorpus(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
                         f" (a study: another --out, since its trials so far trained on that corpus, and it refuses another), or"
                         f" remove {cache} to tokenize again")
     remove_corpus(data_dir)

@@ -776,7 +776,7 @@ def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
         "circle": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "circle.yaml"}}}, {},
                    "starts from this study's trials, which start from it: a circle"),
         "unknown": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "nothing-shipped"}}}, {},
-                    "no shipped study of that name"),
+                    "no file or shipped study of that name"),
         "both": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml"}}}, {"init": str(tmp_path)},
                  f"variants.yoco.init: scales.tiny.train.init already starts every trial from {tmp_path}; give one or the other"),
         "run-and-study": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml", "run": str(tmp_path)}}}, {},

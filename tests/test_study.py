@@ -611,7 +611,7 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
               "scale_set": {"tiny": {"layout.self_decoder.blocks.0": block, "layout.self_decoder.blocks.0.window": 16}}}
     path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": scaled}}, sort_keys=False))
     assert load_study(str(path)).specs["yoco-u"].layout.self_decoder.blocks[0].window == 16
-    with pytest.raises(SpecError, match="no shipped study of that name"):
+    with pytest.raises(SpecError, match="no file or shipped study of that name"):
         load_study("loop-placement")
     code, _, stderr = cli("study", "run", "loop-placement")
     assert code == 1 and "shipped:" in stderr and "Traceback" not in stderr, stderr
@@ -1044,7 +1044,7 @@ def test_the_report_says_which_trials_lost_their_worker_and_what_became_of_them(
 
 def test_a_study_name_that_is_not_shipped_is_answered_with_the_shipped_ones(cli):
     code, _, stderr = cli("study", "nonexistent")
-    assert code == 1 and "no shipped study of that name; shipped: [" in stderr and "No such command" not in stderr, stderr
+    assert code == 1 and "no file or shipped study of that name; shipped: architectures, esa-kind, " in stderr and "No such command" not in stderr, stderr
 
 
 def test_an_empty_study_file_is_said_to_be_empty(tmp_path, cli):

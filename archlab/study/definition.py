@@ -278,8 +278,8 @@ def find_study(name_or_path: str) -> Path:
         raise SpecError(name_or_path, [Problem("<study>", "is a folder; give a study file (.yaml) or the name of a shipped study")])
     shipped = STUDIES / f"{name_or_path}.yaml"
     if not shipped.is_file():
-        names = sorted(p.stem for p in STUDIES.glob("*.yaml"))
-        raise SpecError(name_or_path, [Problem("<study>", f"no shipped study of that name; shipped: {names}")])
+        names = ", ".join(sorted(p.stem for p in STUDIES.glob("*.yaml")))
+        raise SpecError(name_or_path, [Problem("<study>", f"no file or shipped study of that name; shipped: {names}")])
     return shipped
 
 

@@ -1689,6 +1689,14 @@ def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, t
     assert 160 < at_their_flops < 160 + 80  # short stopped less than a step before the baseline's FLOPs, as an equal-FLOPs budget does
     assert (rows["short"]["loss at baseline FLOPs"], rows["short"]["vs baseline"]) == (2.0, 0.5)
     assert (tmp_path / "vs.png").read_bytes().startswith(b"\x89PNG")
+    # a baseline whose loss rises at its end: the target is its best, reached at 200 of its tokens,
+    # and its own share is 1 (against its last loss, 2.0 was first reached at 200: 0.667 of itself)
+    rising = logged("rising", trained_on_text / "spec.yaml", [(100, 3.0), (200, 2.0), (300, 2.2)])
+    code, out, stderr = cli("curves", looped, "--baseline", rising, "--format", "json")
+    rows = {row["run"]: row for row in json.loads(out)}
+    assert [rows["rising"][k] for k in ("tokens to baseline loss", "share of baseline tokens", "vs baseline")] == [200, 1.0, 0.0], rows
+    first = 100 + 100 * (2.6 - 2.0) / (2.6 - 1.4)
+    assert (rows["looped"]["tokens to baseline loss"], rows["looped"]["share of baseline tokens"]) == (round(first), round(first / 200, 3))
 
     (tmp_path / "unevaluated").mkdir()
     (tmp_path / "unevaluated" / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "tokens": 64}) + "\n")

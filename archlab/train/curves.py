@@ -153,16 +153,20 @@ class Run:
 
     def against(self, baseline: Run) -> dict:
         """Columns comparing the run with ``baseline`` as the paper's Figure 2 does, on their
-        evaluation losses joined by straight lines: the tokens at which the run first reaches the
-        baseline's last evaluation loss (and their share of the baseline's tokens then), and the
-        run's evaluation loss at the training FLOPs the baseline had spent by then (and that less
-        the baseline's). Empty where the run does not reach it, or did not evaluate that far."""
+        evaluation losses joined by straight lines: the tokens at which the run first comes down to
+        the baseline's best evaluation loss (and their share of the tokens the baseline took to get
+        there, 1 for the baseline itself, whose curve may rise or stay flat after it), and the run's
+        evaluation loss at the training FLOPs the baseline had spent by its last evaluation (and
+        that less the baseline's last). Empty where the run does not reach it, or did not evaluate
+        that far."""
         theirs = baseline.evaluations
         if not theirs:
             raise RunError(f"the baseline {baseline.folder} has logged no evaluation to compare with")
         mine = self.evaluations
         losses = [r["eval_loss"] for r in mine]
-        target, their_tokens = theirs[-1]["eval_loss"], baseline.x(theirs[-1:], Axis.tokens)[0]
+        their_losses = [r["eval_loss"] for r in theirs]
+        target = min(their_losses)
+        their_tokens = crossing(baseline.x(theirs, Axis.tokens), their_losses, target)
         their_flops = baseline.x(theirs[-1:], Axis.flops)[0]
         step_flops = self.x(mine[-1:], Axis.flops)[0] / mine[-1]["step"] if mine and mine[-1]["step"] else 0.0
         tokens, at = compared(self.x(mine, Axis.tokens), self.x(mine, Axis.flops), losses, target, their_flops, step_flops=step_flops) if mine else (None, None)
@@ -170,14 +174,14 @@ class Run:
             "tokens to baseline loss": None if tokens is None else round(tokens),
             "share of baseline tokens": None if tokens is None else Decimals(tokens / their_tokens, 3),
             "loss at baseline FLOPs": _decimals(at),
-            "vs baseline": None if at is None else _decimals(at - target),
+            "vs baseline": None if at is None else _decimals(at - their_losses[-1]),
         }
 
 
 def compared(tokens: list[float], flops: list[float], values: list[float], target: float, their_flops: float,
              higher_is_better: bool = False, step_flops: float = 0.0) -> tuple[float | None, float | None]:
     """The paper's Figure 2 comparisons of a curve (its values at these tokens and training FLOPs,
-    joined by straight lines) with a baseline's last value ``target``: the tokens at which it
+    joined by straight lines) with a baseline's value ``target``: the tokens at which it
     first reaches it, and its value at the training FLOPs the baseline spent. A curve that ends
     less than one of its training steps (``step_flops``) short of those is taken at its end: a
     budget of the baseline's FLOPs trains whole steps, so it almost always ends that short."""
@@ -287,8 +291,8 @@ def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -
                 ax.plot(run.x(logged, axis), [r[key] for r in logged], marker="o" if key == "eval_loss" else None,
                         markersize=3, label=run.label)
         if key == "eval_loss" and baseline is not None and baseline.evaluations:
-            ax.axhline(baseline.evaluations[-1]["eval_loss"], color="grey", linestyle=":", linewidth=1,
-                       label=f"{baseline.label}'s last")
+            ax.axhline(min(r["eval_loss"] for r in baseline.evaluations), color="grey", linestyle=":", linewidth=1,
+                       label=f"{baseline.label}'s best")
         ax.set_xlabel({Axis.step: "step", Axis.tokens: "tokens", Axis.flops: "training FLOPs"}[axis])
         ax.set_ylabel("loss (nats per token)")
         ax.set_title(title)

@@ -934,7 +934,7 @@ def evaluate(
     prefixes of each length (the paper's last-512-token perplexity); on a recall task, loss and
     accuracy of the answers in fresh sequences of each length; on examples, of the responses."""
     from archlab.train.evaluate import evaluate as scored
-    from archlab.train.evaluate import plot
+    from archlab.train.evaluate import plot, scorable
 
     lengths = _lengths(seq_len)
     on = _scoring_device(device)
@@ -944,7 +944,7 @@ def evaluate(
         with _fits_in_memory(f"{label}: {batch} windows of {max(lengths):,} tokens", "--seq-len or --batch", None):
             return [result.row(label) for result in scored(run, lengths, last, sequences, on, data, batch)]
 
-    rows = [row for found in _each_trained_run(runs, data, plot_path, score).values() for row in found]
+    rows = [row for found in _each_trained_run(runs, data, plot_path, score, scorable).values() for row in found]
     sys.stdout.write(render(rows, fmt))
     for line in tokens_apart(runs, labels(runs)):
         err.print(line, markup=False, highlight=False)
@@ -966,9 +966,11 @@ def _scoring_device(name: str | None) -> torch.device:
     return _check_device(name) if name is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list]) -> dict[str, list]:
-    """``score(run, label)`` of each run, by its label; ``--data`` and ``--plot`` are checked first,
-    and a run that cannot be scored ends the command in one line."""
+def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list],
+                      check: Callable[[Path], object] = resolve) -> dict[str, list]:
+    """``score(run, label)`` of each run, by its label; ``--data``, ``--plot`` and ``check`` of every
+    path (a run, or a checkpoint folder) come first, and a run that cannot be scored ends the
+    command in one line."""
     from archlab.train.data import DataError
     from archlab.train.evaluate import EvaluationError
 
@@ -978,8 +980,8 @@ def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None
         _check_plot_path(plot_path)
     scored, label = {}, None
     try:
-        for run in runs:  # each path a run before any is scored
-            resolve(run)
+        for run in runs:  # each path before any is scored
+            check(run)
         for run, label in zip(runs, labels(runs)):
             scored[label] = score(run, label)
         return scored
@@ -1157,11 +1159,16 @@ def _shipped_studies() -> list[str]:
 
 
 class StudyGroup(TyperGroup):
-    """``archlab study NAME ...`` is ``archlab study run NAME ...``: a name that is not a shipped
-    study is then refused with the shipped ones listed, as ``run`` refuses it."""
+    """``archlab study NAME ...`` is ``archlab study run NAME ...`` for a shipped study or a study
+    file; another word is neither, and is answered with both the commands and the shipped studies."""
 
     def resolve_command(self, ctx, args):
-        if args and args[0] not in self.commands and not args[0].startswith("-"):
+        word = args[0] if args else ""
+        if word and word not in self.commands and not word.startswith("-"):
+            if word not in _shipped_studies() and not Path(word).exists() and not word.endswith((".yaml", ".yml")):
+                _error(f"no command, shipped study or study file {word!r}: the commands are {', '.join(sorted(self.commands))};"
+                       f" the shipped studies {', '.join(_shipped_studies())}")
+                raise typer.Exit(2)
             args = ["run", *args]
         return super().resolve_command(ctx, args)
 

@@ -595,7 +595,7 @@ def report(results: dict) -> str:
         lines += ["", f"## {name}: failed", "", "```", error.strip()[-3000:], "```"]
     if "running" in results:
         lines += ["", f"## Cut short while running {results['running']}", "",
-                  "The rows it measured before the check was killed are in running.jsonl, beside this report."]
+                  "The rows it measured before the check was killed, if any, are in running.jsonl beside this report (no such file: none)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1044,7 +1044,52 @@ def test_the_report_says_which_trials_lost_their_worker_and_what_became_of_them(
 
 def test_a_study_name_that_is_not_shipped_is_answered_with_the_shipped_ones(cli):
     code, _, stderr = cli("study", "nonexistent")
-    assert code == 1 and "no file or shipped study of that name; shipped: architectures, esa-kind, " in stderr and "No such command" not in stderr, stderr
+    assert code == 2 and "error: no command, shipped study or study file 'nonexistent': the commands are report, run; the shipped" \
+        " studies architectures, esa-kind, " in " ".join(stderr.split()), stderr
+    code, _, stderr = cli("study", "reprot", "loop-position")  # a mistyped command: not taken for a study with an extra argument
+    assert code == 2 and "'reprot': the commands are report, run" in stderr and "extra argument" not in stderr, stderr
+    code, _, stderr = cli("study", "missing.yaml")  # a study file, which run says is missing
+    assert code == 1 and "missing.yaml" in stderr and "not found" in stderr, stderr
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_folder_from_before_the_owner_file_is_its_own_storages_study(tmp_path, cli, monkeypatch):
+    """A study folder made before the .study file was claimed by the next study run in it, and the
+    study whose storage and trials it held was refused its own folder."""
+    path, out = mini(tmp_path, "first", steps=2, variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1}), tmp_path / "out"
+    join(load_study(str(path)), out, storage_url(out, None), grace_period=60)
+    (out / ".study").unlink()  # as a folder from before it
+    code, _, stderr = cli("study", "run", mini(tmp_path, "second"), "--out", out)
+    assert code == 1 and f"--out {out} holds study first-tiny; give this study its own --out" in " ".join(stderr.split()), stderr
+    monkeypatch.chdir(tmp_path)  # the report names its storage whole, not as typed from here: it is read from anywhere
+    code, _, stderr = cli("study", "run", path, "--out", out)
+    assert code in OK, stderr
+    assert f"- storage `sqlite:///{out.resolve() / 'optuna.db'}` (open it with" in (out / "report.md").read_text()
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_retry_claimed_by_a_worker_of_the_stopped_ones_name_is_not_counted_stopped(tmp_path, monkeypatch):
+    """A retry copies its trial's stopped mark; a worker restarted with the same host name and pid
+    (a container's) took it, and the report counted it as stopped while it ran."""
+    import os
+    import socket
+
+    from archlab.study.runner import STOPPED
+
+    path, out = mini(tmp_path, "again", steps=2, variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1}), tmp_path / "out"
+    study, url = load_study(str(path)), storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    (waiting,) = optuna_study.get_trials(states=(TrialState.WAITING,))
+    optuna_study._storage.set_trial_user_attr(waiting._trial_id, STOPPED, f"{socket.gethostname()}:{os.getpid()}")
+    seen, fit = [], Trainer.fit
+
+    def watched(self, steps, **kwargs):
+        seen.append(progress(study, optuna_study.get_trials()))
+        return fit(self, steps, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", watched)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
+    assert seen and "1 running" in seen[0] and "stopped" not in seen[0], seen
 
 
 def test_an_empty_study_file_is_said_to_be_empty(tmp_path, cli):

@@ -1440,11 +1440,19 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                            ([checkpoints(trained_on_text)[-1], "--seq-len", "64"],
                             f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder, {trained_on_text}, whose")):
         refused(cli("evaluate", *args), fragment)
-    code, _, stderr = cli("evaluate", trained_on_text, configless, "--seq-len", "64", "--last", "32")  # the second refused: which of the two
-    refused((code, _, stderr), "error: configless: ", "has no config.yaml")
+    again = tmp_path / "again"
+    shutil.copytree(trained_on_text, again)
+    code, _, stderr = cli("evaluate", trained_on_text, again, "--seq-len", held_out)  # refused as it is scored: which of the two
+    refused((code, _, stderr), f"error: {trained_on_text.name}: the held-out split has {held_out:,} tokens")
+    code, _, stderr = cli("evaluate", trained_on_text, configless, "--seq-len", "64", "--last", "32")
+    refused((code, _, stderr), f"error: {configless} has no config.yaml")
+    assert "64 tokens" not in stderr, stderr  # refused before the first run is scored
     code, _, stderr = cli("evaluate", trained_on_text, tmp_path, "--seq-len", "64", "--last", "32")  # not a run: said before any is scored
     refused((code, _, stderr), f"{tmp_path} is not a training run with a checkpoint")
     assert "64 tokens" not in stderr, stderr
+    code, _, stderr = cli("evaluate", trained_on_text, checkpoints(trained_on_text)[-1], "--seq-len", "64", "--last", "32")
+    refused((code, _, stderr), f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder")
+    assert "64 tokens" not in stderr, stderr  # nor a run scored before the checkpoint is refused
     damaged = tmp_path / "damaged"  # its state.json gave a traceback, JSONDecodeError or AttributeError
     shutil.copytree(trained_on_text, damaged)
     latest = checkpoints(damaged)[-1]

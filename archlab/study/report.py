@@ -260,7 +260,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         *starts(study, trials),
         progress(study, trials),
         *settings(study, trials),
-        f"- storage `{shown(storage)}` (open it with `optuna-dashboard {shown(storage)}`)",
+        f"- storage `{shown(storage, relative=False)}` (open it with `optuna-dashboard {shown(storage, relative=False)}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),
         *passed_over(study, trials),

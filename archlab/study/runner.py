@@ -166,12 +166,14 @@ def _lr_said(lr: float | list[float]) -> str:
     return f"drawn over [{lr[0]:g}, {lr[1]:g}] (tpe)" if isinstance(lr, list) else f"{lr:g} (a grid point)"
 
 
-def shown(url: str) -> str:
-    """A storage URL as messages and reports print it: without its password (even one the URL
-    parser would misread), and a SQLite file under the working folder by its relative path (as
-    one would type it there)."""
+def shown(url: str, relative: bool = True) -> str:
+    """A storage URL as messages print it: without its password (even one the URL parser would
+    misread), and a SQLite file under the working folder by its relative path (as one would type
+    it there), unless ``relative`` is false (a report read from anywhere)."""
     database = _sqlite_database(url)
     if database is not None and database not in IN_MEMORY:
+        if not relative:
+            return url
         path = Path(database)
         return url.replace(database, str(path.relative_to(Path.cwd())), 1) if path.is_relative_to(Path.cwd()) else url
     return re.sub(r"(:/+[^:/@]*:).*@", r"\1***@", url)  # user:password@ -> user:***@, to the last @
@@ -454,8 +456,13 @@ def _read_data(study: Study, out: Path) -> str | None:
 
 def refuse_other_study(out: Path, study: Study) -> None:
     """A folder holds one study's report, plots and corpus: another study's would overwrite them,
-    and its corpus would be refused by the first study's next run."""
+    and its corpus would be refused by the first study's next run. A folder from before the
+    ``OWNER`` file is its own SQLite storage's studies'."""
     owner = (out / OWNER).read_text().strip() if (out / OWNER).is_file() else None
+    if owner is None and (out / "optuna.db").is_file():
+        with contextlib.suppress(*STORAGE_ERRORS):  # a damaged storage is said where it is opened
+            held = optuna.get_all_study_names(storage_url(out, None))
+            owner = None if study.key in held else ", ".join(held) or None
     if owner not in (None, study.key):
         raise StorageError(f"--out {out} holds study {owner}; give this study its own --out")
 
@@ -619,9 +626,12 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     period, e.g. while paused) and queued it again."""
     trial = optuna.Trial(optuna_study, trial_id)
     try:
-        key = planned_as(optuna_study._storage.get_trial(trial_id))
+        claimed = optuna_study._storage.get_trial(trial_id)
+        key = planned_as(claimed)
         worker = f"{socket.gethostname()}:{os.getpid()}"
         trial.set_user_attr("worker", worker)  # named even if it dies before training
+        if claimed.user_attrs.get(STOPPED):  # a retry's copy of the mark: a worker of the same name and pid is not stopped
+            trial.set_user_attr(STOPPED, None)
         with heartbeat(trial_id, optuna_study._storage):
             try:
                 value, state, failure = _outcome(study, trial, key, out, url)

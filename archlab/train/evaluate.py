@@ -21,7 +21,7 @@ from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
-from archlab.train.checkpoint import info_of, load_trained
+from archlab.train.checkpoint import info_of, load_trained, resolve
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
 from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
 
@@ -66,6 +66,17 @@ class Evaluated:
         return row
 
 
+def scorable(run: Path) -> None:
+    """Refuse, before anything is loaded, a path that is not a run whose held-out data can be
+    scored: a run's folder, holding the config.yaml that says what it held out."""
+    resolve(run)
+    if run.parent.name == "checkpoints":
+        raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says what data"
+                              " it held out (its latest checkpoint is scored)")
+    if not (run / "config.yaml").is_file():
+        raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
+
+
 @dataclass
 class Loaded:
     """A trained run ready to be scored: its latest model, the config it trained with, and the
@@ -80,12 +91,8 @@ class Loaded:
 
     @classmethod
     def of(cls, run: Path, data: str | None = None) -> Loaded:
+        scorable(run)
         _, model, used, tokenizer = load_trained(run)
-        if run.parent.name == "checkpoints":
-            raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says what data"
-                                  " it held out (its latest checkpoint is scored)")
-        if not (run / "config.yaml").is_file():
-            raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
         corpus = info_of(used, "score").get("corpus")
         return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus)
 

@@ -1165,9 +1165,9 @@ class StudyGroup(TyperGroup):
     def resolve_command(self, ctx, args):
         word = args[0] if args else ""
         if word and word not in self.commands and not word.startswith("-"):
-            if word not in _shipped_studies() and not Path(word).exists() and not word.endswith((".yaml", ".yml")):
+            if word not in (shipped := _shipped_studies()) and not Path(word).exists() and not word.endswith((".yaml", ".yml")):
                 _error(f"no command, shipped study or study file {word!r}: the commands are {', '.join(sorted(self.commands))};"
-                       f" the shipped studies {', '.join(_shipped_studies())}")
+                       f" the shipped studies {', '.join(shipped)}")
                 raise typer.Exit(2)
             args = ["run", *args]
         return super().resolve_command(ctx, args)

@@ -148,7 +148,7 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
     attempts = [t for key, t in latest(trials).items() if key in planned]
     count = Counter(t.state.name.lower() for t in attempts)
     stopped = sum(t.state == TrialState.RUNNING and STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")
-                  for t in attempts)  # a retry copies the mark, and is claimed by another worker
+                  for t in attempts)  # a retry's copy of the mark is its old worker's, until its new one clears it
     finished = count["complete"] + count["fail"] + count["pruned"]
     waiting = len(planned) - finished - count["running"]  # queued, or not yet queued by any worker
     line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running'] - stopped} running, {waiting} waiting,"
@@ -260,7 +260,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         *starts(study, trials),
         progress(study, trials),
         *settings(study, trials),
-        f"- storage `{shown(storage, relative=False)}` (open it with `optuna-dashboard {shown(storage, relative=False)}`)",
+        f"- storage `{(whole := shown(storage, relative=False))}` (open it with `optuna-dashboard {whole}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
         render(summarize(study, trials), Format.md),
         *passed_over(study, trials),

@@ -98,10 +98,10 @@ def _stored_form(f, name: str) -> tuple[torch.dtype, list[int]]:
     return (piece[:0] if shape else f.get_tensor(name)).dtype, shape
 
 
-def _some(names: list[str]) -> str:
+def _some(names: list[str], sep: str = ", ") -> str:
     """Up to three of ``names``, and how many more."""
     listed = sorted(names)
-    return (", ".join(listed[:3]) or "none") + (f" and {len(listed) - 3:,} more" if len(listed) > 3 else "")
+    return (sep.join(listed[:3]) or "none") + (f" and {len(listed) - 3:,} more" if len(listed) > 3 else "")
 
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
@@ -111,8 +111,7 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
     for index, kind in enumerate(("dtype", "shape")):
         wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]
         if wrong:
-            raise WeightsDoNotFit(f"checkpoint {path} does not fit this model (weights of another {kind}: {'; '.join(sorted(wrong)[:3])}"
-                                  f"{f'; and {len(wrong) - 3:,} more' if len(wrong) > 3 else ''})")
+            raise WeightsDoNotFit(f"checkpoint {path} does not fit this model (weights of another {kind}: {_some(wrong, '; ')})")
     missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
     if missing or unexpected:
         raise WeightsDoNotFit(

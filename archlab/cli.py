@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import importlib
 import itertools
 import math
 import os
@@ -22,6 +23,7 @@ from typing import Annotated, NamedTuple
 
 import torch
 import typer
+import yaml
 from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
@@ -86,7 +88,7 @@ def _expand(paths: list[Path]) -> list[Path]:
             files.extend(sorted([f for f in found if f.parent not in runs] + [run / RUN_SPEC for run in runs]))
         else:
             files.append(path)
-    return files
+    return list({file.resolve(): file for file in reversed(files)}.values())[::-1]  # a file named twice: its row once
 
 
 def _report(exc: SpecError) -> None:
@@ -109,9 +111,27 @@ def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
         try:
             good.append((path, load_spec(path)))
         except SpecError as exc:
-            _report(exc)
+            instead = _not_a_spec(path)
+            _error(f"{path} is {instead}, not a model spec") if instead else _report(exc)
             bad += 1
     return good, bad
+
+
+def _not_a_spec(path: Path) -> str | None:
+    """What a YAML file given where a spec is due is instead, where it is one of archlab's others:
+    its schema errors would say only that every spec field is missing."""
+    from archlab.train.config import TrainConfig
+
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # its SpecError says so
+        return None
+    keys = set(loaded) if isinstance(loaded, dict) else set()
+    if {"variants", "baseline"} <= keys:
+        return "a study (run it with `archlab study run`)"
+    if keys and keys <= set(TrainConfig.model_fields) and not keys <= set(ModelSpec.model_fields):
+        return "a training config (give it to `archlab train --config`)"
+    return None
 
 
 @app.command()
@@ -251,6 +271,21 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, as Ctrl-C."""
 
 
+def _import_whole(module: str) -> None:
+    """Import ``module`` with SIGINT and SIGTERM held until it is done, then delivered: one landing
+    inside an extension module's import (torch._dynamo's of triton) ended the process from C++, with
+    "terminate called after throwing an instance of 'nanobind::python_error'"."""
+    came = []
+    handlers = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        importlib.import_module(module)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for signum in came[:1]:
+            signal.raise_signal(signum)
+
+
 @contextmanager
 def _interruptible():
     """SIGTERM (from timeout, docker stop, a scheduler, or torchrun stopping its other workers) stops
@@ -360,7 +395,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 64,
     temperature: Annotated[float, typer.Option(help="0 is greedy; a finite number >= 0")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
-    top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    top_p: Annotated[float | None, typer.Option(help="sample from the fewest tokens whose probabilities reach it, in (0, 1]")] = None,
     seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1,
                                              help="sampling seed; for a bare spec, also its random weights (default 0)")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="stop once this text is written (shown too); may be given again")] = None,
@@ -405,7 +440,7 @@ def generate(
     sys.stdout.write(f"{written.stop or ''}\n")
     size = written.cache.bytes_per_sequence()
     err.print(
-        f"{written.tokens} tokens in {written.seconds:.2f}s; cache {size.global_:,} B global"
+        f"{written.tokens} token{'' if written.tokens == 1 else 's'} in {written.seconds:.2f}s; cache {size.global_:,} B global"
         f" + {size.local:,} B local per sequence" + (" (global: its whole pool of pages)" if page_size and model.global_kv else ""),
         highlight=False,
     )
@@ -415,8 +450,8 @@ def _sampling(temperature: float, top_k: int | None, top_p: float | None, seed: 
     """The sampling options, refused as the command line's where they do not make one."""
     try:
         return Sampling(temperature, top_k, top_p, seed)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    except ValueError as exc:  # "top_p must be ...": said of --top-p
+        raise typer.BadParameter(str(exc), param_hint=f"'--{str(exc).split()[0].replace('_', '-')}'") from None
 
 
 def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
@@ -479,11 +514,10 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
                 place, stop = min(met)
                 text = text[:place]
                 break
-            if not text.endswith("\ufffd"):  # hold back a partly decoded character, and what may begin a text of ``until``
-                text = text[: len(text) - max((_begun(text, end) for end in until), default=0)]
-                sys.stdout.write(text[len(shown) :])
-                sys.stdout.flush()
-                shown = text
+            text = _settled(text, until)
+            sys.stdout.write(text[len(shown) :])
+            sys.stdout.flush()
+            shown = text
         else:
             text = codec.decode(new)
     except FloatingPointError as exc:  # weights that give NaN
@@ -492,6 +526,14 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
         raise typer.Exit(1) from None
     sys.stdout.write(text[len(shown) :])
     return Written(text, stop, len(new), cache, prompted, time.perf_counter() - start)
+
+
+def _settled(text: str, until: tuple[str, ...]) -> str:
+    """The part of ``text`` no later token can change: without a last character partly decoded
+    (bytes that may yet make one read as one replacement character; those before it that never
+    will are final, and shown) and what may begin a text of ``until``."""
+    text = text.removesuffix("\ufffd")
+    return text[: len(text) - max((_begun(text, end) for end in until), default=0)]
 
 
 def _begun(text: str, end: str) -> int:
@@ -506,7 +548,7 @@ def chat(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="the longest reply, in tokens")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy; a finite number >= 0")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
-    top_p: Annotated[float | None, typer.Option(min=0.0, max=1.0)] = None,
+    top_p: Annotated[float | None, typer.Option(help="sample from the fewest tokens whose probabilities reach it, in (0, 1]")] = None,
     seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1, help="sampling seed")] = None,
     dtype: DtypeOption = Dtype("auto"),
 ) -> None:
@@ -828,6 +870,7 @@ def train(
         raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
     say = err if os.environ.get("RANK", "0") == "0" else Console(stderr=True, quiet=True)  # under torchrun, once
     try:
+        _import_whole("torch._dynamo")  # the first forward pass's; a Ctrl-C inside it once aborted the process
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} is a file; a run is a folder")
         spec = load_spec(_spec_file(spec_path))
@@ -878,6 +921,11 @@ def train(
     except KeyboardInterrupt as exc:
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
         raise typer.Exit(_interrupted_code(exc)) from None
+    except RuntimeError as exc:
+        if launched_processes() == 1 or not _lost_peer(exc):
+            raise
+        err.print(f"another process of this run stopped ({escape(str(exc).splitlines()[0])}); {_kept_of(out)}", highlight=False)
+        raise typer.Exit(1) from None
     say.print(f"done: {cfg.steps} step{'' if cfg.steps == 1 else 's'}; checkpoints and metrics.jsonl in {out}", highlight=False, markup=False)
 
 
@@ -1143,6 +1191,13 @@ def _named(option: str, given: str, what: str, example: str) -> list[str]:
     return names
 
 
+def _lost_peer(exc: RuntimeError) -> bool:
+    """Whether a collective failed because another process of the job is gone (killed, or out of
+    memory): torch.distributed's own error, or gloo's and NCCL's connection errors, raised as
+    RuntimeError."""
+    return isinstance(exc, torch.distributed.DistError) or any(name in str(exc) for name in ("gloo", "NCCL"))
+
+
 def _kept_of(out: Path, memory: bool = False) -> str:
     """What a training stopped midway leaves to resume from (stopped for memory: with what a
     resume may lower)."""
@@ -1218,6 +1273,12 @@ def study_run(
     from archlab.study.definition import load_study
     from archlab.study.report import all_failed, report
     from archlab.study.runner import default_dir, storage_url, work
+    from archlab.train.trainer import launched_processes
+
+    if launched_processes() > 1:  # each process would be a worker whose trials wait on the others' collectives
+        _error("a study trains each trial in one process: start `archlab study run` once per worker (workers on one"
+               " machine or many share a --storage), not under torchrun")
+        raise typer.Exit(2)
 
     def action():
         loaded = load_study(study, scale, data)
@@ -1302,6 +1363,8 @@ def _expand_list_options(argv: list[str]) -> list[str]:
 
 def _show_notice(message, category, filename, lineno, file=None, line=None) -> None:
     """Library warnings (a kernel fallback, an ignored option) read as the command's own notices."""
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, said once, by the first process
+        return
     err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False)
 
 

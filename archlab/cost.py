@@ -277,8 +277,9 @@ def cost_doc(specs: list[tuple[str, ModelSpec]], lengths: list[int], command: st
         + render(rows, Format.md)
         + "\n- **params**: a loop counts its weights once; *active* counts what one token uses in a pass through"
         " the layers (MoE: router, top-k and shared experts; a loop's passes may each route it to other experts).\n"
-        "- **FLOPs**: 2 x multiply-adds of matmuls, and the recurrent blocks' state updates and short"
-        " convolutions; norms, activations and softmax are not counted. Attention"
+        "- **FLOPs**: 2 x multiply-adds of matmuls, and the recurrent blocks' state updates, short"
+        " convolutions and triangular solves (Gated DeltaNet's, c^2 per right-hand side of a chunk of c);"
+        " norms, activations and softmax are not counted. Attention"
         " counts each query against the keys it may see (causal, or its window); kernels that mask rather than"
         " cut compute more (decoding over a cache's whole capacity, the PyTorch window's blocks; see the README's"
         " Cost tables). *train*: 3 x the forward"

@@ -138,6 +138,19 @@ def test_a_training_run_stands_for_its_spec(cli, tmp_path):
             assert f"yoco-u ({runs / 'a'})" in out and f"yoco-u ({runs / 'b'})" in out, command
 
 
+def test_a_study_or_training_config_given_as_a_spec_is_named_as_such_and_a_spec_named_twice_costed_once(cli, tmp_path):
+    """Each was a page of schema errors (every spec field missing, every key of its own unknown);
+    a spec given twice gave its rows twice."""
+    config = tmp_path / "config.yaml"
+    config.write_text("steps: 20\nbatch_size: 4\nseq_len: 32\n")
+    code, out, stderr = cli("cost", "studies/architectures.yaml", config, SPEC, SPEC, SPEC.replace("tiny/", "tiny/../tiny/"),
+                            "--seq-len", "64", "--format", "csv")
+    assert code == 1 and stderr.splitlines() == [
+        "error: studies/architectures.yaml is a study (run it with `archlab study run`), not a model spec",
+        f"error: {config} is a training config (give it to `archlab train --config`), not a model spec"], stderr
+    assert len(out.strip().splitlines()) == 2, out  # a header and one row
+
+
 def test_cost_of_runs_names_one_it_cannot_read_and_gives_the_others(cli, tmp_path):
     """One run's spec that no longer loads (its plugin gone) gave no row at all."""
     runs = tmp_path / "runs"
@@ -526,6 +539,22 @@ def test_a_plugin_module_without_what_the_model_calls_is_refused_when_built(tmp_
         assert generated.returncode == 2 and f"error: {said}" in generated.stderr and "Traceback" not in generated.stderr
 
 
+def test_streamed_text_holds_back_only_what_a_later_token_may_change():
+    """Bytes that never decode (as random weights give) read as replacement characters that are
+    final: they were held back with the partial one after them, and a long run of them streamed
+    nothing until the end. What is shown is always the start of the final text."""
+    from archlab.cli import _settled
+
+    generated = b"ab" + b"\xff" * 40 + "\u4f60".encode() + b"c<|e" + b"\xfe" + "\U0001f600".encode() + b"<|end|>"
+    final = generated.decode("utf-8", "replace")
+    shown = [_settled(generated[:n].decode("utf-8", "replace"), ("<|end|>",)) for n in range(len(generated) + 1)]
+    assert all(final.startswith(part) for part in shown)
+    assert shown[2 + 40] == "ab" + "\ufffd" * 39  # each invalid byte shown once the next comes
+    assert shown[2 + 40 + 1] == shown[2 + 40 + 2] == "ab" + "\ufffd" * 40  # one and two of the character's three bytes: held back
+    assert shown[2 + 40 + 3 + 4] == shown[2 + 40 + 3 + 1] == final[: 2 + 40 + 2]  # "<|e" may begin the stop text
+    assert shown[-1] == final.removesuffix("<|end|>")
+
+
 def test_generate_streams_text_with_a_notice(cli):
     texts, shown = [], warnings.showwarning
     # a stop token that never comes changes nothing either
@@ -713,8 +742,9 @@ def test_paths_and_names_that_look_like_markup_are_printed_as_they_are(cli, tmp_
 # (command, what stderr must say): options out of bounds are refused before any work (exit 2)
 BAD_OPTIONS = [
     (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),
-    (["generate", SPEC, "--top-p", "0"], "top_p must be a number in (0, 1], got 0.0"),
-    (["generate", SPEC, "--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),  # as inf is; typer's bound said ">= 0"
+    (["generate", SPEC, "--top-p", "0"], "Invalid value for '--top-p': top_p must be a number in (0, 1], got 0.0"),
+    (["chat", SPEC, "--top-p", "1.5"], "Invalid value for '--top-p': top_p must be a number in (0, 1], got 1.5"),
+    (["generate", SPEC, "--temperature", "nan"], "Invalid value for '--temperature': temperature must be a finite number >= 0, got nan"),  # as inf is; typer's bound said ">= 0"
     (["generate", SPEC, "--seed", str(2**70)], "Invalid value for '--seed'"),
     (["generate", SPEC, "--prompt", b"ab\xffcd".decode("utf-8", "surrogateescape")], "--prompt b'ab\\xffcd' is not UTF-8 text"),
     (["generate", SPEC, "--stop", b"\xff".decode("utf-8", "surrogateescape")], "--stop b'\\xff' is not UTF-8 text"),

@@ -152,6 +152,15 @@ def test_a_study_does_not_write_into_the_text_folder_it_trains_on(tmp_path, cli)
     assert sorted(p.name for p in texts.iterdir()) == ["a.txt"]
 
 
+def test_a_study_under_torchrun_is_refused_rather_than_left_waiting(tmp_path, cli, monkeypatch):
+    """Each process torchrun started ran a worker: one claimed the trial and waited in a collective
+    for its peer, which waited for the trial. No storage is made."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, _, stderr = cli("study", "run", "loop-position", "--out", tmp_path / "study")
+    assert code == 2 and "not under torchrun" in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "study").exists()
+
+
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, cli):
     variants = {"yoco": {"spec": "yoco.yaml"}, "exploding": {"spec": "yoco.yaml", "set": {"init_std": 1.0e30}}}
     path = mini(tmp_path, "failing", variants, steps=6)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
-from archlab.train.checkpoint import checkpoints
+from archlab.train.checkpoint import checkpoints, file_hash
 from archlab.train.config import RESUMABLE, TrainConfig, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
@@ -422,9 +422,13 @@ def test_optimizer_state_of_another_shape_is_refused_before_anything_is_written(
     shape = tuple(moments["exp_avg"].shape)
     moments["exp_avg"] = moments["exp_avg"][:3].clone()
     torch.save(state, latest / "trainer.pt")
+    info = json.loads((latest / "state.json").read_text())  # saved as its own: its hash recorded
+    (latest / "state.json").write_text(json.dumps({**info, "trainer_blake2b": file_hash(latest / "trainer.pt")}))
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    way_out = "remove it to resume from the one before" if len(checkpoints(run)) > 1 else "no checkpoint before it is kept"
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4"),
-            f"checkpoint {latest} has unusable trainer state: its exp_avg for a parameter of shape {shape} is {(3, *shape[1:])}")
+            f"checkpoint {latest} is damaged (unusable trainer state: its exp_avg for a parameter of shape {shape} is"
+            f" {(3, *shape[1:])})", way_out)
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
@@ -676,6 +680,9 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
     for args, option in ((["specs/tiny/transformer.yaml", "--config", mine / "config.yaml"], "--config"), ([mine / "spec.yaml"], "SPEC")):
         refused(cli("train", *args, "--out", mine, *SMALL), f"{option} {mine / args[-1].name} is where the run writes its resolved",
                 "keep it outside --out")
+    assert (mine / "config.yaml").read_text() == "# mine\nsteps: 1\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml", "spec.yaml"]
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", mine, *SMALL),  # kept there, not given: replaced without a word
+            "holds files that are not a training run's (config.yaml, spec.yaml)")
     assert (mine / "config.yaml").read_text() == "# mine\nsteps: 1\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml", "spec.yaml"]
 
     shared, first, second = tmp_path / "shared", tmp_path / "first.txt", tmp_path / "second.txt"
@@ -1193,6 +1200,23 @@ def test_an_interrupt_that_lands_in_a_finalizer_is_delivered_again(signum):
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_ctrl_c_during_an_import_is_held_until_the_import_is_whole(tmp_path, monkeypatch):
+    """A Ctrl-C landing inside torch._dynamo's import of triton, an extension module, aborted the
+    process from C++; it now waits for the import to end, and interrupts as usual after it."""
+    from archlab.cli import _import_whole
+
+    (tmp_path / "interrupted_midway.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                                   "time.sleep(0.2)\nWHOLE = True\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored, as in a shell's background job
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _import_whole("interrupted_midway")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert sys.modules.pop("interrupted_midway").WHOLE
+
+
 def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(tmp_path):
     """The first process prepares the data while the others wait; its error left them a traceback
     from the broken connection, and they named no checkpoint in a divergence message."""
@@ -1219,6 +1243,43 @@ def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(t
     finally:
         os.close(held)
     assert busy.stderr.count("is in use by another training process") == 1 and "[rank1]" not in busy.stderr, busy.stderr
+
+
+def test_a_process_left_alone_by_a_killed_peer_says_so_and_what_is_kept(cli, monkeypatch, tmp_path):
+    """A process of a torchrun job whose peer was killed met gloo's broken connection as a page of
+    traceback, naming no checkpoint; another RuntimeError is still a bug, let out."""
+    from archlab.train import trainer
+
+    def stopped_by(exc):
+        class Peerless:
+            def __init__(self, *args):
+                pass
+
+            def fit(self, *args, **kwargs):
+                raise exc
+
+        return Peerless
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(trainer, "Trainer", stopped_by(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:"
+                                                                     "43210: Connection reset by peer\nException raised from ...")))
+    run = tmp_path / "run"
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL),
+            "another process of this run stopped ([gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:43210: Connection reset"
+            " by peer); no checkpoint had been written")
+    monkeypatch.setattr(trainer, "Trainer", stopped_by(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL)
+
+
+def test_notices_under_torchrun_are_said_by_the_first_process_alone(monkeypatch, capsys):
+    from archlab.cli import _show_notice
+
+    for rank, said in (("1", ""), ("0", "notice: a kernel fell back")):
+        monkeypatch.setenv("RANK", rank)
+        _show_notice("a kernel fell back", UserWarning, "f.py", 1)
+        assert capsys.readouterr().err.strip() == said
 
 
 def test_metrics_the_disk_cannot_hold_stop_the_run_in_words(trained_on_mqar, tmp_path):
@@ -1876,6 +1937,15 @@ def test_a_tokenizer_path_that_is_a_folder_is_not_said_to_be_missing(tmp_path):
         load_tokenizer(str(tmp_path / "tokenizer.json"), 256)
 
 
+def test_a_missing_tokenizer_for_text_is_named_as_the_tokenizer(cli, tmp_path):
+    """The corpus's fingerprint read it first, and said only the path with the system's words."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox. " * 200)
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", "--data", text, *SMALL,
+                "--set", f"data.tokenizer={tmp_path / 'nope.json'}", "--steps", "1"),
+            f"error: tokenizer {str(tmp_path / 'nope.json')!r}: no such file")
+
+
 def test_weights_changed_on_the_disk_are_found_before_training_goes_on_from_them(cli, tmp_path):
     """A bit of a weight flipped still reads as a number; the hash state.json records finds it, on
     resuming and on fine-tuning. A checkpoint saved before hashes were recorded loads as it did."""
@@ -1894,6 +1964,21 @@ def test_weights_changed_on_the_disk_are_found_before_training_goes_on_from_them
     (saved / "state.json").write_text(json.dumps(state))
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
     assert code in (0, None) and "weights_blake2b" in json.loads((checkpoints(run)[-1] / "state.json").read_text()), stderr
+
+
+def test_optimizer_state_changed_on_the_disk_is_found_before_a_resume_trains_on_it(cli, tmp_path):
+    """A byte flipped among trainer.pt's optimizer moments still unpickles as numbers and would
+    steer the resumed run without a word; the hash state.json records finds it."""
+    run = tmp_path / "run"
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "2")[0] in (0, None)
+    saved = checkpoints(run)[-1]
+    state = bytearray((saved / "trainer.pt").read_bytes())
+    state[len(state) // 2] ^= 0x10
+    (saved / "trainer.pt").write_bytes(state)
+    torch.load(saved / "trainer.pt", weights_only=True)  # the damage reads as numbers
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3"),
+            f"checkpoint {saved} is damaged (its trainer.pt is not the file saved with it: a hash of its bytes differs)")
+    assert checkpoints(run) == [saved]
 
 
 def test_a_tokenizer_that_cannot_encode_the_text_is_one_line(cli, tmp_path):

@@ -2,7 +2,7 @@
 
 A checkpoint is a folder such as ``checkpoints/step-00000100`` holding ``model.safetensors`` (weights),
 ``trainer.pt`` (optimizer and RNG state; tensors, numbers and lists only, loaded with
-``weights_only=True``) and ``state.json``, which records a hash of the weights' file: bytes
+``weights_only=True``) and ``state.json``, which records a hash of each of the other two: bytes
 changed on the disk that still read as numbers are found before training goes on from them. It
 is written under a temporary name and renamed into place, so a folder with the final name is
 always complete; older ones beyond ``keep`` are removed only after a newer one is in place.
@@ -71,7 +71,7 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         tmp.mkdir(parents=True)
         save_model(model, str(tmp / "model.safetensors"))
         torch.save(trainer_state, tmp / "trainer.pt")
-        info = {"step": step, **info, "weights_blake2b": weights_hash(tmp)}
+        info = {"step": step, **info, **{key: file_hash(tmp / name) for name, key in HASHED.items()}}
         (tmp / "state.json").write_text(json.dumps(info, indent=2))
         shutil.copymode(tmp / "state.json", tmp / "model.safetensors")  # safetensors writes 0600; the rest follow the umask
         for file in tmp.iterdir():  # make the bytes durable before the rename publishes them
@@ -119,21 +119,24 @@ def _load_weights(path: Path, model: torch.nn.Module) -> None:
         )
 
 
-def weights_hash(path: Path) -> str:
-    """A hash of checkpoint ``path``'s model.safetensors, byte for byte."""
-    with open(path / "model.safetensors", "rb") as weights:
-        return hashlib.file_digest(weights, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
+HASHED = {"model.safetensors": "weights_blake2b", "trainer.pt": "trainer_blake2b"}  # file: its hash's key in state.json
 
 
-def _check_weights_hash(path: Path, info: dict, use: str = "resume") -> None:
-    """A CheckpointError if the weights of ``path`` are not the bytes its state.json (``info``)
-    recorded; a checkpoint saved before hashes were recorded is taken as it is."""
-    recorded = info.get("weights_blake2b")
-    if recorded is not None and recorded != weights_hash(path):
-        raise _damaged(path, "its model.safetensors is not the file saved with it: a hash of its bytes differs", use)
+def file_hash(file: Path) -> str:
+    """A hash of ``file``, byte for byte."""
+    with open(file, "rb") as read:
+        return hashlib.file_digest(read, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
-def _damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
+def _check_hash(path: Path, info: dict, name: str, use: str = "resume") -> None:
+    """A CheckpointError if checkpoint ``path``'s file ``name`` is not the bytes its state.json
+    (``info``) recorded; a checkpoint saved before that hash was recorded is taken as it is."""
+    recorded = info.get(HASHED[name])
+    if recorded is not None and recorded != file_hash(path / name):
+        raise damaged(path, f"its {name} is not the file saved with it: a hash of its bytes differs", use)
+
+
+def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps
     one. ``use``: what it was read for (``resume``, ``init`` or ``score``), which says how."""
     step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
@@ -154,9 +157,9 @@ def info_of(path: Path, use: str = "resume") -> dict:
     try:
         info = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as exc:
-        raise _damaged(path, f"{type(exc).__name__}: {exc}", use) from None
+        raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     if not isinstance(info, dict):
-        raise _damaged(path, f"its state.json is not a mapping: {str(info)[:60]}", use)
+        raise damaged(path, f"its state.json is not a mapping: {str(info)[:60]}", use)
     return info
 
 
@@ -167,23 +170,24 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     except CheckpointError:
         raise
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise _damaged(path, f"{type(exc).__name__}: {exc}") from None
+        raise damaged(path, f"{type(exc).__name__}: {exc}") from None
     info = info_of(path)
     try:
         trainer_state = torch.load(path / "trainer.pt", weights_only=True)
     except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
-        raise _damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
+        raise damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
+    _check_hash(path, info, "trainer.pt")  # bytes changed among the optimizer's moments load as numbers
     step = info.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise _damaged(path, f"state.json gives no step count: {str(info)[:60]}")
+        raise damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
-        raise _damaged(path, f"its state.json is at step {step}")
-    _check_weights_hash(path, info)
+        raise damaged(path, f"its state.json is at step {step}")
+    _check_hash(path, info, "model.safetensors")
     broken = non_finite(model)
     if broken:  # resuming would train on from NaN
-        raise _damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
+        raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
     return trainer_state, info
 
 
@@ -209,7 +213,7 @@ def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -
     fine-tuned from them would train on bytes changed on the disk in silence)."""
     try:
         if check_hash and (path / "state.json").is_file():
-            _check_weights_hash(path, info_of(path, "init"), "init")
+            _check_hash(path, info_of(path, "init"), "model.safetensors", "init")
         _load_weights(path, model)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:  # ValueError: a state.json that is not JSON
         raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None

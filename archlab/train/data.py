@@ -516,9 +516,15 @@ def read_tokenizer(path: str):
     return tokenizer
 
 
-def load_tokenizer(path: str, vocab_size: int):
+def _tokenizer_file(path: str) -> Path:
+    """The tokenizer file ``path`` names; a DataError where there is none."""
     if not Path(path).is_file():
         raise DataError(f"tokenizer {path!r}: {'not a file' if Path(path).exists() else 'no such file'}")
+    return Path(path)
+
+
+def load_tokenizer(path: str, vocab_size: int):
+    _tokenizer_file(path)
     try:
         tokenizer = read_tokenizer(path)
     except Exception as exc:
@@ -603,7 +609,7 @@ def _text_fingerprint(texts: list[str], tokenizer: str | None) -> str:
         digest.update(text.encode("utf-8", "surrogatepass"))
         digest.update(b"\0")
     if tokenizer:
-        digest.update(Path(tokenizer).read_bytes())
+        digest.update(_tokenizer_file(tokenizer).read_bytes())
     return digest.hexdigest()
 
 

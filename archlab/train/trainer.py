@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 # what a start may leave before its first checkpoint or line of metrics (a kill mid-save: checkpoints/.tmp-*)
 START_FILES = {checkpoint.RUN_SPEC, "config.yaml", SETTINGS_FILE, "tokenizer.json", "data", "checkpoints"}
+# those a start writes after SETTINGS_FILE: without it, they are someone's own (a config.yaml tuned by hand)
+AFTER_SETTINGS = {checkpoint.RUN_SPEC, "config.yaml", "tokenizer.json"}
 
 
 class TrainError(Exception):
@@ -258,8 +260,8 @@ class Trainer:
         if (self.run_dir / "metrics.jsonl").exists():
             raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                              " over, or choose a new --out")
+        self._refuse_writing_into_the_data()  # first: a tokenizer given from --out is named as such
         self._refuse_foreign_files()
-        self._refuse_writing_into_the_data()
         if self.cfg.init:
             self._start_from(self.cfg.init)
         self.world.barrier()  # every process has looked before the first one writes
@@ -299,9 +301,9 @@ class Trainer:
 
     def _write_start(self, steps: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_settings(self.run_dir, [{"from step": 0, **self.environment}])  # first: it marks the files after it as a run's
         (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
         self._write_config(steps)
-        write_settings(self.run_dir, [{"from step": 0, **self.environment}])
 
     def _resume(self, steps: int) -> int:
         """Load the latest checkpoint's weights, optimizer and RNG state; the step to go on from.
@@ -324,7 +326,7 @@ class Trainer:
             _check_optimizer_state(self.optimizer)
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise checkpoint.CheckpointError(f"checkpoint {found[-1]} has unusable trainer state: {exc}") from None
+            raise checkpoint.damaged(found[-1], f"unusable trainer state: {exc}") from None
         # the state holds the settings it was saved with; a resume may have --set others
         for group, settings in zip(self.optimizer.param_groups, _group_settings(self.cfg.optimizer), strict=True):
             group.update(settings)
@@ -375,7 +377,8 @@ class Trainer:
         if not self.run_dir.is_dir():
             return
         corpus = self.run_dir / "data"
-        foreign = [p for p in self.run_dir.iterdir() if written_as(p.name) not in START_FILES]
+        mine = START_FILES if (self.run_dir / SETTINGS_FILE).is_file() else START_FILES - AFTER_SETTINGS
+        foreign = [p for p in self.run_dir.iterdir() if written_as(p.name) not in mine]
         foreign += [p for p in corpus.iterdir() if written_as(p.name) not in CORPUS_FILES] if corpus.is_dir() else []
         if foreign:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)

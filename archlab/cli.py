@@ -88,7 +88,10 @@ def _expand(paths: list[Path]) -> list[Path]:
             files.extend(sorted([f for f in found if f.parent not in runs] + [run / RUN_SPEC for run in runs]))
         else:
             files.append(path)
-    return list({file.resolve(): file for file in reversed(files)}.values())[::-1]  # a file named twice: its row once
+    unique: dict[Path, Path] = {}  # a file named twice: its row once, where first named
+    for file in files:
+        unique.setdefault(file.resolve(), file)
+    return list(unique.values())
 
 
 def _report(exc: SpecError) -> None:
@@ -868,7 +871,7 @@ def train(
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
     if data is not None and not data.strip():  # it read as no --data at all, and trained on the default
         raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
-    say = err if os.environ.get("RANK", "0") == "0" else Console(stderr=True, quiet=True)  # under torchrun, once
+    say = err if _first_process() else Console(stderr=True, quiet=True)  # under torchrun, once
     try:
         _import_whole("torch._dynamo")  # the first forward pass's; a Ctrl-C inside it once aborted the process
         if out.exists() and not out.is_dir():
@@ -1361,9 +1364,14 @@ def _expand_list_options(argv: list[str]) -> list[str]:
     return out
 
 
+def _first_process() -> bool:
+    """Whether this is the first process torchrun started, or the only one."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _show_notice(message, category, filename, lineno, file=None, line=None) -> None:
     """Library warnings (a kernel fallback, an ignored option) read as the command's own notices."""
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, said once, by the first process
+    if not _first_process():  # under torchrun, said once
         return
     err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False)
 

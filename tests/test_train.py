@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1251,14 +1252,10 @@ def test_a_process_left_alone_by_a_killed_peer_says_so_and_what_is_kept(cli, mon
     from archlab.train import trainer
 
     def stopped_by(exc):
-        class Peerless:
-            def __init__(self, *args):
-                pass
+        def fit(*args, **kwargs):
+            raise exc
 
-            def fit(self, *args, **kwargs):
-                raise exc
-
-        return Peerless
+        return lambda *args: SimpleNamespace(fit=fit)  # a Trainer whose fit meets ``exc``
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -893,24 +893,33 @@ def test_a_batch_the_default_micro_batch_does_not_divide_says_so_and_what_would(
         load_config(None, ["micro_batch_size=3"])
 
 
-@pytest.mark.parametrize("sizes,processes,said", [
-    ([], 2, None),  # the default micro-batch: each process's share, 8
-    (["micro_batch_size=16"], 2, "batch_size 16 gives each of 2 process(es) 8 sequences, not whole micro-batches of 16; set"
-                                 " micro_batch_size to a divisor of 8, such as 8"),
-    (["batch_size=4"], 3, "batch_size 4 does not split equally over 3 processes; give a multiple of 3"),
+@pytest.mark.parametrize("spec,sizes,processes,said", [
+    ("transformer", [], 2, None),  # the default micro-batch: each process's share, 8
+    ("transformer", ["micro_batch_size=16"], 2, "batch_size 16 gives each of 2 process(es) 8 sequences, not whole micro-batches of"
+                                                " 16; set micro_batch_size to a divisor of 8, such as 8"),
+    ("transformer", ["batch_size=4"], 3, "batch_size 4 does not split equally over 3 processes; give a multiple of 3 (a resumed run"
+                                         " keeps its batch_size: resume it on 1, 2 or 4 processes)"),
+    # a resume may not --set an MoE run's micro_batch_size: the process counts that keep it are named
+    ("yoco-u-moe", ["batch_size=8", "micro_batch_size=4"], 4, "batch_size 8 gives each of 4 process(es) 2 sequences, not whole"
+                                                              " micro-batches of 4; set micro_batch_size to a divisor of 2, such as 2; a resumed MoE run keeps its"
+                                                              " micro-batches, over each of which its balance loss is taken: resume it on 1 or 2 processes"),
+    ("yoco-u-moe", ["batch_size=4", "micro_batch_size=4"], 2, "batch_size 4 gives each of 2 process(es) 2 sequences, not whole"
+                                                              " micro-batches of 4; set micro_batch_size to a divisor of 2, such as 2; a resumed MoE run keeps its"
+                                                              " micro-batches, over each of which its balance loss is taken: resume it on 1 process"),
 ])
-def test_a_batch_splits_over_the_processes_into_whole_micro_batches(monkeypatch, tmp_path, sizes, processes, said):
+def test_a_batch_splits_over_the_processes_into_whole_micro_batches(monkeypatch, tmp_path, spec, sizes, processes, said):
     """Before any process group is needed: the split is checked first."""
     from archlab.train import trainer
 
     monkeypatch.setattr(trainer.World, "from_env", classmethod(lambda cls: cls(0, processes, 0)))
     cfg = load_config(None, ["seq_len=32", *sizes])
+    spec = load_spec(ROOT / "specs/tiny" / f"{spec}.yaml")
     if said is None:
-        made = trainer.Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", Console(quiet=True))
+        made = trainer.Trainer(spec, cfg, tmp_path / "run", Console(quiet=True))
         assert (made.cfg.micro_batch_size, made.accumulation) == (8, 1)
         return
     with pytest.raises(trainer.TrainError) as raised:
-        trainer.Trainer(load_spec(ROOT / "specs/tiny/transformer.yaml"), cfg, tmp_path / "run", Console(quiet=True))
+        trainer.Trainer(spec, cfg, tmp_path / "run", Console(quiet=True))
     assert str(raised.value) == said
 
 

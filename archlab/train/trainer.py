@@ -35,7 +35,7 @@ from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
+from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
@@ -195,6 +195,12 @@ def _kept(last_saved: Path | None, steps_done: int | None = None) -> str:
     return f"the last checkpoint saved is {last_saved} (to go on from it at a lower learning rate: --resume --set optimizer.lr=...)"
 
 
+def _processes_splitting(n: int) -> str:
+    """The numbers of processes over which ``n`` splits whole, in words: "1, 2 or 4 processes"."""
+    divisors = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return "1 process" if n == 1 else f"{', '.join(divisors[:-1])} or {divisors[-1]} processes"
+
+
 class Trainer:
     def __init__(self, spec: ModelSpec, cfg: TrainConfig, run_dir: Path, console: Console):
         self.spec, self.run_dir, self.console = spec, run_dir, console
@@ -209,11 +215,13 @@ class Trainer:
             self.cfg = self.cfg.model_copy(update={"micro_batch_size": micro})
         if cfg.batch_size % self.world.size:
             raise TrainError(f"batch_size {cfg.batch_size} does not split equally over {self.world.size} processes; give a multiple of"
-                             f" {self.world.size}")
+                             f" {self.world.size} (a resumed run keeps its batch_size: resume it on {_processes_splitting(cfg.batch_size)})")
         if per_process % micro:
+            moe = (f"; a resumed MoE run keeps its micro-batches, over each of which its balance loss is taken: resume it on"
+                   f" {_processes_splitting(cfg.batch_size // micro)}" if isinstance(spec.ffn, MoE) and cfg.batch_size % micro == 0 else "")
             raise TrainError(f"batch_size {cfg.batch_size} gives each of {self.world.size} process(es) {per_process} sequences, not whole"
                              f" micro-batches of {micro}; set micro_batch_size to a divisor of {per_process}, such as"
-                             f" {divisor_below(per_process, micro)}")
+                             f" {divisor_below(per_process, micro)}{moe}")
         self.accumulation = per_process // micro
         torch.manual_seed(cfg.seed)
         check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")

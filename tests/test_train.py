@@ -1129,6 +1129,33 @@ def test_a_checkpoints_files_share_one_mode(tmp_path):
     assert len({(saved / name).stat().st_mode for name in ("model.safetensors", "trainer.pt", "state.json")}) == 1
 
 
+def test_a_kill_while_old_checkpoints_are_removed_leaves_each_whole_or_gone(monkeypatch, tmp_path):
+    """Rotation deleted a checkpoint's files in place: a kill midway left a folder named as a
+    checkpoint without its weights, listed among those to resume or fine-tune from."""
+    from archlab.train import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2):
+        checkpoint.save(tmp_path, step, model, {"optimizer": {}}, {}, keep=2)
+    deleting = shutil.rmtree
+
+    def killed_after_one_file(path, *args, **kwargs):
+        if kwargs.get("ignore_errors"):
+            return deleting(path, *args, **kwargs)
+        (path / "model.safetensors").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(tmp_path, 3, model, {"optimizer": {}}, {}, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    for kept in checkpoint.checkpoints(tmp_path):
+        checkpoint.load_weights(kept, model, check_hash=True)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", deleting)
+    checkpoint.save(tmp_path, 4, model, {"optimizer": {}}, {}, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
+
+
 MQAR = ["--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "log_interval=1"]
 
 

@@ -5,7 +5,8 @@ A checkpoint is a folder such as ``checkpoints/step-00000100`` holding ``model.s
 ``weights_only=True``) and ``state.json``, which records a hash of each of the other two: bytes
 changed on the disk that still read as numbers are found before training goes on from them. It
 is written under a temporary name and renamed into place, so a folder with the final name is
-always complete; older ones beyond ``keep`` are removed only after a newer one is in place.
+always complete; older ones beyond ``keep`` are removed only after a newer one is in place, and
+renamed out of the way before their files are deleted.
 """
 
 from __future__ import annotations
@@ -83,12 +84,26 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         full = not isinstance(exc, OSError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise CheckpointError(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
                               f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # the step saved again, by a resume from before it
+        _remove(final)
     os.replace(tmp, final)
     for old in checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        _remove(old)
+    for stale in final.parent.glob(f"{REMOVED}*"):  # those a kill stopped midway
+        shutil.rmtree(stale, ignore_errors=True)
     return final
+
+
+REMOVED = ".tmp-removed-"
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint folder so that a kill at any moment leaves it whole or no longer a
+    checkpoint: renamed first, out of ``checkpoints``' sight, then deleted file by file."""
+    doomed = checkpoint.with_name(REMOVED + checkpoint.name)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
 
 
 def _stored_form(f, name: str) -> tuple[torch.dtype, list[int]]:

@@ -133,10 +133,11 @@ class SelfAttention(nn.Module):
             return append_kv(state, inp.positions, k, v)
         # a ring of R rows: slot s holds the latest written position p with p % R == s
         ring, decoding = state["k"].shape[1], n == 1
+        positions = inp.positions.expand(state["k"].shape[0], -1)  # [1, N] too: each row reads its own ring
         if decoding:  # the new row replaces the oldest, so the ring is then exactly the window
-            write_rows(state["k"], inp.positions % ring, k)
-            write_rows(state["v"], inp.positions % ring, v)
-        last = inp.positions[:, :1] - (0 if decoding else 1)
+            write_rows(state["k"], positions % ring, k)
+            write_rows(state["v"], positions % ring, v)
+        last = positions[:, :1] - (0 if decoding else 1)
         ring_pos = last - (last - torch.arange(ring, device=k.device)[None]) % ring  # < 0: never written
         order = ring_pos.argsort(dim=1)
         gather = order[:, :, None, None].expand(-1, -1, self.kv_heads, self.head_dim)
@@ -146,6 +147,6 @@ class SelfAttention(nn.Module):
         k_all = torch.cat((k_ring, k.to(k_ring.dtype)), 1)
         v_all = torch.cat((v_ring, v.to(v_ring.dtype)), 1)
         keep = min(n, ring)
-        write_rows(state["k"], inp.positions[:, -keep:] % ring, k[:, -keep:])
-        write_rows(state["v"], inp.positions[:, -keep:] % ring, v[:, -keep:])
-        return k_all, v_all, torch.cat((ring_pos, inp.positions), 1)
+        write_rows(state["k"], positions[:, -keep:] % ring, k[:, -keep:])
+        write_rows(state["v"], positions[:, -keep:] % ring, v[:, -keep:])
+        return k_all, v_all, torch.cat((ring_pos, positions), 1)

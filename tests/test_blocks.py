@@ -80,6 +80,19 @@ def test_sliding_window_attention_matches_naive_and_fla(window, n):
     torch.testing.assert_close(expected, reference.to(expected.dtype), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_cached_attention_reads_each_rows_keys_given_positions_for_all_rows(window):
+    """MixerInput's positions may be [1, N] for a batch of rows: the window's ring gathered its
+    slots by them and handed every row the first row's keys (a prefill chunk after it raised)."""
+    spec = SlidingWindowSpec(type="swa", window=window) if window else AttentionSpec(type="attention")
+    module = spec.model_copy(update={"n_heads": 2, "head_dim": 4}).build(BuildContext(d_model=8, rope_theta=10_000.0)).double()
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+    whole = module(x, MixerInput(torch.arange(12)[None], causal=True))
+    state = module.new_state(2, 12, torch.float64)
+    pieces = [module(x[:, a:b], MixerInput(torch.arange(a, b)[None], state)) for a, b in ((0, 6), (6, 10), (10, 11), (11, 12))]
+    torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=1e-10, atol=1e-12)
+
+
 def test_window_is_crossed_in_the_tiny_specs():
     """The tiny window must be shorter than the sequences the tests use, or nothing is tested."""
     from conftest import TINY

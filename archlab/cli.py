@@ -552,7 +552,7 @@ def chat(
     temperature: Annotated[float, typer.Option(help="0 is greedy; a finite number >= 0")] = 0.0,
     top_k: Annotated[int | None, typer.Option(min=1)] = None,
     top_p: Annotated[float | None, typer.Option(help="sample from the fewest tokens whose probabilities reach it, in (0, 1]")] = None,
-    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1, help="sampling seed")] = None,
+    seed: Annotated[int | None, typer.Option(min=0, max=SEED_LIMIT - 1, help="sampling seed: reply N samples from seed + N - 1")] = None,
     dtype: DtypeOption = Dtype("auto"),
 ) -> None:
     """Talk with a run fine-tuned on conversations. Each message read (its lines up to a blank
@@ -587,7 +587,7 @@ def chat(
         if typed:
             err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
         said: list[int] = []  # the last prompt, which the last reply's cache held before it
-        reply = None
+        reply, replies = None, 0
         for message in _messages(sys.stdin):
             if MESSAGE_END in message:
                 refused = f"a message cannot hold {MESSAGE_END}, which ends a message where the model reads it"
@@ -605,7 +605,9 @@ def chat(
             if held:
                 reply.cache.rewind(reply.prompted)
             cache = reply.cache if held else _cache_for(engine, len(prompt), max_new_tokens, room=len(prompt) + max_new_tokens)
-            reply = _written(engine, prompt, max_new_tokens, sampling, codec, until=(MESSAGE_END,), lead=HEADERS["assistant"],
+            replies += 1  # each its own draws: one seed for all would repeat the first reply's random numbers in every one
+            drawn = sampling if seed is None else replace(sampling, seed=(seed + replies - 1) % SEED_LIMIT)
+            reply = _written(engine, prompt, max_new_tokens, drawn, codec, until=(MESSAGE_END,), lead=HEADERS["assistant"],
                              cache=cache, held=held)
             said = prompt
             sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed

@@ -239,6 +239,25 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert stdout == "" and sys.stdin.tell() == 0  # refused before a message was read
 
 
+def test_each_reply_of_a_seeded_chat_draws_its_own_random_numbers(cli, pretrained, monkeypatch):
+    """One --seed for every reply gave each the first reply's draws: a token chosen at a quantile
+    in one was chosen at that quantile in all. Reply N samples from seed + N - 1, still repeatable."""
+    from archlab.train.config import SEED_LIMIT
+
+    seeds = []
+
+    def scripted(engine, given, max_new_tokens, sampling, cache=None, held=0):
+        seeds.append(sampling.seed)
+        yield torch.tensor([0]), None, torch.tensor([False])
+
+    monkeypatch.setattr(Engine, "stream", scripted)
+    for seed, drawn in ((None, [None, None, None]), (7, [7, 8, 9]), (SEED_LIMIT - 2, [SEED_LIMIT - 2, SEED_LIMIT - 1, 0])):
+        seeds.clear()
+        monkeypatch.setattr(sys, "stdin", io.StringIO("One.\n\nTwo.\n\nThree.\n"))
+        code, _, stderr = cli("chat", pretrained, "--temperature", "1", *(["--seed", seed] if seed is not None else []))
+        assert code in (0, None) and seeds == drawn, (seed, seeds, stderr)
+
+
 def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrained, monkeypatch):
     import archlab.memory
 

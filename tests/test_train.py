@@ -1363,6 +1363,32 @@ def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tm
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "3")
     assert code == 0, stderr
 
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace(f"source: {text}\n", "source: mqar\n"))  # its tokens in data/ are right
+    refused_untouched(cli, run, "the synthetic mqar task is not the data the run trained on: its checkpoint records",
+                      "the data now gives the synthetic mqar task; put the run's data back to resume")
+    moved = text.rename(tmp_path / "moved")  # its corpus.json records where it was: the tokens read back decide
+    (run / "config.yaml").write_text(config.replace(f"source: {text}\n", f"source: {moved}\n"))
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4")
+    assert code == 0, stderr
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2")
+    assert code in (0, None), stderr
+
+
+def test_a_resume_refuses_another_recall_task_than_its_checkpoint_trained_on(cli, trained_on_mqar, tmp_path):
+    """A recall task's checkpoint recorded no corpus: a config.yaml edited to another task, or to
+    text, trained on it without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_mqar, run)
+    config = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(config.replace("source: mqar\n", "source: copy\n"))
+    refused_untouched(cli, run, "the synthetic copy task is not the data the run trained on: its checkpoint records the synthetic"
+                      " mqar task, the data now gives the synthetic copy task; put the run's data back to resume")
+    refused(cli("evaluate", run, "--seq-len", "32"), f"the synthetic copy task is not the data {run} trained on: its checkpoint"
+            " records the synthetic mqar task; put the run's data back, or give --data to score other data")
+    (run / "config.yaml").write_text(config.replace("source: mqar\n", "source: stdlib\n"))
+    refused_untouched(cli, run, "'stdlib' is not the data the run trained on: its checkpoint records the synthetic mqar task")
+
 
 def test_a_run_without_its_config_still_generates_with_its_tokenizer(trained_on_text, tmp_path):
     from archlab.train.checkpoint import load_trained

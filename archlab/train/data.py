@@ -25,7 +25,7 @@ import torch
 
 from archlab.files import write_text_whole, write_whole
 from archlab.loss import IGNORE
-from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids
+from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
 SPLITS = {"train": 0, "val": 1}
@@ -134,7 +134,7 @@ class RecallTask:
             raise DataError(f"synthetic task {kind!r} needs seq_len >= 16, got {seq_len}")
         self.kind, self.vocab, self.seq_len, self.seed = kind, vocab_size, seq_len, seed
         self.describe = f"the synthetic {kind} task"
-        self.fingerprint = None  # drawn from the config alone, which a resume keeps
+        self.fingerprint = self.describe  # drawn from the config, which a resume keeps, but for the task's name there
 
     def uncounted_share(self) -> float:
         return 0.0  # every sequence asks for its answers
@@ -630,6 +630,9 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     except (TypeError, KeyError, AttributeError):
         pass  # not a record of this shape: told apart below
     wanted = _made_from(cfg, vocab_size, text)
+    if isinstance(made_from, dict) and text is None:  # tokens read back: where their text and tokenizer are now is no matter
+        for key in ("source", "tokenizer"):  # (a corpus moved): the trainer checks the tokens against its checkpoint's
+            wanted[key] = made_from.get(key)
     if isinstance(made_from, dict) and (text is None or made_from.get("text") is None):  # nothing to compare the text with
         wanted["text"] = made_from.get("text")
     elif isinstance(made_from, dict):  # the fingerprint holds the tokenizer's bytes: one copied elsewhere is the same
@@ -659,10 +662,12 @@ def remove_corpus(data_dir: Path, tokenizer: bool = True) -> None:
         (data_dir / "tokenizer.json").unlink(missing_ok=True)
 
 
-def remove_advice(data_dir: Path) -> str:
-    """What to remove besides putting data back, where a corpus tokenized from other text is there."""
+def remove_advice(data_dir: Path, source: str) -> str:
+    """What to remove besides putting data back, where a corpus tokenized from other text is there
+    and ``source`` is text read into it (a recall task or a file of token ids or examples is not)."""
     cache = data_dir / "data"
-    return f" (and remove {cache}, tokenized from other text, to tokenize it again)" if cache.is_dir() else ""
+    cached = tokenized(source) and not holds_examples(source)
+    return f" (and remove {cache}, tokenized from other text, to tokenize it again)" if cached and cache.is_dir() else ""
 
 
 def undo_tokenizing(data_dir: Path) -> Callable[[], None]:

@@ -116,7 +116,12 @@ class Loaded:
         with the run's tokenizer) ending at the same tokens; on a recall task, fresh sequences."""
         if self.recall:
             vocab, seed = self.model.spec.vocab_size, self.config.seed
-            return {n: RecallTask(self.source, vocab, n, seed).batch("val", 0, sequences) for n in lengths}
+            tasks = {n: RecallTask(self.source, vocab, n, seed) for n in lengths}
+            named = tasks[lengths[0]]
+            if self.data is None and self.corpus not in (None, named.fingerprint):  # config.yaml edited from text to a task
+                raise EvaluationError(f"{named.describe} is not the data {self.run} trained on: its checkpoint records {self.corpus};"
+                                      " put the run's data back, or give --data to score other data")
+            return {n: task.batch("val", 0, sequences) for n, task in tasks.items()}
         tokens, counted, what = self.stream()
         return windows(tokens, lengths, sequences, what, counted)
 
@@ -131,7 +136,7 @@ class Loaded:
             if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
                 undo()
                 raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
-                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{remove_advice(data_dir)} to"
+                                      f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{remove_advice(data_dir, cfg.data.source)} to"
                                       " score its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"

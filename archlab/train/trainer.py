@@ -501,14 +501,14 @@ class Trainer:
         args = (self.cfg.data, self.spec.vocab_size, self.cfg.seq_len, self.cfg.seed, data_dir)
 
         def put_back() -> str:
-            return f"put the run's data back{remove_advice(data_dir)} to resume"
+            return f"put the run's data back{remove_advice(data_dir, self.cfg.data.source)} to resume"
 
         def first():
             undo = undo_tokenizing(data_dir)
             try:
                 data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume)  # a fresh start may replace a failed attempt's corpus
             except ShortSplit as exc:
-                if self.resumed_corpus is None:  # a fresh start, or a run of a recall task
+                if self.resumed_corpus is None:  # a fresh start, or a checkpoint that recorded no corpus
                     raise
                 undo()
                 raise TrainError(f"{exc.describe} is not the data the run trained on: its {exc.split} split has {exc.have:,} tokens,"

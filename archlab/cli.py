@@ -387,7 +387,7 @@ class TextCodec:
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer:
-            return self.tokenizer.decode(ids)
+            return self.tokenizer.decode(ids, skip_special_tokens=False)  # an end of message may be one (<|end|>)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 

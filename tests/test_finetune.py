@@ -258,6 +258,19 @@ def test_each_reply_of_a_seeded_chat_draws_its_own_random_numbers(cli, pretraine
         assert code in (0, None) and seeds == drawn, (seed, seeds, stderr)
 
 
+def test_text_decodes_back_with_the_special_tokens_it_was_encoded_with(pretrained, tmp_path):
+    """A user's tokenizer may hold <|end|> as a special token (Phi-3's does): training encodes it as
+    that one id, and decoding skipped it, so no reply of chat ever ended, nor --stop met one."""
+    from archlab.cli import TextCodec
+
+    tokenizer = load_tokenizer(str(pretrained / "tokenizer.json"), 256)
+    tokenizer.add_special_tokens(["<|end|>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path / "tokenizer.json", 512)
+    ids = codec.encode("Yo<|end|>\n")
+    assert tokenizer.token_to_id("<|end|>") in ids and codec.decode(ids) == "Yo<|end|>\n"
+
+
 def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrained, monkeypatch):
     import archlab.memory
 

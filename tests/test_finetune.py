@@ -146,6 +146,11 @@ def test_only_the_assistants_messages_and_their_ends_count(conversations, tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # read whole: nothing to say
         assert len(read_examples(str(conversations), 10**9)) == len(lines)
+        ended = conversations.with_name("ended.jsonl")  # blank lines after the last example, which fills the budget, are none
+        ended.write_text(conversations.read_text() + "\n\n")
+        whole = sum(len(line.get("prompt", "")) + len(line.get("response", "")) + sum(len(m["content"]) for m in line.get("messages", []))
+                    for line in lines)
+        assert len(read_examples(str(ended), whole)) == len(lines)
 
 
 def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(cli, pretrained, conversations, tmp_path, monkeypatch):

@@ -191,6 +191,7 @@ def test_weights_past_float_range_are_not_saved(cli, tmp_path):
     [
         (["--data", "no/such/place"], ["no such file or folder"]),
         (["--set", "micro_batch_size=3"], ["micro_batch_size", "does not divide batch_size=8"]),
+        (["--set", "data.source=''"], ["data.source: is empty; give stdlib, a path"]),  # read as a path: the current folder
         (["--set", "optimizer.learning_rate=1"], ["optimizer.learning_rate", "unknown key"]),
         (["--set", "seq_len=5000000"], ["sequence length 5000000 needs at least 5000001 tokens"]),
         (["--set", "lr"], ["expected KEY=VALUE"]),
@@ -296,6 +297,8 @@ def test_a_corpus_cut_by_max_bytes_is_said_and_one_read_whole_is_not(tmp_path):
     trained on its first part, epoch after epoch."""
     (tmp_path / "a.txt").write_text("abc")
     (tmp_path / "b.txt").write_text("defg")
+    (tmp_path / "c.txt").write_text("")  # after the budget is filled, nothing is left unread
+    (tmp_path / "d.txt").write_bytes(b"\xff")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert read_texts(str(tmp_path), 7) == ["abc", "defg"]
@@ -338,6 +341,12 @@ def test_a_run_writes_neither_over_its_tokenizer_nor_into_the_text_it_reads(cli,
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", inside, "--data", corpus, *SMALL, "--steps", "1"),
             f"--out {inside} is inside the text folder {corpus}: the files the run writes there would be read as training text")
     assert not (corpus / "runs").exists()
+    (tmp_path / "runs").mkdir()
+    (corpus / "linked").symlink_to(tmp_path / "runs")  # a linked folder is read as its own are
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", corpus / "linked/a", "--data", corpus, *SMALL, "--steps", "1"),
+            f"--out {corpus / 'linked/a'} is inside the text folder {corpus}")
+    assert not os.listdir(tmp_path / "runs")
+    (corpus / "linked").unlink()
     hidden = corpus / ".runs/a"  # a folder's hidden folders are not read
     assert cli("train", "specs/tiny/transformer.yaml", "--out", hidden, "--data", corpus, *SMALL, "--steps", "1")[0] == 0
 
@@ -1112,6 +1121,16 @@ def test_a_resume_refuses_a_run_whose_tokenizer_is_gone_or_garbage(cli, trained_
     tokenizer.unlink()  # then trained again from the text, as it was: the same tokens, which the checkpoint's fingerprint checks
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
     assert code == 0, stderr
+
+
+def test_a_hugging_face_datasets_text_field_is_named_where_its_rows_lack_it(tmp_path):
+    """A missing field was said as "could not stream ...: 'text'"; a null one was trained on as the text "None"."""
+    pytest.importorskip("datasets")
+    rows = [{"content": "def f(x):\n    return x\n"}, {"content": None}, {"content": "x = 1\n"}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(DataError, match=rf"^Hugging Face dataset '{tmp_path}': row 1 has no field 'text' \(it has 'content'\); set data.hf_text_field$"):
+        read_texts(f"hf:{tmp_path}", 1000)
+    assert read_texts(f"hf:{tmp_path}", 1000, "content") == [rows[0]["content"], rows[2]["content"]]
 
 
 def test_a_npy_token_file_that_is_not_one_says_so(cli, tmp_path):

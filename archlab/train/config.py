@@ -125,6 +125,8 @@ class TrainConfig(Strict):
                 f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as"
                 f" {divisor_below(self.batch_size, self.micro_batch_size)}"
             )
+        if not self.data.source.strip():  # read as a path, the current folder, whose every text file would be trained on
+            root.at("data").at("source").add("is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
         if self.data.cache and holds_examples(self.data.source):
             root.at("data").at("cache").add(f"{self.data.cache!r}: a {EXAMPLES} file's examples are tokenized at each start,"
                                             " into no cache; drop data.cache")

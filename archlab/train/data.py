@@ -16,7 +16,7 @@ import os
 import re
 import sysconfig
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -210,7 +210,7 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
         except _NotText as why:
             left_out.append(f"{file.relative_to(root) if root else file} ({why})")
             continue
-        if len(text) > room or (len(text) == room and number < len(files)):
+        if len(text) > room or (len(text) == room and _any_text(files[number:])):
             _say_cut(source, max_bytes)
             text = text[:room]
         if text.strip():
@@ -231,11 +231,15 @@ def reads_files_in(source: str, folder: Path) -> bool:
     source's folder, outside its hidden folders."""
     if source in NAMED_SOURCES or source.startswith("hf:") or not Path(source).is_dir():  # a named source is never a folder's files
         return False
-    try:
-        inside = folder.resolve().relative_to(Path(source).resolve())
-    except ValueError:
-        return False
-    return not any(part.startswith(".") for part in inside.parts)
+    target = folder.resolve()
+    for root, _ in _walked(Path(source)):  # a folder linked from the source's is read too
+        try:
+            inside = target.relative_to(os.path.realpath(root))
+        except ValueError:
+            continue
+        if not any(part.startswith(".") for part in inside.parts):
+            return True
+    return False
 
 
 NAMED = 5  # files left out that a message names; the rest are counted
@@ -260,6 +264,15 @@ def _read_text(file: Path, wanted: int) -> str:
     return text
 
 
+def _any_text(files: list[Path]) -> bool:
+    """Whether any of ``files`` holds text: those a corpus's budget, filled, leaves unread."""
+    for file in files:
+        with contextlib.suppress(_NotText):
+            if _read_text(file, 1):
+                return True
+    return False
+
+
 def _left_out_said(left_out: list[str]) -> str:
     """The files read_texts left out, named (the first few) and counted."""
     named = ", ".join(left_out[:NAMED]) + (f", and {len(left_out) - NAMED} more" if len(left_out) > NAMED else "")
@@ -276,9 +289,15 @@ def _say_cut(source: str, max_bytes: int) -> None:
 
 
 def _text_files(folder: Path) -> list[Path]:
-    """The text files of a folder, in every subfolder but hidden ones (.git, .venv: tooling, not
-    the corpus), linked ones too (which ``Path.rglob`` skips), each real folder once."""
-    found, seen = [], set()
+    """The text files of a folder and the folders it reads (``_walked``)."""
+    found = [Path(root, name) for root, names in _walked(folder) for name in names]
+    return sorted(file for file in found if file.suffix.lower() in TEXT_SUFFIXES and file.is_file())
+
+
+def _walked(folder: Path) -> Iterator[tuple[str, list[str]]]:
+    """(folder, its file names) of a folder and every subfolder but hidden ones (.git, .venv:
+    tooling, not the corpus), linked ones too (which ``Path.rglob`` skips), each real folder once."""
+    seen = set()
     for root, folders, names in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:  # a link back up the tree, or a second link to one folder
@@ -286,8 +305,7 @@ def _text_files(folder: Path) -> list[Path]:
             continue
         seen.add(real)
         folders[:] = sorted(name for name in folders if not name.startswith("."))  # a folder linked twice: read where first in order
-        found += [Path(root, name) for name in names if Path(name).suffix.lower() in TEXT_SUFFIXES and Path(root, name).is_file()]
-    return sorted(found)
+        yield root, names
 
 
 def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
@@ -299,13 +317,23 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
     try:
         stream = datasets.load_dataset(dataset, split=split or "train", streaming=True)
         texts, total = [], 0
-        for row in stream:
-            texts.append(str(row[field]))
+        for number, row in enumerate(stream, 1):
+            if field not in row:
+                raise DataError(f"Hugging Face dataset {dataset!r}: row {number} has no field {field!r} (it has {', '.join(map(repr, row))});"
+                                " set data.hf_text_field")
+            if row[field] is None:  # no text, rather than the text "None"
+                continue
+            if not isinstance(row[field], str):
+                raise DataError(f"Hugging Face dataset {dataset!r}: row {number}'s {field!r} is a {type(row[field]).__name__}, not text;"
+                                " set data.hf_text_field to a field of text")
+            texts.append(row[field])
             total += len(texts[-1])
             if total >= max_bytes:
                 _say_cut(f"hf:{name}", max_bytes)
                 break
-    except Exception as exc:  # network, missing dataset, missing field: all end the same way
+    except DataError:
+        raise
+    except Exception as exc:  # network, a missing dataset: both end the same way
         raise DataError(f"could not stream Hugging Face dataset {dataset!r}: {exc}") from None
     return texts
 
@@ -353,11 +381,11 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
     with lines:
         try:
             for number, line in enumerate(lines, 1):
-                if total >= max_bytes:
-                    cut = True
-                    break
                 if not line.strip():
                     continue
+                if total >= max_bytes:  # an example left unread; blank lines after the last are none
+                    cut = True
+                    break
                 try:
                     value = json.loads(line)
                 except ValueError as exc:

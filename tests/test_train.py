@@ -1409,6 +1409,20 @@ def test_a_resume_refuses_another_recall_task_than_its_checkpoint_trained_on(cli
     refused_untouched(cli, run, "'stdlib' is not the data the run trained on: its checkpoint records the synthetic mqar task")
 
 
+@pytest.mark.parametrize("command", [["evaluate", "--seq-len", "32", "--last", "8"], ["layers", "--seq-len", "32"]])
+def test_a_run_scored_behind_its_logged_steps_says_at_which_step(cli, trained_on_text, tmp_path, command):
+    """A run stopped between checkpoints, or still training, is scored at its latest checkpoint:
+    its numbers were taken for those of the last step curves shows, without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    said = "is scored at its latest checkpoint"
+    code, _, stderr = cli(command[0], run, *command[1:], "--sequences", "2")
+    assert code in (0, None) and said not in stderr, stderr
+    shutil.rmtree(run / "checkpoints" / "step-00000004")
+    code, _, stderr = cli(command[0], run, *command[1:], "--sequences", "2")
+    assert code in (0, None) and f"notice: {run} {said}, step 2; its metrics go on to step 4" in " ".join(stderr.split()), stderr
+
+
 def test_a_run_without_its_config_still_generates_with_its_tokenizer(trained_on_text, tmp_path):
     from archlab.train.checkpoint import load_trained
 
@@ -1708,6 +1722,7 @@ def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_tex
 def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(trained_on_text):
     from tokenizers import Tokenizer
 
+    from archlab.train.evaluate import EvaluationError
     from archlab.train.needle import NEEDLE, PROMPT, Haystack, Probes, depths
 
     tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
@@ -1738,6 +1753,14 @@ def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(t
                 control = tokenizer.decode(probe.control)
                 assert probe.value not in control and control.replace(re.search(rf"for {probe.key} is: (\d+)\.", control)[1], probe.value) == prompt
                 assert tokenizer.decode(probe.answer) == f" {probe.value}"
+    short = Probes(Haystack.text("one line\nand another", "two lines"), tokenizer, 12, seed=3)
+    with pytest.warns(UserWarning, match=r"the haystack \(two lines\) runs out of lines within 512 tokens: its 2 lines are read again"):
+        short.draw(512, 50.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # noise is one line repeated by design: nothing to say
+        Probes(Haystack.noise(), tokenizer, 12, seed=3).draw(512, 50.0)
+    with pytest.raises(EvaluationError, match=r"--new-tokens 2: the answer '\d{7}' takes \d+ tokens of the run's tokenizer after the prompt"):
+        Probes(Haystack.noise(), tokenizer, 2, seed=3).draw(512, 50.0)  # no continuation could hold the number
 
 
 def test_niah_finds_the_longest_haystack_as_a_scan_of_every_count_does():
@@ -1766,14 +1789,14 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     from archlab.train.checkpoint import load_trained
     from archlab.train.needle import Found, niah
 
-    found = niah(trained_on_text, [512, 600], 2, 2, torch.device("cpu"), haystack="text", new_tokens=6, batch=3)
+    found = niah(trained_on_text, [512, 600], 2, 2, torch.device("cpu"), haystack="text", new_tokens=10, batch=3)
     assert [(f.probe.length, round(f.probe.depth)) for f in found] == [(n, d) for n in (512, 600) for d in (25, 75) for _ in range(2)]
     _, model, _, _ = load_trained(trained_on_text)
     tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
     with torch.no_grad():
         for f in found:
             sequence = torch.tensor(f.probe.prompt)
-            for _ in range(6):  # greedy decoding by the whole forward pass, no cache
+            for _ in range(10):  # greedy decoding by the whole forward pass, no cache
                 sequence = torch.cat([sequence, model(sequence[None])[0, -1].argmax()[None]])
             assert f.continuation == tokenizer.decode(sequence[len(f.probe.prompt) :].tolist())
             for prompt, loss in ((f.probe.prompt, f.answer_loss), (f.probe.control, f.control_loss)):
@@ -1783,9 +1806,10 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
             assert f.loss_per_digit == f.answer_loss / 7 and f.gain_per_digit == (f.control_loss - f.answer_loss) / 7
     probe = found[0].probe  # a continuation holding the number is found, whatever surrounds it
     assert Found(probe, f" is it? It is {probe.value}.", 0.0, 0.0).hit and not Found(probe, f" {probe.value[:-1]}", 0.0, 0.0).hit
+    assert not any(Found(probe, wrong, 0.0, 0.0).hit for wrong in (f" {probe.value}0", f" 1{probe.value}"))  # a longer number is another
 
     code, out, stderr = cli("niah", trained_on_text, "--seq-len", "512", "600", "--depths", "2", "--sequences", "2", "--haystack", "text",
-                            "--new-tokens", "6", "--format", "json", "--plot", tmp_path / "niah.png")
+                            "--new-tokens", "10", "--format", "json", "--plot", tmp_path / "niah.png")
     assert code in (0, None), stderr
     rows = json.loads(out)
     assert [(row["length"], row["depth %"], row["probes"]) for row in rows] == [(n, d, 2) for n in (512, 600) for d in (25.0, 75.0)]

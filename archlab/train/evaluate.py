@@ -10,6 +10,7 @@ task is scored on fresh sequences of each length instead, at the answer position
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
-from archlab.train.checkpoint import info_of, load_trained, resolve
+from archlab.train.checkpoint import info_of, load_trained, resolve, step_of
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
+from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
 
 
@@ -77,6 +79,18 @@ def scorable(run: Path) -> None:
         raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
 
 
+def _say_an_earlier_step(run: Path, used: Path) -> None:
+    """A notice where the latest checkpoint, which is scored, is behind the steps the run's metrics
+    logged (a run stopped between checkpoints, or still training): ``curves`` shows the last."""
+    try:
+        records, _ = read_metrics(run / "metrics.jsonl")
+    except (OSError, RunError):  # none, or damaged: nothing to compare with
+        return
+    if records and records[-1]["step"] > step_of(used):
+        warnings.warn(f"{run} is scored at its latest checkpoint, step {step_of(used):,}; its metrics go on to step"
+                      f" {records[-1]['step']:,}", stacklevel=3)
+
+
 @dataclass
 class Loaded:
     """A trained run ready to be scored: its latest model, the config it trained with, and the
@@ -93,6 +107,7 @@ class Loaded:
     def of(cls, run: Path, data: str | None = None) -> Loaded:
         scorable(run)
         _, model, used, tokenizer = load_trained(run)
+        _say_an_earlier_step(run, used)
         corpus = info_of(used, "score").get("corpus")
         return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus)
 

@@ -5,8 +5,9 @@ A probe hides "One of the special magic numbers for {key} is: {value}." at a dep
 then asks for the key's number in RULER's words, ending on the answer's prefix so a base model can
 complete it. The haystack is RULER's: a line of noise repeated (S-NIAH-1), or text, the run's
 held-out split or another corpus (as S-NIAH-2 uses essays). It is as long as fits in the length
-with the tokens to generate. A probe is found if the greedy continuation contains the value
-(RULER's string match). The answer's tokens after the prompt (a space and the value) are also
+with the tokens to generate (text wraps round to its first line where it runs out). A probe is
+found if the greedy continuation contains the value (RULER's string match), not inside a longer
+number. The answer's tokens after the prompt (a space and the value) are also
 scored, for a graded measure where a small model finds nothing: their summed loss over the value's
 digits (comparable across tokenizers; a uniform guess at each digit is ln(10) = 2.30), and how
 much lower it is than after the same prompt whose needle holds another number. That gain is what
@@ -19,6 +20,8 @@ import functools
 import itertools
 import math
 import random
+import re
+import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -63,10 +66,10 @@ class Probe:
 
 
 class Haystack:
-    """Lines to hide the needle among: RULER's noise repeated, or the lines of a text."""
+    """Lines to hide the needle among: RULER's noise repeated, or the lines of a text (``what``)."""
 
-    def __init__(self, lines: list[str]):
-        self.lines = lines
+    def __init__(self, lines: list[str], what: str | None = None):
+        self.lines, self.what = lines, what
 
     @classmethod
     def noise(cls) -> Haystack:
@@ -77,7 +80,7 @@ class Haystack:
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines:
             raise EvaluationError(f"{what} has no text to hide a needle in")
-        return cls(lines)
+        return cls(lines, what)
 
     def lines_from(self, start: int, count: int) -> list[str]:
         """``count`` lines from line ``start`` on, round again from the first where they run out."""
@@ -90,6 +93,7 @@ class Probes:
     def __init__(self, haystack: Haystack, tokenizer, new_tokens: int, seed: int):
         self.haystack, self.tokenizer, self.new_tokens, self.rng = haystack, tokenizer, new_tokens, random.Random(seed)
         self.sizes: dict[str, int] = {}  # tokens of each haystack line, and its newline
+        self.wrapped = False  # said once: a probe whose text haystack ran out of lines
 
     def encode(self, text: str) -> list[int]:
         return encode(self.tokenizer, [text], "the needle test's text")[0].ids
@@ -121,11 +125,20 @@ class Probes:
         if (least := len(prompt(0))) > budget:
             raise EvaluationError(f"--seq-len {length:,}: the question and the needle alone take {least:,} tokens, and"
                                   f" {self.new_tokens} more are generated; give a longer length")
+        answer = self.encode(f" {value}")
+        if len(answer) > self.new_tokens:  # no continuation could hold it
+            raise EvaluationError(f"--new-tokens {self.new_tokens}: the answer {value!r} takes {len(answer)} tokens of the run's"
+                                  f" tokenizer after the prompt; generate {len(answer) + 4} or more")
         fits = longest(lambda count: len(prompt(count)), budget)
+        if self.haystack.what and fits > len(self.haystack.lines) and not self.wrapped:
+            self.wrapped = True
+            warnings.warn(f"the haystack ({self.haystack.what}) runs out of lines within {length:,} tokens: its {len(self.haystack.lines):,}"
+                          " lines are read again from the first, so part of it repeats an earlier part; give --data with more text",
+                          stacklevel=2)
         other = value
         while other == value:
             other = self._number()
-        return Probe(length, depth, key, value, prompt(fits), prompt(fits, other), self.encode(f" {value}"),
+        return Probe(length, depth, key, value, prompt(fits), prompt(fits, other), answer,
                      self.place(self.haystack.lines_from(start, fits), depth)[1])
 
     def _number(self) -> str:
@@ -180,7 +193,7 @@ class Found:
 
     @property
     def hit(self) -> bool:
-        return self.probe.value in self.continuation
+        return re.search(rf"(?<!\d){self.probe.value}(?!\d)", self.continuation) is not None
 
 
 def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batch: int, device: torch.device) -> list[Found]:

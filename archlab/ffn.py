@@ -64,7 +64,7 @@ class MoEFFN(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens, aux_losses)
         n_experts = probs.shape[-1]
-        routed = F.one_hot(chosen, n_experts).sum(dim=1).float().mean(dim=0) / self.top_k
+        routed = F.one_hot(chosen, n_experts).sum(dim=1).to(probs.dtype).mean(dim=0) / self.top_k  # probs: float32 or wider
         self.last_load = routed.detach()  # fraction of routed slots per expert, for utilisation logs
         aux_losses.append(self.aux_weight * n_experts * (routed * probs.mean(dim=0)).sum())
         return out.view_as(x)

@@ -201,6 +201,28 @@ def test_windowed_attention_with_parscale_prefix_matches_dense():
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
+def test_moe_balance_loss_is_the_share_of_routed_slots_times_the_mean_probability(top_k):
+    """w * E * sum_e f_e P_e, counted token by token; a float64 model's shares were rounded to float32 (7e-9 off)."""
+    from archlab.ffn import MoEFFN
+    from archlab.spec import MoE
+
+    torch.manual_seed(0)
+    moe = MoEFFN(16, MoE(type="moe", n_experts=8, top_k=top_k, expert_hidden=8, aux_loss_weight=0.01), 0.5).double()
+    tokens = torch.randn(40, 16, dtype=torch.float64)
+    aux = []
+    moe(tokens, aux_losses=aux)
+    probs = [(moe.router.weight @ token).softmax(-1) for token in tokens]
+    slots = [0] * 8
+    for p in probs:
+        for expert in p.topk(top_k).indices.tolist():
+            slots[expert] += 1
+    shares = torch.tensor(slots, dtype=torch.float64) / (len(tokens) * top_k)
+    expected = 0.01 * 8 * (shares * torch.stack(probs).mean(0)).sum()
+    torch.testing.assert_close(aux[0], expected, rtol=1e-14, atol=0)
+    assert moe.last_load.dtype == torch.float64 and torch.equal(moe.last_load, shares)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
     """Each token's output is its chosen experts' SwiGLU outputs weighted as Switch (k = 1: the
     router probability) or Mixtral (k > 1: renormalised top-k) weight them, so the language-model

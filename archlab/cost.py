@@ -180,11 +180,11 @@ class Cost:
 
     def forward_flops(self, n: int) -> Flops:
         """A training forward pass over n tokens."""
-        return self.flops(self.plan.steps, n)
+        return self.flops(self.plan.steps, _tokens("n", n))
 
     def train_flops_per_token(self, seq_len: int) -> int:
         """Forward and backward (3 x forward) per token at training length ``seq_len``."""
-        if seq_len < TRAINING_LENGTH:
+        if _tokens("seq_len", seq_len) < TRAINING_LENGTH:
             raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
         return 3 * sum(self.forward_flops(seq_len).values()) // seq_len
 
@@ -193,12 +193,13 @@ class Cost:
         the self-decoder and the global K,V; the cross-decoder only as far as a K,V per iteration
         needs), then the last token through
         the whole model, as the engine runs it. Chunked cores count the prompt as one chunk run."""
+        _tokens("n", n)
         head = self.flops(self.plan.prefill_steps, n - 1, logits=0) if n > 1 else Flops()
         return head + self.decode_flops(n)
 
     def decode_flops(self, context: int) -> Flops:
         """One decoding step whose token is the ``context``-th of the sequence."""
-        return self.flops(self.plan.steps, 1, start=context - 1)
+        return self.flops(self.plan.steps, 1, start=_tokens("context", context) - 1)
 
     # -- cache ------------------------------------------------------------------------------
 
@@ -207,6 +208,9 @@ class Cost:
         Global: what grows with the context (the global K,V, full-attention K,V); local: window
         rings, recurrent and conv states. Every loop-dependent slot is counted per iteration."""
         spec = self.spec
+        _tokens("context", context, least=0)
+        if dtype is not None and dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         kv_bytes = DTYPE_BYTES[dtype or spec.inference_dtype]
         grows = local = 0
         if isinstance(spec.layout, YocoLayout):
@@ -222,7 +226,7 @@ class Cost:
         return CacheBytes(grows * self.streams, local * self.streams)
 
     def row(self, seq_len: int) -> CostRow:
-        size = self.cache_bytes(seq_len)
+        size = self.cache_bytes(_tokens("seq_len", seq_len))
         return CostRow(
             spec=self.spec.name,
             seq_len=seq_len,
@@ -235,6 +239,14 @@ class Cost:
             kv_global_bytes=size.global_,
             kv_local_bytes=size.local,
         )
+
+
+def _tokens(name: str, n: object, least: int = 1) -> int:
+    """A count of tokens a cost is asked at, or a ValueError naming it (rather than a block's
+    formula blamed for the number it then returns)."""
+    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < least:
+        raise ValueError(f"{name} must be a whole number of tokens >= {least}, got {n!r}")
+    return int(n)
 
 
 def equal_flops_steps(reference: ModelSpec, steps: int, other: ModelSpec, seq_len: int) -> int:

@@ -188,6 +188,10 @@ class Engine:
     def new_cache(self, sequences: int, capacity: int, pages: int | None = None) -> Cache:
         """A cache for ``sequences`` of up to ``capacity`` positions; paged, it holds ``pages``
         pages (by default enough for each sequence to reach the capacity)."""
+        now = next(self.model.parameters())
+        if (now.dtype, now.device) != (self.dtype, self.device):  # its kernels (and any captured graph) were chosen for those
+            raise ValueError(f"the model moved to {now.dtype} on {now.device} after this Engine was made for {self.dtype} on"
+                             f" {self.device}; make a new Engine for it")
         return Cache(self.model, sequences, capacity, self.dtype, self.device, self.page_size, pages, self.page_kernel)
 
     def cache_for(self, lengths: Sequence[int], max_new_tokens: int) -> Cache:
@@ -260,7 +264,7 @@ class Engine:
             checked.append(ids)
         return checked
 
-    def _check_call(self, prompts: Sequence, max_new_tokens: int) -> list[torch.Tensor]:
+    def _check_call(self, prompts: Sequence, max_new_tokens: int, sampling: Sampling) -> list[torch.Tensor]:
         """The arguments ``generate`` and ``stream`` share, checked at the call (``stream`` is a
         generator's maker), before a cache is sized by them."""
         if self.device.type == "meta":  # an engine there sizes caches (new_cache), and computes nothing
@@ -269,6 +273,8 @@ class Engine:
         prompts = self.check_prompts(prompts)
         if not (_whole(max_new_tokens) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        if not isinstance(sampling, Sampling):
+            raise TypeError(f"sampling must be a Sampling (Sampling(temperature=..., top_k=...)), got {type(sampling).__name__}")
         return prompts
 
     def check_cache(self, cache: Cache, prompts: list[torch.Tensor], new_tokens: int = 0, held: int = 0) -> None:
@@ -344,7 +350,7 @@ class Engine:
         end the last tokens are written into the cache too, so it holds every token. A ``cache``
         given is checked here, at the call; it may hold the prompts' first ``held`` tokens
         already (``prefill``)."""
-        prompts = self._check_call(prompts, max_new_tokens)
+        prompts = self._check_call(prompts, max_new_tokens, sampling)
         if cache is not None:
             self.check_cache(cache, prompts, max_new_tokens, held)
         elif held:
@@ -384,7 +390,7 @@ class Engine:
         sampling: Sampling = Sampling(),
         keep_logits: bool = False,
     ) -> Generation:
-        prompts = self._check_call(prompts, max_new_tokens)
+        prompts = self._check_call(prompts, max_new_tokens, sampling)
         cache = self.cache_for([len(p) for p in prompts], max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         kept = []

@@ -36,7 +36,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=accumulate, device=hidden.device)
         for rows in _chunks(len(hidden), weight.shape[0]):
             h, t = hidden[rows].to(dtype), targets[rows]
-            counts, picked = t != IGNORE, t.clamp(min=0)[:, None]
+            counts = t != IGNORE
+            picked = t.masked_fill(~counts, 0)[:, None]  # another negative id is out of range, as in F.cross_entropy
             logits = (h @ w.T).to(accumulate)
             norm = logits.logsumexp(-1, keepdim=True)
             total += ((norm - logits.gather(1, picked))[:, 0] * counts).sum()

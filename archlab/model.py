@@ -25,7 +25,7 @@ from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError, named
 from archlab.rope import Rotary
-from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, SpecError, YocoLayout
+from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, YocoLayout, revalidated
 
 
 def build_norm(spec: Norm, dim: int) -> nn.Module:
@@ -118,12 +118,19 @@ def _build_mixer(block: BlockSpec, ctx: BuildContext) -> nn.Module:
     return module
 
 
+def _check_tokens(name: str, tokens: object) -> None:
+    """Token ids as forward takes them, a [batch, length] integer tensor, or a TypeError or
+    ValueError naming them (from their shape and dtype alone: no read from the device)."""
+    if not isinstance(tokens, torch.Tensor) or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"{name} must be a tensor of integer token ids, got {getattr(tokens, 'dtype', type(tokens).__name__)}")
+    if tokens.dim() != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"{name} must be [batch, length] with a length of at least 1, got shape {tuple(tokens.shape)}")
+
+
 class Model(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        if problems := spec.problems():  # a spec varied by model_copy(update=...) skipped them
-            raise SpecError(spec.name, problems)
-        self.spec = spec
+        spec = self.spec = revalidated(spec)  # one varied by model_copy(update=...) skipped validation
         self.plan = Plan.of(spec)
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
         contexts = [spec.build_context(h) for h in range(len(spec.halves))]
@@ -177,6 +184,11 @@ class Model(nn.Module):
         counted), the mean cross-entropy instead, computed without holding the logits
         (``archlab.loss``). With ``return_aux``, also the summed auxiliary losses (MoE load
         balancing; 0 without MoE)."""
+        _check_tokens("input_ids", input_ids)
+        if targets is not None:
+            _check_tokens("targets", targets)
+            if targets.shape != input_ids.shape:
+                raise ValueError(f"targets must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(targets.shape)}")
         aux: list[torch.Tensor] = []
         x = self.hidden(input_ids, aux)
         out = self.head(x) if targets is None else linear_cross_entropy(x.flatten(0, 1), self.head.weight, targets.flatten())
@@ -241,6 +253,7 @@ class Model(nn.Module):
 
 def build_model(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Model:
     """Build the model for a validated spec (``device="meta"`` builds paper-scale shapes for free)."""
+    spec = revalidated(spec)  # before its size is worked out from it
     dtype_made = torch.get_default_dtype()  # built in it, then cast
     check_room(Cost(spec).params_total * dtype_made.itemsize, device or "cpu", f"its weights in {str(dtype_made).removeprefix('torch.')}")
     with torch.device(device or "cpu"):

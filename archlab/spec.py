@@ -186,7 +186,9 @@ class Half(HoldsBlocks):
         """Left out, a half's position is none when no block of it reads one (gdn, mamba2): RoPE
         there would be shown as if it were used. Given, it is kept: a run saved with it loads."""
         if "position" not in self.model_fields_set and not any(block.reads_position for block in self.blocks):
-            return self.model_copy(update={"position": NoPosition(type="none")})
+            derived = self.model_copy(update={"position": NoPosition(type="none")})
+            derived.__pydantic_fields_set__.discard("position")  # still not given: worked out again from other blocks
+            return derived
         return self
 
     def block_at(self, i: int) -> BlockSpec:
@@ -783,6 +785,25 @@ def validate_spec(data: dict, source: str = "<spec>", origins: dict[str, str] | 
     """Validate an already-merged mapping (e.g. a study's override of a spec)."""
     _resolve_blocks()
     return validate_as(ModelSpec, data, source, origins)
+
+
+def revalidated(spec: ModelSpec) -> ModelSpec:
+    """``spec`` validated again from what was given in it. One varied by ``model_copy(update=...)``
+    skipped validation: its fields' limits (a loop of 0 times), the defaults worked out from other
+    fields (a half's position, from its blocks), a new tag's fields (``position: range`` with its
+    ``start``) and the checks across fields; and a key no spec has (``d_mdoel``) was kept without a word."""
+    return validate_spec(_what_was_given(spec), spec.name)
+
+
+def _what_was_given(value: Any) -> Any:
+    """What was given in a spec model, as validation takes it: the fields set (those left out are
+    worked out again), and keys ``model_copy(update=...)`` put there that no field of it has."""
+    if isinstance(value, BaseModel):
+        fields = type(value).model_fields
+        return {key: _what_was_given(item) for key, item in vars(value).items() if key in value.model_fields_set or key not in fields}
+    if isinstance(value, (list, tuple)):
+        return [_what_was_given(item) for item in value]
+    return value
 
 
 def _is_index(part: str) -> bool:

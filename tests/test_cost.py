@@ -1,5 +1,8 @@
 """Analytic costs against the built model, torch's FLOP counter, the engine's cache and the paper."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -299,3 +302,18 @@ def test_every_flop_kind_is_a_named_one(path):
     cost = Cost(archlab.load_spec(path))
     for kinds in (cost.forward_flops(40), cost.prefill_flops(40), cost.decode_flops(40)):
         assert set(kinds) <= FLOP_KINDS.keys()
+
+
+def test_a_cost_asked_at_a_length_that_is_not_one_names_it():
+    """A negative or fractional length reached a block's formula, which was then blamed for its answer."""
+    cost = Cost(archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml"))
+    for ask, said in ((lambda: cost.row(-5), "seq_len must be a whole number of tokens >= 1, got -5"),
+                      (lambda: cost.row(2.5), "seq_len must be a whole number of tokens >= 1, got 2.5"),
+                      (lambda: cost.row("2K"), "seq_len must be a whole number of tokens >= 1, got '2K'"),
+                      (lambda: cost.cache_bytes(-10), "context must be a whole number of tokens >= 0, got -10"),
+                      (lambda: cost.decode_flops(0), "context must be a whole number of tokens >= 1, got 0"),
+                      (lambda: cost.prefill_flops(0), "n must be a whole number of tokens >= 1, got 0"),
+                      (lambda: cost.cache_bytes(10, "bf16"), "dtype must be one of float32, bfloat16, float16, got 'bf16'")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            ask()
+    assert cost.row(np.int64(64)) == cost.row(64) and cost.cache_bytes(0).global_ == 0

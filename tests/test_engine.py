@@ -502,3 +502,16 @@ def test_decoding_past_a_contiguous_cache_is_named_and_spares_the_other_rows(pat
     torch.testing.assert_close(logits[1:], engine.decode(torch.tensor([[2]]), torch.tensor([10]), alone), rtol=1e-5, atol=1e-5)
     again = [tokens.tolist() for tokens, _, _ in engine.stream(prompts, 5, cache=cache)]
     assert again == [tokens.tolist() for tokens, _, _ in engine.stream(prompts, 5)]
+
+
+def test_an_engine_refuses_a_model_moved_since_and_sampling_that_is_not_one():
+    """Its dtype and device are the model's when it was made (its kernels were chosen for them):
+    a model cast after stopped in SDPA on mismatched dtypes."""
+    _, model = tiny_model("yoco-u")
+    engine = Engine(model)
+    model.double()
+    with pytest.raises(ValueError, match="the model moved to torch.float64 on cpu after this Engine was made for torch.float32 on cpu"):
+        engine.generate([[1, 2, 3]], 2)
+    with pytest.raises(TypeError, match="sampling must be a Sampling"):
+        Engine(model).generate([[1, 2, 3]], 2, {"temperature": 1.0})
+    assert len(Engine(model).generate([[1, 2, 3]], 2).tokens[0]) == 2

@@ -80,3 +80,28 @@ def test_the_model_gives_the_loss_of_its_logits(name):
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_a_negative_target_other_than_ignore_is_out_of_range_as_cross_entropy_says():
+    """-1 (a common padding value) was clamped to token 0 and trained on as it."""
+    hidden, weight = torch.randn(3, 8, dtype=torch.float64), torch.randn(5, 8, dtype=torch.float64)
+    for wrong in (-1, 5):
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+            F.cross_entropy(hidden @ weight.T, torch.tensor([wrong, 0, 0]))  # the reference refuses it
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            linear_cross_entropy(hidden, weight, torch.tensor([wrong, 0, IGNORE]))
+
+
+@pytest.mark.parametrize("given,error,said", [
+    ([[1, 2]], TypeError, "input_ids must be a tensor of integer token ids, got list"),
+    (torch.ones(1, 4), TypeError, "input_ids must be a tensor of integer token ids, got torch.float32"),
+    (torch.ones(4, dtype=torch.long), ValueError, r"input_ids must be \[batch, length\] with a length of at least 1, got shape \(4,\)"),
+    (torch.ones(1, 0, dtype=torch.long), ValueError, r"got shape \(1, 0\)"),
+])
+def test_the_model_names_token_ids_it_cannot_take(given, error, said):
+    _, model = tiny_model("yoco-u")
+    with pytest.raises(error, match=said):
+        model(given)
+    tokens = torch.ones(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"targets must have input_ids' shape \(2, 4\), got \(2, 3\)"):
+        model(tokens, targets=tokens[:, 1:])

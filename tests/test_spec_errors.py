@@ -334,6 +334,43 @@ def test_a_spec_varied_past_its_checks_is_refused_by_the_build():
         archlab.build_model(varied)
 
 
+def loop_of(spec, **update):
+    return spec.model_copy(update={"loop": spec.loop.model_copy(update=update)})
+
+
+def self_decoder_of(spec, **update):
+    half = spec.layout.self_decoder.model_copy(update=update)
+    return spec.model_copy(update={"layout": spec.layout.model_copy(update={"self_decoder": half})})
+
+
+@pytest.mark.parametrize("vary,said", [
+    (lambda spec: loop_of(spec, times=0), "loop.times: Input should be greater than or equal to 1 (got 0)"),  # no self-decoder at all
+    (lambda spec: spec.model_copy(update={"inference_dtype": "bf16"}), "inference_dtype: Input should be 'float32', 'bfloat16' or"),
+    (lambda spec: self_decoder_of(spec, blocks=(spec.layout.self_decoder.blocks[0].model_copy(update={"window": 0}),)),
+     "layout.self_decoder.blocks[0].window: Input should be greater than 0"),
+    (lambda spec: spec.model_copy(update={"d_mdoel": 128}), "d_mdoel: unknown key"),
+])
+def test_a_spec_varied_by_model_copy_is_validated_again_by_the_build(vary, said):
+    """Field limits skipped by ``model_copy(update=...)`` built a model that ran: a loop of 0 times
+    dropped the self-decoder, a window of 0 ran its training pass; a misspelt key was ignored."""
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml")
+    with pytest.raises(archlab.SpecError) as raised:
+        archlab.build_model(vary(spec))
+    assert said in str(raised.value)
+    assert archlab.build_model(loop_of(spec, times=2)).spec.loop.times == 2  # a valid variation builds as given
+
+
+def test_a_half_varied_by_model_copy_works_out_its_position_again():
+    """A half whose position was left out takes none where no block reads one (gdn); varied to a
+    block that does (swa), it kept none and built attention without RoPE."""
+    data = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-gdn.yaml").model_dump(mode="json", exclude_unset=True)
+    del data["layout"]["self_decoder"]["position"]
+    gdn = archlab.validate_spec(data)
+    assert gdn.layout.self_decoder.position.type == "none"
+    swa = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-swa.yaml").layout.self_decoder.blocks[0]
+    assert archlab.build_model(self_decoder_of(gdn, blocks=(swa,))).spec.layout.self_decoder.position.type == "rope"
+
+
 def test_extends_deep_merges_and_replaces_on_variant_change(tmp_path):
     cross = "cross_decoder: {n_layers: 2, position: none, blocks: [{type: cross_attention, n_heads: 2}]}"
     (tmp_path / "base.yaml").write_text(BASE.replace("cross_decoder: {n_layers: 2}", cross)

@@ -129,7 +129,7 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
     engine = Engine(model, prefill_chunk, cuda_graph, page_size, page_kernel)
     # the cache checks its room when made; a batch it has no room for is refused before its prompts are made
     shapes = Cache(model, batch, seq_len + 1 + gen, engine.dtype, "meta", engine.page_size, page_kernel=page_kernel)
-    check_room(batch * shapes.bytes_per_sequence().total, engine.device, "its cache's states")
+    check_room(batch * shapes.bytes_per_sequence().total + shapes.table_bytes(), engine.device, "its cache's states")
     generator = torch.Generator().manual_seed(seed)
     prompts = list(torch.randint(0, model.spec.vocab_size, (rows, seq_len), generator=generator).to(engine.device))
     warm_up = min(seq_len, prefill_chunk)  # one chunk, untimed: the first call loads and tunes kernels

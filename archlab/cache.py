@@ -80,7 +80,7 @@ class Cache:
         self.overrun = torch.zeros((), dtype=torch.bool, device=device)  # contiguous: a position past the capacity was fed
         if page_size is not None and model.global_kv is not None:
             pages = pages_for([capacity] * rows, page_size) if pages is None else pages
-            self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
+            self.pages = PageTable(rows, pages, page_size, capacity, "meta", page_kernel)  # sized first, as the states are
 
         def new_global(on: torch.device | str = device) -> State:
             with torch.device(on):
@@ -96,8 +96,10 @@ class Cache:
         projections, keys = [step for step in model.plan.steps if step.project], model.plan.state_keys()
         shapes = [new_global("meta") for _ in projections]  # the meta device: shapes, no memory
         shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
-        check_room(sum(map(_size, shapes)), device,
+        check_room(sum(map(_size, shapes)) + self.table_bytes(), device,
                    f"a cache's states ({sequences:,} sequence{'s' * (sequences != 1)} of up to {capacity:,} positions)")
+        if self.pages is not None:  # allocated whole: a small page size's table is as large as the pages it saves
+            self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
         self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
         states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
@@ -108,6 +110,10 @@ class Cache:
                                for key, s in self.layers.items() if self._grows[key]}
         self._initial = initial
         self.fresh = True  # nothing fed into it yet (the engine says when)
+
+    def table_bytes(self) -> int:
+        """The page table's, beside the states: a page and its row per page, a page per column per row."""
+        return 0 if self.pages is None else self.pages.nbytes()
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""

@@ -78,6 +78,10 @@ class PageTable:
             self.handed = torch.zeros((), dtype=torch.long)  # pages handed out (asked for, past the pool too)
             self.overrun = torch.zeros((), dtype=torch.bool)  # a position past the capacity was asked for
 
+    def nbytes(self) -> int:
+        """What its tensors hold, in bytes."""
+        return sum(t.numel() * t.element_size() for t in (self.rows, self.table, self.held, self.owner, self.first))
+
     @property
     def spare(self) -> int:
         """The pool page past the last: it takes the writes the pool had no page for, never read."""
@@ -195,11 +199,19 @@ class PagedKV:
         weights = torch.exp(scores - torch.where(top.isfinite(), top, 0)[..., None])
         values = self.v.view(kv_heads * pages, size, dim)
         out = matmul_fp32(weights.flatten(2, 3).flatten(0, 1).to(values.dtype), values).view(kv_heads, pages, group, n, dim)
-        # each sequence's pages, in position order (unheld columns point at the spare page: all masked)
+        # each sequence's pages, in position order (unheld columns point at the spare page: all masked), gathered a
+        # few columns at a time: all at once, the partials took rows x columns x H x Dh, however few pages were held
         table = self.pages.table[self.pages.rows]
-        top, total, out = top[:, table], weights.sum(-1)[:, table], out[:, table]  # [Hkv, rows, width + 1, ...]
-        scale = torch.exp(top - top.amax(2, keepdim=True)).nan_to_num(0.0)  # exp(-inf - -inf): a page with nothing visible
-        out = (out * scale[..., None]).sum(2) / (total * scale).sum(2)[..., None]  # [Hkv, rows, group, n, Dh]
+        top, total = top[:, table], weights.sum(-1)  # the scores' maxima alone: no Dh
+        peak = top.amax(2, keepdim=True)
+        step = ceil_div(pages, rows)  # columns at once: their copy of the partials stays within the pool's size (a full pool: all)
+        summed = weighed = 0
+        for first in range(0, table.shape[1], step):
+            columns = table[:, first : first + step]
+            scale = torch.exp(top[:, :, first : first + step] - peak).nan_to_num(0.0)  # exp(-inf - -inf): nothing visible
+            summed = summed + (out[:, columns] * scale[..., None]).sum(2)
+            weighed = weighed + (total[:, columns] * scale).sum(2)
+        out = summed / weighed[..., None]  # [Hkv, rows, group, n, Dh]
         return out.permute(1, 3, 0, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
 
     def _flex(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,23 @@ def test_a_cache_asks_for_what_its_cost_counts_and_nothing_is_made_without_room(
     assert Cache(model, 3, 40, torch.float32).bytes_per_sequence().total * 3 == refused.value.asked
 
 
+def test_a_paged_cache_asks_for_its_page_table_too_before_making_it(free):
+    """The table (a page per column per row, its row and first position per page) was made
+    before the check and left out of it: at a page of 1 position it outgrew the pages it saves."""
+    model = archlab.build_model(archlab.load_spec(TINY[0].parent / "yoco-u.yaml"))
+    from archlab.kv import PageTable
+
+    table = PageTable(3 * model.streams, 3 * 40, 1, 40, "meta").nbytes()
+    states = 3 * Cache(model, 3, 40, torch.float32, "meta", page_size=1).bytes_per_sequence().total
+    assert table == (3 * 41 + 3 + 3 + 2 * 121) * 8  # table with its dump column, rows, held, owner and first per page and the spare
+    free(states + table - 1)
+    with pytest.raises(NoRoom) as refused:
+        Cache(model, 3, 40, torch.float32, page_size=1)
+    assert 0 <= refused.value.asked - (states + table) < 3  # bytes_per_sequence divides the pool's bytes by 3
+    free(refused.value.asked)
+    assert Cache(model, 3, 40, torch.float32, page_size=1).table_bytes() == table
+
+
 @pytest.mark.parametrize("path", TINY, ids=ids(TINY))
 def test_a_model_asks_for_its_weights_as_built(path, free):
     spec = archlab.load_spec(path)

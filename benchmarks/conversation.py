@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--message", type=int, default=128, help="tokens of each message")
     parser.add_argument("--reply", type=int, default=128, help="tokens of each reply")
     args = parser.parse_args()
+    if min(args.turns, args.message, args.reply) < 1:
+        parser.error("give --turns, --message and --reply of 1 or more")
     print(f"{args.turns} turns of a {args.message}-token message and a {args.reply}-token reply; seconds to a reply's first token\n")
     print("| spec | last turn, kept | last turn, afresh | ratio | all turns, kept | all turns, afresh | ratio |")
     print("|---|---|---|---|---|---|---|")

@@ -574,7 +574,8 @@ def report(results: dict) -> str:
                       for r in results[key]]
     trained = [results[k] for k in TRAINING if k in results]
     if trained:
-        lines += ["", "## Training (bf16 autocast)", "", "| spec | overrides | compiled | tokens/step | micro-batch | tokens/s | MFU | peak GiB | loss first -> last |",
+        precision = "fp32, the CPU's smoke run" if results.get("parity_dtype") == "float32" else "bf16 autocast"
+        lines += ["", f"## Training ({precision})", "", "| spec | overrides | compiled | tokens/step | micro-batch | tokens/s | MFU | peak GiB | loss first -> last |",
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {t['spec']} | {' '.join(t['overrides']) or '-'} | {t['compile']} | {t['tokens_per_step']:,} | {t.get('micro_batch', '-')} | {t['tok_s']:,.0f} | "
                   f"{'n/a' if t['mfu'] is None else format(t['mfu'], '.1%')} | {t['peak_gib'] or 0:.1f} | "
@@ -599,17 +600,29 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def token_counts(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
+    """Comma-separated token counts, each a whole number or one of K (1,024) or M; a bad one ends the check before it starts."""
+    counts = []
+    for item in text.split(","):
+        digits, scale = (item[:-1], {"K": 2**10, "M": 2**20}[item[-1].upper()]) if item[-1:].upper() in ("K", "M") else (item, 1)
+        if not digits.isdigit() or int(digits) == 0:
+            parser.error(f"{option}: {item!r} is not a count of tokens (8192, 8K)")
+        counts.append(int(digits) * scale)
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, to check the script itself")
     parser.add_argument("--budget-s", type=float, default=60.0, help="stop a spec's lengths after one takes longer")
-    parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds")
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="start no new length after this many seconds of an inference"
+                        " section")
     parser.add_argument("--sections", default=SECTIONS)
     parser.add_argument("--blocks", default="", help="parity of these block types only (comma-separated)")
     parser.add_argument("--backends", default="", help="parity of these kernel backends only (comma-separated)")
     parser.add_argument("--specs", default="transformer,yoco,yoco-u,rins")
-    parser.add_argument("--lengths", default="8192,32768,65536,131072,262144")
+    parser.add_argument("--lengths", default="8192,32768,65536,131072,262144", help="prompt lengths, comma-separated (8192 or 8K)")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
     parser.add_argument("--train-batch", type=int, default=8)
     parser.add_argument("--train-micro-batch", type=int, help="sequences per pass in training (the whole batch unless given;"
@@ -619,17 +632,18 @@ def main() -> None:
     parser.add_argument("--section-limit-s", type=int, default=420, help="give up on a section after this many seconds")
     parser.add_argument("--part", type=Path, help=argparse.SUPPRESS)  # run the one section named, write its outcome here
     parser.add_argument("--row", help=argparse.SUPPRESS)  # with --part: the parity row, as PARITY_INDEX:BACKEND
-    parser.add_argument("--began", type=float, help=argparse.SUPPRESS)  # the whole check's start, for --deadline-s
     parser.add_argument("--until", type=float, help=argparse.SUPPRESS)  # with --part: when the section's limit ends
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)  # with --part: where each row goes as it is measured
     args = parser.parse_args()
-    began = args.began or time.monotonic()
-    smoke = args.smoke or not torch.cuda.is_available()
+    began = time.monotonic()
+    if not args.smoke and not torch.cuda.is_available():  # else tiny CPU sizes would be reported as the GPU's
+        parser.error("no CUDA device is usable here (torch.cuda.is_available() is False); --smoke checks the script on the CPU")
+    smoke = args.smoke
     device = torch.device("cpu" if smoke else "cuda")
     folder = ROOT / "specs" / ("tiny" if smoke else "paper")
     names = [str(folder / f"{n}.yaml") for n in args.specs.split(",")]
     batch, gen = (2, 4) if smoke else (32, 128)
-    lengths = [256, 1024] if smoke else [int(n) for n in args.lengths.split(",")]
+    lengths = [256, 1024] if smoke else token_counts(parser, "--lengths", args.lengths)
     chunk = 64 if smoke else args.prefill_chunk
     yoco_u = str(folder / "yoco-u.yaml")
     train = dict(batch=4, seq_len=64, steps=6) if smoke else dict(batch=args.train_batch, seq_len=args.train_seq_len, steps=16)
@@ -643,10 +657,11 @@ def main() -> None:
                                          args.row_limit_s),
         "graphs": lambda: graph_parity(device, names),
         "paged": lambda: [row for kernel in PAGE_KERNELS for row in graph_parity(device, [yoco_u], page_size=256, page_kernel=kernel)],
-        "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, began + args.deadline_s,
+        # the deadline counts from the section's start: from the check's, the sections before it had spent it all
+        "inference": lambda: inference(device, names, lengths, batch, gen, args.budget_s, time.monotonic() + args.deadline_s,
                                        512 if smoke else 65536, not smoke, chunk),
         "inference-paged": lambda: [row for kernel in PAGE_KERNELS for row in inference(
-            device, [yoco_u], lengths, batch, gen, args.budget_s, began + args.deadline_s + 120, 512 if smoke else 65536,
+            device, [yoco_u], lengths, batch, gen, args.budget_s, time.monotonic() + args.deadline_s, 512 if smoke else 65536,
             not smoke, chunk, page_size=16 if smoke else 256, page_kernel=kernel)],
         "eager": lambda: inference(device, names, lengths[:1], batch, gen, args.budget_s, math.inf,  # one length: its section's limit bounds it
                                    512 if smoke else 65536, False, chunk),
@@ -663,6 +678,8 @@ def main() -> None:
                                  ("--specs", args.specs, {p.stem for p in (ROOT / "specs" / "paper").glob("*.yaml")})):
         if unknown := set(filter(None, given.split(","))) - set(known):
             parser.error(f"{option}: unknown {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
+    if not any(args.sections.split(",")):
+        parser.error(f"--sections: none given; known: {', '.join(SECTIONS.split(','))}")
     if args.part:  # one section, in the process the whole check started for it
         global ROWS
         ROWS = args.rows
@@ -690,7 +707,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         part = Path(tmp) / "section.json"
-        for name in args.sections.split(","):
+        for name in filter(None, args.sections.split(",")):
             if smoke and name in ("graphs", "paged", "training-flex", "training-fla", "training-compiled", "training-fla-compiled"):
                 continue  # CUDA graphs and fla need CUDA; FlexAttention has no CPU backward; compiling is slow on 2 cores
             key = {"eager": "inference_eager", "inference-paged": "inference_paged", "training-profile": "training_profile"}.get(name, name)
@@ -704,7 +721,7 @@ def main() -> None:
                 console.rule(results["running"])
                 write()
                 limit = args.row_limit_s if name == "parity" else args.section_limit_s
-                command = [sys.executable, __file__, *sys.argv[1:], "--sections", name, *extra, "--began", str(began)]
+                command = [sys.executable, __file__, *sys.argv[1:], "--sections", name, *extra]
                 result, error = section_apart(command, limit, part, measured)
                 if error:
                     results["errors"][label] = error

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     args = parser.parse_args()
+    if args.batch < 1 or args.seq_len < 1:
+        parser.error("give --batch and --seq-len of 1 or more")
     path = ROOT / "specs" / "tiny" / "yoco-u.yaml"
     spec = load_spec(path, ["vocab_size=100352"])
     torch.manual_seed(0)

@@ -10,6 +10,7 @@ Reports, from one run on this machine:
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -63,6 +64,7 @@ def decode_costs(name: str, steps: int = 24) -> list[float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()  # --help
     print(f"# archlab inference benchmark (CPU, {torch.get_num_threads()} threads, torch {torch.__version__})\n")
     print("## Prefill time against prompt length (batch 1)\n")
     print("\n".join(prefill_scaling()))

@@ -70,11 +70,13 @@ def hf_tok_s(spec, tokens: np.ndarray, steps: int, batch: int, seq_len: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=40)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=40, help=f"steps each trains; the first {WARMUP} are not timed")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=256)
     args = parser.parse_args()
+    if args.steps <= WARMUP or args.batch < 1 or args.seq_len < 2:
+        parser.error(f"give --steps above {WARMUP} (the warm-up), --batch of 1 or more and --seq-len of 2 or more")
     spec = archlab.load_spec(ROOT / "specs/tiny/transformer.yaml")
     tokens = np.random.default_rng(0).integers(0, spec.vocab_size, 500_000).astype(np.uint16)
     with tempfile.TemporaryDirectory() as tmp:

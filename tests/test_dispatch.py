@@ -299,7 +299,19 @@ def test_the_gpu_check_refuses_unknown_names_before_it_starts(monkeypatch, capsy
             main()
         stderr = capsys.readouterr().err
         assert exited.value.code == 2 and f"{option}: unknown {name}; known: " in stderr, stderr
+    for given, said in ((["--smoke", "--sections", ","], "--sections: none given; known: parity,"),
+                        ([], "no CUDA device is usable here"),  # it measured tiny CPU sizes and reported them as the GPU's
+                        (["--lengths", "8K,8X"], "--lengths: '8X' is not a count of tokens (8192, 8K)")):
+        monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--out", str(tmp_path / "out"), *given])
+        monkeypatch.setattr("torch.cuda.is_available", lambda: "--lengths" in given)
+        with pytest.raises(SystemExit) as exited:
+            main()
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and said in stderr, stderr
     assert not (tmp_path / "out").exists()
+    from gpu_check import token_counts
+
+    assert token_counts(None, "--lengths", "8K,32768,1M") == [8192, 32768, 2**20]  # as archlab bench --seq-len reads them
 
 
 def test_the_gpu_checks_training_stops_before_the_runs_evaluation_and_checkpoint(monkeypatch):

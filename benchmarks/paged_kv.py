@@ -5,6 +5,8 @@
 Reports, from one run on this machine:
 - measured, tiny yoco-u on the CPU: the global K,V each layout allocates, peak memory, and
   decode tokens/s over the same prompts, with the tokens compared;
+- measured, tiny yoco-u in bfloat16 on the CPU: the memory one decoding step takes over pages of
+  1 to 256 positions and over rows, for one 30K prompt and seven of 100;
 - allocated, the paper-scale yoco-u in bfloat16 (built on the meta device, so nothing is
   computed): the global K,V of a batch of 32 whose lengths run evenly from 8K to 256K, with
   pages of 256 against rows for the longest, beside an H100's 80 GB.
@@ -49,6 +51,26 @@ def measure(model: archlab.Model, prompts: list[torch.Tensor], gen: int, page_si
         "decode_tok_s": len(prompts) * gen / seconds,
         "tokens": torch.stack(tokens).tolist(),
     }
+
+
+@torch.no_grad()
+def decode_step_memory(page_sizes: tuple = (1, 4, 16, 256, None)) -> list[str]:
+    """One decoding step's peak memory over the cache it reads, for a ragged batch: over pages, each
+    sequence's partials are combined from the pages it holds, which must not cost what a row per
+    position of the whole capacity would."""
+    model = archlab.build_model(archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml"), dtype=torch.bfloat16).eval()
+    lengths = [30_000] + [100] * 7
+    prompts = [torch.randint(0, model.spec.vocab_size, (n,)) for n in lengths]
+    lines = ["| global K,V | cache MiB | one decoding step's peak MiB |", "|---|---|---|"]
+    for page_size in page_sizes:
+        engine = Engine(model, prefill_chunk=4096, page_size=page_size)
+        cache = engine.cache_for(lengths, 4)
+        logits = engine.prefill(prompts, cache)
+        with PeakMemory(engine.device) as peak:
+            engine.decode(logits.argmax(-1)[:, None], torch.tensor(lengths), cache)
+        size = cache.bytes_per_sequence()
+        lines.append(f"| {f'pages of {page_size}' if page_size else 'rows'} | {size.total * len(lengths) / MIB:.1f} | {peak.peak:.1f} |")
+    return lines
 
 
 def paper_scale(batch: int = 32, page_size: int = 256) -> list[str]:
@@ -97,6 +119,7 @@ def main() -> None:
         print(f"| {name} | {r['global_mb']:.1f} | {r['peak_mb']:.1f} | {r['decode_tok_s']:,.0f} |")
     print(f"\npaged / rows: global K,V {paged['global_mb'] / rows['global_mb']:.3f}x, peak {paged['peak_mb'] / rows['peak_mb']:.2f}x,"
           f" decode {paged['decode_tok_s'] / rows['decode_tok_s']:.2f}x; same tokens: {paged['tokens'] == rows['tokens']}\n")
+    print("\n".join(decode_step_memory()) + "\n")
     print("\n".join(paper_scale()))
 
 

@@ -315,6 +315,16 @@ def load(name: str, device: torch.device) -> archlab.Model:
 
 
 @torch.no_grad()
+def same_choice(a: torch.Tensor, b: torch.Tensor, tolerance: float = 1e-2) -> bool:
+    """Whether greedy decoding picks the same token from logits ``a`` and ``b`` [rows, V] in every
+    row where ``a``'s top two stand apart by more than ``tolerance`` of its largest: a nearer tie
+    either may win (bf16 rounds a logit by 4e-3 of it, and 100K random ones hold such ties), which
+    is no mismatch of the paths; their logits are compared to the same tolerance beside it."""
+    top = a.float().topk(2, dim=-1).values
+    tied = top[:, 0] - top[:, 1] <= tolerance * a.float().abs().amax(-1)
+    return bool(((a.argmax(-1) == b.argmax(-1)) | tied).all())
+
+
 def graph_parity(device: torch.device, specs: list[str], context: int = 4093, steps: int = 8,
                  page_size: int | None = None, page_kernel: str = "torch") -> list[dict]:
     """Greedy decoding, eager over rows against CUDA-graph replay (over pages, with
@@ -337,7 +347,7 @@ def graph_parity(device: torch.device, specs: list[str], context: int = 4093, st
                 start = torch.full((2,), context + i, device=device)
                 a, b = eager.decode(tokens[:, None], start, first), graphed.decode(tokens[:, None], start, second)
                 worst = max(worst, relative_error(b, a))
-                same &= bool((a.argmax(-1) == b.argmax(-1)).all())
+                same &= same_choice(a, b)
                 tokens = a.argmax(-1)
             second.check()
             row.update(logits_rel_err=worst, same_tokens=same, status="ok" if worst < 1e-2 and same else "MISMATCH")

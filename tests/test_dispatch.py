@@ -350,6 +350,17 @@ def test_the_gpu_checks_report_shows_no_figures_for_rows_that_have_none():
     assert "| yoco-u | 131072 | 32 |  |  | rows | - | - | - | - | out of memory |" in text
 
 
+def test_the_gpu_checks_decoding_parity_takes_a_near_tie_for_either_token(monkeypatch):
+    """Two paths' bf16 logits over 100K random ones may swap a near-tie: not a mismatch; a token
+    chosen otherwise where the top two stand apart is."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from gpu_check import same_choice
+
+    a = torch.tensor([[1.0, 3.0, 2.999], [0.0, 5.0, 1.0]])
+    assert same_choice(a, a + torch.tensor([[0.0, 0.0, 0.002], [0.0, 0.0, 0.0]]))  # row 0's top two swap, within the difference
+    assert not same_choice(a, a + torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, 4.5]]))  # row 1's 5.0 against 1.0 does not
+
+
 def test_the_gpu_checks_time_limits_nest():
     """A section's limit holds around its rows' shorter ones, and a row cannot outlast it."""
     import sys

@@ -1405,8 +1405,10 @@ def test_a_resume_refuses_another_recall_task_than_its_checkpoint_trained_on(cli
                       " mqar task, the data now gives the synthetic copy task; put the run's data back to resume")
     refused(cli("evaluate", run, "--seq-len", "32"), f"the synthetic copy task is not the data {run} trained on: its checkpoint"
             " records the synthetic mqar task; put the run's data back, or give --data to score other data")
-    (run / "config.yaml").write_text(config.replace("source: mqar\n", "source: stdlib\n"))
-    refused_untouched(cli, run, "'stdlib' is not the data the run trained on: its checkpoint records the synthetic mqar task")
+    text = tmp_path / "text.txt"
+    text.write_text(ROOT.joinpath("archlab/cli.py").read_text())
+    (run / "config.yaml").write_text(config.replace("source: mqar\n", f"source: {text}\n"))
+    refused_untouched(cli, run, f"{str(text)!r} is not the data the run trained on: its checkpoint records the synthetic mqar task")
 
 
 @pytest.mark.parametrize("command", [["evaluate", "--seq-len", "32", "--last", "8"], ["layers", "--seq-len", "32"]])

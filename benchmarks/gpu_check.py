@@ -65,6 +65,7 @@ from archlab.environment import environment
 from archlab.kv import PAGE_KERNELS
 from archlab.ops import dispatch
 from archlab.ops.dispatch import FLA_GATED_BACKWARD, fla_kernel, installed, runs_on, trains_on
+from archlab.table import parse_length
 from archlab.train.config import TrainConfig
 from archlab.train.trainer import Trainer
 
@@ -611,13 +612,14 @@ def report(results: dict) -> str:
 
 
 def token_counts(parser: argparse.ArgumentParser, option: str, text: str) -> list[int]:
-    """Comma-separated token counts, each a whole number or one of K (1,024) or M; a bad one ends the check before it starts."""
+    """Comma-separated token counts as ``archlab bench --seq-len`` reads them (8192, 8K); a bad one
+    ends the check before it starts."""
     counts = []
     for item in text.split(","):
-        digits, scale = (item[:-1], {"K": 2**10, "M": 2**20}[item[-1].upper()]) if item[-1:].upper() in ("K", "M") else (item, 1)
-        if not digits.isdigit() or int(digits) == 0:
+        try:
+            counts.append(parse_length(item))
+        except ValueError:
             parser.error(f"{option}: {item!r} is not a count of tokens (8192, 8K)")
-        counts.append(int(digits) * scale)
     return counts
 
 

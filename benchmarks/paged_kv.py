@@ -22,7 +22,7 @@ import torch
 
 import archlab
 from archlab.bench import PeakMemory
-from archlab.table import MIB
+from archlab.table import MIB, parse_length
 from archlab.engine import Engine
 from archlab.kv import pages_for
 
@@ -89,7 +89,10 @@ def paper_scale(batch: int = 32, page_size: int = 256) -> list[str]:
 
 
 def tokens_arg(text: str) -> int:
-    return at_least_one(text[:-1]) * 1024 if text.upper().endswith("K") else at_least_one(text)
+    try:
+        return parse_length(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def at_least_one(text: str) -> int:

@@ -84,13 +84,13 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         full = not isinstance(exc, OSError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
         raise CheckpointError(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
                               f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
+    for stale in final.parent.glob(f"{REMOVED}*"):  # removals a kill stopped midway
+        shutil.rmtree(stale, ignore_errors=True)
     if final.exists():  # the step saved again, by a resume from before it
         _remove(final)
     os.replace(tmp, final)
     for old in checkpoints(run_dir)[:-keep]:
         _remove(old)
-    for stale in final.parent.glob(f"{REMOVED}*"):  # those a kill stopped midway
-        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
@@ -101,7 +101,6 @@ def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint folder so that a kill at any moment leaves it whole or no longer a
     checkpoint: renamed first, out of ``checkpoints``' sight, then deleted file by file."""
     doomed = checkpoint.with_name(REMOVED + checkpoint.name)
-    shutil.rmtree(doomed, ignore_errors=True)
     os.replace(checkpoint, doomed)
     shutil.rmtree(doomed)
 

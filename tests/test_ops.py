@@ -80,6 +80,25 @@ def test_simple_gla_chunk_matches_recurrent(T, init, chunk_size):
     close(s, s_ref, F64)
 
 
+@pytest.mark.parametrize("chunked, recurrent, with_beta", [
+    (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, True),
+    (chunk_simple_gla, fused_recurrent_simple_gla, False),
+])
+def test_a_decay_of_zero_forgets_in_chunks_as_in_steps(chunked, recurrent, with_beta):
+    """g = -inf (decay 0) at some steps, two within one chunk: the chunked form forgets the state
+    there, as the recurrence does, rather than computing -inf - -inf."""
+    q, k, v, g, beta, h0 = linear_inputs(40, init=True)
+    g[0, [3, 5, 21]] = -torch.inf
+    g[1, 0, 1] = -torch.inf
+    gates = dict(g=g, beta=beta) if with_beta else dict(g=g)
+    kw = dict(initial_state=h0, output_final_state=True, **gates)
+    o, s = chunked(q, k, v, chunk_size=16, **kw)
+    o_ref, s_ref = recurrent(q, k, v, **kw)
+    assert o_ref.isfinite().all()
+    close(o, o_ref, F64)
+    close(s, s_ref, F64)
+
+
 @pytest.mark.parametrize("init", [False, True])
 @pytest.mark.parametrize("T", LENGTHS)
 def test_simple_gla_matches_fla_naive(T, init):

@@ -42,6 +42,13 @@ def to_chunks(x, C):
     return x.reshape(*x.shape[:2], -1, C, *x.shape[3:])
 
 
+def chunk_log_decays(g):
+    """G [..., C]: the running sums of the log-decays g [..., C] within each chunk. A decay of 0
+    (g = -inf: forget everything) is taken as g = -1000, whose exp is exactly 0 in float32 and
+    float64 alike, so that the differences G_i - G_j stay finite (-inf - -inf is nan)."""
+    return g.clamp(min=-1000.0).cumsum(-1)
+
+
 def decay_matrix(G):
     """exp(G_i - G_j) for j <= i, else 0: the causal decay mask within a chunk, from the cumulative
     log-decays G [..., C]; returns [..., C, C]."""

@@ -9,7 +9,7 @@ fused_recurrent puts gk/gv before beta, so pass everything after v by keyword fo
 """
 import torch
 
-from archlab.ops.common import decay_matrix, setup_state, to_chunks, without_autocast
+from archlab.ops.common import chunk_log_decays, decay_matrix, setup_state, to_chunks, without_autocast
 
 
 @without_autocast
@@ -25,7 +25,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     out_dtype, V = q.dtype, v.shape[-1]
     dtype, scale, S = setup_state(q, v, scale, initial_state)
     q, k, v, g, beta = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v, g, beta))
-    G = g.cumsum(-1)  # [B, H, N, C]
+    G = chunk_log_decays(g)  # [B, H, N, C]
     decay = decay_matrix(G)  # exp(G_i - G_j), j <= i
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # the unit diagonal is implied by unitriangular=True

@@ -10,7 +10,7 @@ v by keyword for a drop-in swap.
 """
 import torch
 
-from archlab.ops.common import decay_matrix, float32_or_wider, setup_state, to_chunks, without_autocast
+from archlab.ops.common import chunk_log_decays, decay_matrix, float32_or_wider, setup_state, to_chunks, without_autocast
 
 
 @without_autocast
@@ -24,7 +24,7 @@ def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_st
     dtype, scale, S = setup_state(q, v, scale, initial_state)
     q, k, v, g = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v, g))
     q = q * scale
-    G = g.cumsum(-1)  # [B, H, N, C]
+    G = chunk_log_decays(g)  # [B, H, N, C]
     decay = decay_matrix(G)  # exp(G_i - G_j), j <= i
     attn = q @ k.transpose(-1, -2) * decay
     o = []

@@ -1949,6 +1949,47 @@ def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
     assert lm._loglikelihood_tokens([(None, [1], list(range(40)))])[0][0] < 0  # as long as it reads: scored whole
 
 
+def test_downstream_scores_every_token_of_a_continuation_after_an_empty_context(trained_on_text):
+    """An empty context is the end-of-text newline, before the whole continuation: one that
+    begins with a newline has that newline scored too (the harness's own rule takes it as the
+    context, as it would a tokenizer's BOS)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from archlab.train.downstream import ArchlabLM
+    from archlab.train.evaluate import Loaded
+
+    lm = ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=2, max_length=40)
+    pairs = [("", "\nimport os"), ("", "\n\n"), ("", "import os")]
+    found = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)], disable_tqdm=True)
+    for (_, continuation), (logprob, greedy) in zip(pairs, found, strict=True):
+        whole = [lm.newline, *lm.tok_encode(continuation)]
+        expected, expected_greedy = own_logprob(lm.model, whole, len(whole) - 1)
+        assert logprob == pytest.approx(expected, rel=1e-5) and greedy == expected_greedy
+
+
+def test_downstream_generation_reads_the_harness_aliases_of_max_gen_toks(trained_on_text):
+    """max_new_tokens (or max_tokens, max_completion_tokens) in a task's generation_kwargs is its
+    max_gen_toks, as the harness's own models read it, not the default 256."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from archlab.train.downstream import ArchlabLM
+    from archlab.train.evaluate import Loaded
+
+    lm = ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=2, max_length=40)
+    asked = [{"until": [], "max_new_tokens": 5}, {"until": [], "max_tokens": 3}, {"until": [], "max_gen_toks": 4, "max_new_tokens": 9}]
+    texts = lm.generate_until([Instance("generate_until", {}, ("import", kwargs), i) for i, kwargs in enumerate(asked)],
+                              disable_tqdm=True)
+    prompt = lm.tok_encode("import")
+    for new, text in zip((5, 3, 4), texts, strict=True):
+        sequence = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                sequence.append(lm.model(torch.tensor(sequence)[None])[0, -1].argmax().item())
+        assert text == lm.tokenizer.decode(sequence[len(prompt) :])
+
+
 def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_it_reports():
     from archlab.train.downstream import average
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
@@ -51,6 +52,17 @@ class ArchlabLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         return encode(self.tokenizer, [string], "a task's text")[0].ids
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """The harness's, except for an empty context: the end-of-text newline stands before the
+        whole continuation, every token of which is scored. (The harness takes a continuation's
+        first token as the context where it is the end-of-text token, as it is of a continuation
+        beginning with a newline here: one of its tokens would go unscored.)"""
+        pairs = [request.args for request in requests]
+        return self._loglikelihood_tokens(
+            [((context, continuation), *(([self.newline], self.tok_encode(continuation)) if context == ""
+                                         else self._encode_pair(context, continuation)))
+             for context, continuation in pairs], disable_tqdm=disable_tqdm)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """For each (_, context, continuation) of token ids: the log-probability of the
@@ -89,12 +101,14 @@ class ArchlabLM(TemplateLM):
         """Greedy continuations, cut at the first of each request's ``until`` strings, each after
         the last ``max_length`` less its ``max_gen_toks`` tokens of its context."""
         engine, out = Engine(self.model), []
-        if any(request.args[1].get("do_sample") or request.args[1].get("temperature", 0) > 0 for request in requests):
+        # as the harness's own models read them: max_gen_toks or an alias of it (max_new_tokens, ...), 256 if none
+        requests = [(context, normalize_gen_kwargs(kwargs)) for context, kwargs in (request.args for request in requests)]
+        if any(kwargs["do_sample"] for _, kwargs in requests):
             warnings.warn("archlab generates greedily for downstream tasks; the tasks' sampling settings are ignored", stacklevel=2)
         with torch.no_grad(), self.autocast:
             for first in range(0, len(requests), self.batch):
-                some = [request.args for request in requests[first : first + self.batch]]
-                wanted = [kwargs.get("max_gen_toks", 256) for _, kwargs in some]
+                some = requests[first : first + self.batch]
+                wanted = [kwargs["max_gen_toks"] for _, kwargs in some]
                 if max(wanted) >= self.max_length:
                     raise EvaluationError(f"a task asks for {max(wanted):,} new tokens, and the model reads {self.max_length:,}"
                                           " (--max-length): no context would be left before them; give a larger --max-length")

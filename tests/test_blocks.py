@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 from archlab.block import BuildContext, MixerInput
 from archlab.ops.attention import attend, band_mask, local_attend
+from archlab.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+from archlab.ops.retention import fused_recurrent_simple_gla
 from blocks.attention import AttentionSpec
 from blocks.gated_deltanet import GatedDeltaNetSpec
 from blocks.retnet import RetentionSpec
@@ -246,3 +248,264 @@ def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     out.square().sum().backward()
     assert moe.router.weight.grad.abs().max() > 1e-3
+
+
+# --- Whole block modules against the published layers (fla's, with its Triton pieces swapped for
+# PyTorch ones: its kernels for archlab's recurrent ops, which tests/test_ops.py holds equal to fla's
+# naive references, and which compute in float64 where those cast to float32): projections, short
+# convs, gates, norms, head splits, decay, and the cached path (a prefill in two chunks, then
+# decoding steps), weights copied across, in float64.
+
+
+class _LayerCache:
+    """What fla's layers read and write of a Cache: per-layer dicts and the tokens seen."""
+
+    def __init__(self):
+        self.layers, self.seen = [], 0
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def get_seq_length(self, layer_idx=0):
+        return self.seen
+
+    def update(self, layer_idx=0, offset=0, **states):
+        if len(self.layers) <= layer_idx:
+            self.layers.append({})
+        self.layers[layer_idx].update(states)
+        self.seen += offset
+        return self.layers[layer_idx]
+
+
+class _Call(torch.nn.Module):
+    """A function where fla's layer holds a module (its Triton norm, rotary or conv)."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def _fla_short_conv(weight):
+    """fla's ShortConvolution (depthwise causal conv, silu), its cache being the whole input history."""
+    def conv(x, cache=None, output_final_state=False, cu_seqlens=None, **_):
+        history = x.transpose(1, 2) if cache is None else torch.cat([cache, x.transpose(1, 2)], -1)
+        y = F.conv1d(F.pad(history, (weight.shape[-1] - 1, 0)), weight, groups=weight.shape[0])[..., -x.shape[1]:]
+        return F.silu(y).transpose(1, 2), history if output_final_state else None
+    return _Call(conv)
+
+
+def _fla_norm_gate(weight, eps):
+    """fla's FusedRMSNormGated: RMSNorm(o) * weight * silu(g)."""
+    def norm(o, g):
+        o = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)
+        return (o if weight is None else o * weight) * F.silu(g)
+    return _Call(norm)
+
+
+def _rows_for_interleaved_rope(heads, head_dim):
+    """q/k projection rows that make fla's rotate-half RoPE rotate what archlab's interleaved one does."""
+    half = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return (torch.arange(heads)[:, None] * head_dim + half).reshape(-1)
+
+
+def _fla_rotary(head_dim, interleaved):
+    from fla.modules.rotary.ops import rotary_embedding_ref
+
+    def angles(offset, n):
+        inverse = 10_000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        f = torch.outer(torch.arange(offset, offset + n, dtype=torch.float64), inverse)
+        return f.cos(), f.sin()
+
+    def rotate(x, offset):
+        return rotary_embedding_ref(x, *angles(offset, x.shape[1]), interleaved=interleaved)
+
+    if interleaved:  # YOCO's: one tensor a call
+        return _Call(lambda x, seqlen_offset=0, **_: rotate(x, seqlen_offset))
+    return _Call(lambda q, k, seqlen_offset=0, **_: (rotate(q, seqlen_offset), rotate(k, seqlen_offset)))
+
+
+def _compare_with_fla_layer(ours, ref, d_model, state_of=None):
+    """Whole sequence, and a prefill in two chunks then four decoding steps with each one's cache."""
+    x = torch.randn(2, 33, d_model, dtype=torch.float64)
+    with torch.no_grad():
+        whole = ref(x)[0]
+        torch.testing.assert_close(ours(x, MixerInput(torch.arange(33)[None])), whole, rtol=1e-10, atol=1e-12)
+        state, cache, pieces, ref_pieces = ours.new_state(2, 33, torch.float64), _LayerCache(), [], []
+        for a, b in ((0, 17), (17, 29), (29, 30), (30, 31), (31, 32), (32, 33)):
+            pieces.append(ours(x[:, a:b], MixerInput(torch.arange(a, b)[None], state)))
+            ref_pieces.append(ref(x[:, a:b], past_key_values=cache, use_cache=True)[0])
+        torch.testing.assert_close(torch.cat(pieces, 1), torch.cat(ref_pieces, 1), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=1e-10, atol=1e-12)
+        if state_of is not None:
+            torch.testing.assert_close(state["S"], state_of(cache[0]["recurrent_state"]), rtol=1e-10, atol=1e-12)
+
+
+def test_gated_deltanet_block_equals_flas_gated_deltanet_layer(monkeypatch):
+    """fla.layers.GatedDeltaNet: l2-normalised q, k (fla's l2norm, x / sqrt(|x|^2 + 1e-6), taken
+    exactly here with eps 0: archlab's F.normalize differs from it by ~1e-6/|q|^2, relative), sigmoid
+    beta, decay -exp(A_log) softplus(a + dt_bias), per-head RMSNorm then silu gate; state [V, K] there."""
+    layers = pytest.importorskip("fla.layers.gated_deltanet")
+
+    def kernel(q, k, v, g, beta, initial_state=None, A_log=None, dt_bias=None, state_v_first=False, **options):
+        assert options["use_qk_l2norm_in_kernel"] and options["use_beta_sigmoid_in_kernel"] and options["use_gate_in_kernel"]
+        q, k = (t * torch.rsqrt(t.square().sum(-1, keepdim=True)) for t in (q, k))
+        g = -A_log.exp() * F.softplus(g + dt_bias)
+        state = None if initial_state is None else initial_state.transpose(-1, -2)
+        o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta.sigmoid(), initial_state=state, output_final_state=True)
+        return o, state.transpose(-1, -2)
+
+    monkeypatch.setattr(layers, "chunk_gated_delta_rule", kernel)
+    monkeypatch.setattr(layers, "fused_recurrent_gated_delta_rule", kernel)
+    monkeypatch.setattr(layers.GatedDeltaNet, "_use_fused_qkv_conv", lambda self, **_: False)
+    ours = GatedDeltaNetSpec(type="gdn", n_heads=4, head_dim=8, expand_v=2, chunk_size=8).build(BuildContext(32, None)).double()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ref = layers.GatedDeltaNet(hidden_size=32, head_dim=8, num_heads=4, expand_v=2, norm_eps=1e-6, layer_idx=0).double().eval()
+    with torch.no_grad():
+        for mine, theirs in dict(q_proj="q_proj", k_proj="k_proj", v_proj="v_proj", a_proj="a_proj", b_proj="b_proj",
+                                 gate_proj="g_proj", o_proj="o_proj").items():
+            getattr(ref, theirs).weight.copy_(getattr(ours, mine).weight)
+        ref.A_log.copy_(ours.A_log)
+        ref.dt_bias.copy_(ours.dt_bias)
+    for name in ("q", "k", "v"):
+        setattr(ref, f"{name}_conv1d", _fla_short_conv(getattr(ours, f"{name}_conv").weight))
+    ref.o_norm = _fla_norm_gate(ours.head_norm.weight, 1e-6)
+    _compare_with_fla_layer(ours, ref, 32, state_of=lambda s: s.transpose(-1, -2))
+
+
+def test_retnet_block_equals_flas_multiscale_retention_layer(monkeypatch):
+    """fla.layers.MultiScaleRetention: gamma_h = 1 - 2^(-5-h), scale K^-0.5, per-head RMSNorm then
+    silu gate. Its RoPE rotates halves, archlab's (as YOCO's) pairs: the same up to the order of
+    the q/k projection rows within a head."""
+    layers = pytest.importorskip("fla.layers.multiscale_retention")
+
+    def retention(q, k, v, initial_state=None, **_):
+        gamma = 1 - 2.0 ** (-5.0 - torch.arange(q.shape[2], dtype=torch.float64))
+        state = q.new_zeros(*q.shape[::2], q.shape[-1], v.shape[-1]) if initial_state is None else initial_state
+        o = []
+        for t in range(q.shape[1]):
+            state = gamma[:, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+            o.append(torch.einsum("bhk,bhkv->bhv", q[:, t] * q.shape[-1] ** -0.5, state))
+        return torch.stack(o, 1), state
+
+    q, k, v = torch.randn(2, 9, 3, 4, dtype=torch.float64), torch.randn(2, 9, 3, 4, dtype=torch.float64), torch.randn(2, 9, 3, 8, dtype=torch.float64)
+    naive = pytest.importorskip("fla.ops.retention.naive").naive_retention  # computes in float32
+    torch.testing.assert_close(retention(q, k, v)[0], naive(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2).double(), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(layers, "chunk_retention", retention)
+    monkeypatch.setattr(layers, "fused_recurrent_retention", retention)
+    ours = RetentionSpec(type="retnet", n_heads=4, chunk_size=8).build(BuildContext(32, 10_000.0)).double()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ref = layers.MultiScaleRetention(hidden_size=32, num_heads=4, expand_k=1, expand_v=2, norm_eps=1e-6, layer_idx=0).double().eval()
+    rows = _rows_for_interleaved_rope(4, 8)
+    with torch.no_grad():
+        ref.q_proj.weight.copy_(ours.q_proj.weight[rows])
+        ref.k_proj.weight.copy_(ours.k_proj.weight[rows])
+        for mine, theirs in dict(v_proj="v_proj", gate_proj="g_proj", o_proj="o_proj").items():
+            getattr(ref, theirs).weight.copy_(getattr(ours, mine).weight)
+    ref.rotary = _fla_rotary(8, interleaved=False)
+    ref.g_norm_swish_gate = _fla_norm_gate(ours.head_norm.weight, 1e-6)
+    half = torch.cat([torch.arange(0, 8, 2), torch.arange(1, 8, 2)])
+    _compare_with_fla_layer(ours, ref, 32, state_of=lambda s: s.index_select(2, torch.argsort(half)))
+
+
+def test_gated_retention_block_equals_flas_yoco_gated_retention_layer(monkeypatch):
+    """fla.layers.yoco.YOCOGatedRetention: decay logsigmoid(W x) / 16, interleaved RoPE, value
+    heads as wide as key heads (archlab's default is twice: set here), a sub-norm without a scale
+    (archlab's has one, at 1 here)."""
+    layers = pytest.importorskip("fla.layers.yoco")
+
+    def kernel(q, k, v, g, initial_state=None, state_v_first=False, **_):
+        assert state_v_first
+        state = None if initial_state is None else initial_state.transpose(-1, -2)
+        o, state = fused_recurrent_simple_gla(q, k, v, g, initial_state=state, output_final_state=True)
+        return o, state.transpose(-1, -2)
+
+    monkeypatch.setattr(layers, "chunk_simple_gla", kernel)
+    monkeypatch.setattr(layers, "fused_recurrent_simple_gla", kernel)
+    ours = RetentionSpec(type="retnet", n_heads=4, value_dim=8, gated=True, chunk_size=8).build(BuildContext(32, 10_000.0)).double()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    torch.nn.init.ones_(ours.head_norm.weight)
+    ref = layers.YOCOGatedRetention(hidden_size=32, num_heads=4, norm_eps=1e-6, layer_idx=0).double().eval()
+    with torch.no_grad():
+        for mine, theirs in dict(q_proj="q_proj", k_proj="k_proj", v_proj="v_proj", gate_proj="g_proj", decay_proj="gk_proj",
+                                 o_proj="o_proj").items():
+            getattr(ref, theirs).weight.copy_(getattr(ours, mine).weight)
+    ref.rotary = _fla_rotary(8, interleaved=True)
+    ref.o_norm = _fla_norm_gate(None, 1e-6)
+    _compare_with_fla_layer(ours, ref, 32, state_of=lambda s: s.transpose(-1, -2))
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_block_equals_flas_mamba2_layer(groups):
+    """fla.layers.Mamba2's PyTorch path (the transformers port of mamba-ssm's Mamba2): in_proj split
+    z | x B C | dt, conv with bias then silu, A = -exp(A_log), softplus(dt + dt_bias), D skip, grouped
+    RMSNorm(y * silu(z)) (eps 1e-5), out_proj. It computes in float32, so this compares in float32.
+    Its decoding step, run here over the whole sequence from a zero cache, gives head h group
+    h // (heads / groups), as mamba-ssm's kernels do; its sequence path tiles the groups instead
+    (B.repeat: group h % groups), so it is compared with one group only."""
+    layers = pytest.importorskip("fla.layers.mamba2")
+    from blocks.mamba2 import Mamba2Spec
+
+    ours = Mamba2Spec(type="mamba2", d_state=8, head_dim=8, expand=2, n_groups=groups, chunk_size=8).build(BuildContext(32, None))
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ref = layers.Mamba2(head_dim=8, hidden_size=32, state_size=8, expand=2, n_groups=groups, chunk_size=8, layer_idx=0,
+                        backend="triton").eval()
+    with torch.no_grad():
+        for name in ("A_log", "dt_bias", "D"):
+            getattr(ref, name).copy_(getattr(ours, name))
+        ref.in_proj.weight.copy_(ours.in_proj.weight)
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.conv1d.weight.copy_(ours.conv.weight)
+        ref.conv1d.bias.copy_(ours.conv.bias)
+    ref.act = torch.nn.SiLU()
+
+    def norm(y, z):
+        y = (y * F.silu(z)).unflatten(-1, (groups, -1))
+        return (y * torch.rsqrt(y.square().mean(-1, keepdim=True) + 1e-5)).flatten(-2) * ours.norm_weight
+
+    ref.norm = _Call(norm)
+    x = torch.randn(2, 33, 32)
+    with torch.no_grad():
+        cache = _LayerCache()
+        cache.update(conv_state=torch.zeros(2, ours.conv_dim, 4), recurrent_state=torch.zeros(2, ours.heads, 8, 8))
+        stepped = torch.cat([ref(x[:, t : t + 1], past_key_values=cache, use_cache=True)[0] for t in range(33)], 1)
+        torch.testing.assert_close(ours(x, MixerInput(torch.arange(33)[None])), stepped, rtol=1e-5, atol=1e-5)
+        state = ours.new_state(2, 33, torch.float32)
+        pieces = [ours(x[:, a:b], MixerInput(torch.arange(a, b)[None], state)) for a, b in ((0, 17), (17, 29), *((t, t + 1) for t in range(29, 33)))]
+        torch.testing.assert_close(torch.cat(pieces, 1), stepped, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state["ssm"], cache[0]["recurrent_state"], rtol=1e-5, atol=1e-5)
+        if groups == 1:
+            torch.testing.assert_close(ref(x)[0], stepped, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_block_equals_flas_attention_layer_by_hand():
+    """fla.layers.Attention with window_size (it needs flash-attn to build, so its forward is
+    written out here): separate q/k/v projections (archlab's one qkv matmul, split), rotate-half
+    RoPE with base 1e4 (archlab's interleaved, up to q/k row order), flash-attn window (W-1, 0)."""
+    from fla.modules.rotary.ops import rotary_embedding_ref
+
+    heads, kv_heads, head_dim, window = 4, 2, 8, 5
+    ours = SlidingWindowSpec(type="swa", window=window, n_heads=heads, n_kv_heads=kv_heads).build(BuildContext(32, 10_000.0)).double()
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    wq, wk, wv = ours.qkv_proj.weight.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+    wq, wk = wq[_rows_for_interleaved_rope(heads, head_dim)], wk[_rows_for_interleaved_rope(kv_heads, head_dim)]
+    x = torch.randn(2, 33, 32, dtype=torch.float64)
+    q, k, v = (x @ wq.T).unflatten(-1, (heads, -1)), (x @ wk.T).unflatten(-1, (kv_heads, -1)), (x @ wv.T).unflatten(-1, (kv_heads, -1))
+    angles = torch.outer(torch.arange(33, dtype=torch.float64), 10_000.0 ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    q, k = (rotary_embedding_ref(t, angles.cos(), angles.sin()) for t in (q, k))
+    expected = naive_window_attention(q, k, v, window).flatten(2) @ ours.o_proj.weight.T
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x, MixerInput(torch.arange(33)[None], causal=True)), expected, rtol=1e-10, atol=1e-12)
+        state = ours.new_state(2, 33, torch.float64)
+        pieces = [ours(x[:, a:b], MixerInput(torch.arange(a, b)[None], state)) for a, b in ((0, 17), (17, 29), *((t, t + 1) for t in range(29, 33)))]
+        torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-10, atol=1e-12)

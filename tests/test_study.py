@@ -1120,3 +1120,27 @@ def test_archlab_run_from_a_source_checkout_it_was_not_installed_from_names_its_
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert _described_code().split(" at ")[0] == version
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_pruned_trial_is_not_reported_under_another_pruner(tmp_path, cli):
+    """The pruner was no part of what a trial recorded: a study that pruned a trial under median and
+    was then edited to pruner: none reported it as pruned, under "pruner: none", and chose the
+    variant's best lr without it. A trial the pruner let complete is the same under any pruner."""
+    path, out = mini(tmp_path, "repruned", steps=2, pruner="median"), tmp_path / "out"
+    study, url = load_study(str(path)), storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)  # yoco seed 0 lr slot 0: complete
+    cut = optuna.Trial(optuna_study, claim(optuna_study, url, out))  # yoco seed 0 lr slot 1, pruned as a pruner would
+    cut.set_user_attr("setup", study.setup("yoco", 1))
+    cut.report(5.0, 2)
+    optuna_study.tell(cut, state=TrialState.PRUNED)
+    edited = rewrite(path, pruner="none")
+    with pytest.raises(StudyChanged, match=r"holds 1 trial that trained under another definition of the study:\n"
+                                           r"  yoco seed 0 lr slot 1: pruner median -> none\n"):
+        check_unchanged(edited, optuna_study)
+    code, _, stderr = cli("study", "run", path, "--out", out)
+    assert code == 1 and "yoco seed 0 lr slot 1: pruner median -> none" in stderr and "Traceback" not in stderr, stderr
+    assert [t.state for t in trials_of(url, "repruned")][:2] == [TrialState.COMPLETE, TrialState.PRUNED]  # kept as they were
+    rewrite(path, pruner="median")
+    check_unchanged(load_study(str(path)), optuna_study)  # put back: fine

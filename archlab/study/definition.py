@@ -242,6 +242,7 @@ class Study:
             "steps": self.steps(variant),
             "lr": lr.grid()[slot] if self.definition.sampler == "grid" else [lr.low, lr.high],
             "metric": self.definition.metric,
+            "pruner": self.definition.pruner,  # what cut a pruned trial short (check_unchanged compares it for those alone)
         }
         init = self.definition.variants[variant].init  # recorded only where set, so that setups recorded before it existed compare equal
         if init and init.run:

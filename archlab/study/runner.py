@@ -116,6 +116,8 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         kept = trial.user_attrs
         recorded = as_recorded_now(kept.get("setup", {name: kept[name] for name in ("lr", "steps") if name in kept}))
         current = study.setup(key[0], key[2])
+        if trial.state is not TrialState.PRUNED:  # a trial the pruner let run (or that failed) ran as it would under any pruner
+            recorded = {name: value for name, value in recorded.items() if name != "pruner"}
         differences = describe_differences(recorded, {name: current.get(name) for name in recorded})
         if "lr" in recorded and isinstance(recorded["lr"], list) != isinstance(current["lr"], list):  # grid <-> tpe
             differences = [f"lr {_lr_said(recorded['lr'])} -> {_lr_said(current['lr'])}",

@@ -1144,3 +1144,21 @@ def test_a_pruned_trial_is_not_reported_under_another_pruner(tmp_path, cli):
     assert [t.state for t in trials_of(url, "repruned")][:2] == [TrialState.COMPLETE, TrialState.PRUNED]  # kept as they were
     rewrite(path, pruner="median")
     check_unchanged(load_study(str(path)), optuna_study)  # put back: fine
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_report_does_not_count_a_killed_workers_trial_as_running(tmp_path):
+    """A worker killed (SIGKILL, a lost machine) left its trial running in the storage until another
+    worker joined, and `study report` meanwhile said it was running, however long it had been silent."""
+    study = load_study(str(mini(tmp_path, "zombie", steps=2)))
+    out = tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=1)
+    claim(optuna_study, url, out)  # taken, with its first beat, by a worker killed at once
+    text = report(study, optuna_study, out, url)
+    assert "4 planned: 0 complete, 1 running, 3 waiting" in text  # still within the grace period
+    time.sleep(2.5)
+    line = next(line for line in report(study, optuna_study, out, url).splitlines() if line.startswith("- trials:"))
+    assert line.startswith("- trials: 4 planned: 0 complete, 0 running, 3 waiting, 0 failed, 0 pruned, 1 whose worker has sent no heartbeat"
+                           " for over the --grace-period (killed, or paused; it runs again at the next `study run`"), line
+    assert optuna_study.get_trials()[0].state == TrialState.RUNNING  # a report fails nothing

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 
 import optuna
+from optuna.storages import RDBStorage
 from optuna.trial import TrialState
 
 from archlab.cost import Cost
@@ -141,21 +143,28 @@ def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     return lines
 
 
-def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
+def progress(study: Study, trials: list[optuna.trial.FrozenTrial], silent: Collection[int] = ()) -> str:
     """How far the study has got, counting each planned trial once, by its latest attempt (a trial
-    whose worker died counts as its retry), so the header agrees with the table."""
+    whose worker died counts as its retry), so the header agrees with the table. ``silent``: the
+    numbers of running trials that have sent no heartbeat for longer than the workers' grace period
+    (``silent_trials``): their worker was killed (or is paused), and no live worker has failed them yet."""
     planned = study.planned()
     attempts = [t for key, t in latest(trials).items() if key in planned]
     count = Counter(t.state.name.lower() for t in attempts)
-    stopped = sum(t.state == TrialState.RUNNING and STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")
-                  for t in attempts)  # a retry's copy of the mark is its old worker's, until its new one clears it
+    is_stopped = [t.state == TrialState.RUNNING and STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")
+                  for t in attempts]  # a retry's copy of the mark is its old worker's, until its new one clears it
+    stopped = sum(is_stopped)
+    gone = sum(t.state == TrialState.RUNNING and t.number in silent and not mark for t, mark in zip(attempts, is_stopped))
     finished = count["complete"] + count["fail"] + count["pruned"]
     waiting = len(planned) - finished - count["running"]  # queued, or not yet queued by any worker
-    line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running'] - stopped} running, {waiting} waiting,"
+    line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running'] - stopped - gone} running, {waiting} waiting,"
             f" {count['fail']} failed, {count['pruned']} pruned")
     if stopped:
         line += (f", {stopped} whose worker was stopped ({'they run' if stopped > 1 else 'it runs'} again once silent for the"
                  " --grace-period)")
+    if gone:
+        line += (f", {gone} whose worker has sent no heartbeat for over the --grace-period (killed, or paused; {'they run' if gone > 1 else 'it runs'}"
+                 " again at the next `study run`, or under a worker still running)")
     if finished < len(planned):
         line += f"; **incomplete**: the table covers only the {finished} of {len(planned)} that have finished"
     lost = sum(len(t.system_attrs.get("retry_history", [])) for t in attempts)
@@ -166,6 +175,22 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial]) -> str:
         again = f"{lost - queued} ran again, " if lost > queued else ""
         line += f"; {lost} lost their worker (see Failed trials): {again}{queued} queued again and waiting"
     return line
+
+
+def silent_trials(optuna_study: optuna.Study) -> set[int]:
+    """The numbers of the study's running trials silent for longer than its workers' grace period
+    (recorded as they join), as a worker would find them stale: the report reads the storage alone,
+    and fails nothing."""
+    storage, grace = optuna_study._storage, optuna_study.user_attrs.get("grace_period")
+    storage = getattr(storage, "_backend", storage)  # optuna's cache in front of an RDBStorage
+    if not isinstance(storage, RDBStorage) or storage.heartbeat_interval is None or not grace:
+        return set()
+    saved, storage.grace_period = storage.grace_period, grace
+    try:
+        stale = set(storage._get_stale_trial_ids(optuna_study._study_id))
+    finally:
+        storage.grace_period = saved
+    return {t.number for t in optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if t._trial_id in stale}
 
 
 def settings(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
@@ -258,7 +283,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         f" {('point' if definition.sampler == 'grid' else 'draw') + ('s' if definition.lr.points > 1 else '')}"
         f" over [{definition.lr.low:g}, {definition.lr.high:g}]; pruner: {definition.pruner}",
         *starts(study, trials),
-        progress(study, trials),
+        progress(study, trials, silent_trials(optuna_study)),
         *settings(study, trials),
         f"- storage `{(whole := shown(storage, relative=False))}` (open it with `optuna-dashboard {whole}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",

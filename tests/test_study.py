@@ -1162,3 +1162,19 @@ def test_a_report_does_not_count_a_killed_workers_trial_as_running(tmp_path):
     assert line.startswith("- trials: 4 planned: 0 complete, 0 running, 3 waiting, 0 failed, 0 pruned, 1 whose worker has sent no heartbeat"
                            " for over the --grace-period (killed, or paused; it runs again at the next `study run`"), line
     assert optuna_study.get_trials()[0].state == TrialState.RUNNING  # a report fails nothing
+
+
+def test_a_trial_whose_worker_was_stopped_is_listed_as_stopped_not_silent(tmp_path):
+    """A worker stopped by Ctrl-C or SIGTERM marks its trial; once failed as stale, Failed trials
+    said of it only that its worker stopped sending heartbeats, as of a worker killed."""
+    study = load_study(str(mini(tmp_path, "stopped")))
+    recorded = optuna.create_study()
+    stopped = finished("yoco", 0, 0, None, state=TrialState.FAIL, curve={2: 3.0})
+    stopped.user_attrs.update({"worker": "host:1", "stopped_worker": "host:1"})
+    killed = finished("yoco", 0, 1, None, state=TrialState.FAIL, curve={2: 3.0})
+    killed.user_attrs.update({"worker": "host:2"})
+    for trial in (stopped, killed):
+        recorded.add_trial(trial)
+    rows = failures(study, recorded.trials)
+    assert [row["why"] for row in rows] == ["its worker host:1 was stopped (Ctrl-C or SIGTERM) after step 2",
+                                             "its worker host:2 stopped sending heartbeats after step 2"]

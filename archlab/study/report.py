@@ -220,7 +220,8 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
         else:  # failed by the heartbeat check, which records no reason
             last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before its first evaluation"
             worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
-            why = f"its worker{worker} stopped sending heartbeats{last}"
+            stopped = STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")  # not a retry's copy
+            why = f"its worker{worker} {'was stopped (Ctrl-C or SIGTERM)' if stopped else 'stopped sending heartbeats'}{last}"
         grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it
         lr, retry = learning_rate(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)
         rows.append({"trial": t.number, "variant": variant, "seed": seed, "lr": f"{lr:.2g}" if lr else "-", "why": why.replace("|", "\\|"),

@@ -1178,3 +1178,19 @@ def test_a_trial_whose_worker_was_stopped_is_listed_as_stopped_not_silent(tmp_pa
     rows = failures(study, recorded.trials)
     assert [row["why"] for row in rows] == ["its worker host:1 was stopped (Ctrl-C or SIGTERM) after step 2",
                                              "its worker host:2 stopped sending heartbeats after step 2"]
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_storage_that_lost_the_study_is_refused_where_its_trials_trained(tmp_path, cli):
+    """A database dropped and made again (or a SQLite file removed) numbered the trials from 0 again,
+    into the folders of the earlier trials of those numbers: every trial failed ("already holds a
+    run; pass --resume"), was recorded as failed and never run again."""
+    path, out = mini(tmp_path, "lost", steps=2), tmp_path / "out"
+    study, url = load_study(str(path)), storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
+    (out / "optuna.db").unlink()  # the storage lost, its trials' folders kept
+    code, _, stderr = cli("study", "run", path, "--out", out)
+    said = " ".join(stderr.split())
+    assert code == 1 and "holds no study lost-tiny, but" in said and "holds 1 trial of it (0000-yoco-s0-lr0)" in said, stderr
+    assert "Traceback" not in stderr and not (out / "optuna.db").exists() or not optuna.get_all_study_names(url)  # nothing queued

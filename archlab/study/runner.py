@@ -396,6 +396,7 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
             optuna_study = open_study(study, url, grace_period, create=False)
         except NotThere:  # the first worker: created below, once nothing has refused the run
             optuna_study = None
+            refuse_earlier_trials(out, study.key, url)
         agreed = optuna_study and optuna_study.user_attrs.get("grace_period")  # the running workers'
         if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
@@ -431,6 +432,19 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
     return optuna_study
+
+
+def refuse_earlier_trials(out: Path, key: str, url: str) -> None:
+    """A study not in its storage, whose trials' folder in ``out`` holds trials already: the storage
+    lost them (its database dropped and made again, its SQLite file removed). Trials are numbered
+    from 0 again, each into the folder of the earlier trial of its number, which already holds a run:
+    every trial would fail, and a failed trial is not run again."""
+    folder = trials_folder(out, key, url)
+    held = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if held:
+        raise StorageError(f"{shown(url)} holds no study {key}, but {folder} holds {len(held)} trial{'s' * (len(held) > 1)} of it"
+                           f" ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) from a storage of that URL: was its database"
+                           " dropped or made again? Give the study another --out to run it afresh, or move that folder away")
 
 
 def _read_data(study: Study, out: Path) -> str | None:

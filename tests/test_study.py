@@ -1144,6 +1144,13 @@ def test_a_pruned_trial_is_not_reported_under_another_pruner(tmp_path, cli):
     assert [t.state for t in trials_of(url, "repruned")][:2] == [TrialState.COMPLETE, TrialState.PRUNED]  # kept as they were
     rewrite(path, pruner="median")
     check_unchanged(load_study(str(path)), optuna_study)  # put back: fine
+    setup = {name: value for name, value in study.setup("yoco", 1).items() if name != "pruner"}  # as recorded before pruners were
+    legacy, older = optuna.create_study(), finished("yoco", 0, 1, None, state=TrialState.PRUNED, curve={2: 5.0})
+    older.user_attrs["setup"] = setup
+    legacy.add_trial(older)
+    check_unchanged(rewrite(path, pruner="hyperband"), legacy)  # which pruner cut it is not known
+    with pytest.raises(StudyChanged, match=r"yoco seed 0 lr slot 1: pruned, and the study now has pruner: none"):
+        check_unchanged(rewrite(path, pruner="none"), legacy)  # but that one did
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options

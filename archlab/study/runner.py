@@ -122,6 +122,8 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         if "lr" in recorded and isinstance(recorded["lr"], list) != isinstance(current["lr"], list):  # grid <-> tpe
             differences = [f"lr {_lr_said(recorded['lr'])} -> {_lr_said(current['lr'])}",
                            *(d for d in differences if not d.startswith("lr"))]
+        if trial.state is TrialState.PRUNED and "pruner" not in recorded and current["pruner"] == "none":  # recorded before pruners were
+            differences.insert(0, "pruned, and the study now has pruner: none")
         was, now = kept.get("started_from"), (starts or {}).get(key[0], {}).get(key[1])
         if "init" in current and "init" not in recorded:  # a setup records init only where set: this trial trained from scratch
             init = current["init"]

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from decimal import Decimal
 from enum import Enum
+from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, NamedTuple
 
@@ -840,9 +841,10 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
     else:
         if not math.isfinite(flops):
             raise typer.BadParameter(f"--flops must be a finite number, got {flops}")
-        option, amount, per_step = f"--flops {flops:g}", flops, Cost(spec).train_flops_per_token(cfg.seq_len) * tokens_per_step
+        # whole sequences' FLOPs, as equal-flops divides them: a per-token figure, rounded down, could buy a step more
+        option, amount, per_step = f"--flops {flops:g}", flops, Cost(spec).train_flops_per_sequence(cfg.seq_len) * cfg.batch_size
         step_size += f", {si(per_step)} FLOPs"
-        steps = int(amount // per_step)
+        steps = math.floor(Fraction(amount) / per_step)
     if amount < per_step:
         say.print(f"[yellow]notice[/]: {option} is less than one step ({step_size}); training 1 step", highlight=False)
     if steps > MAX_STEPS:

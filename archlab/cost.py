@@ -186,7 +186,14 @@ class Cost:
         """Forward and backward (3 x forward) per token at training length ``seq_len``."""
         if _tokens("seq_len", seq_len) < TRAINING_LENGTH:
             raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
-        return 3 * sum(self.forward_flops(seq_len).values()) // seq_len
+        return self.train_flops_per_sequence(seq_len) // seq_len
+
+    def train_flops_per_sequence(self, seq_len: int) -> int:
+        """Forward and backward (3 x forward) of one training sequence of ``seq_len`` tokens, exact:
+        what a budget is divided by, where the per-token figure (rounded down) could buy a step more."""
+        if _tokens("seq_len", seq_len) < TRAINING_LENGTH:
+            raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
+        return 3 * sum(self.forward_flops(seq_len).values())
 
     def prefill_flops(self, n: int) -> Flops:
         """Prefill of an n-token prompt: the prefill steps over the first n - 1 tokens (in YOCO
@@ -254,8 +261,7 @@ def equal_flops_steps(reference: ModelSpec, steps: int, other: ModelSpec, seq_le
     ``steps`` steps, at the same tokens per step and sequence length (rounded down). Divided as
     whole sequences' FLOPs: per-token figures, each rounded down, could give a step more."""
     def per_sequence(spec: ModelSpec) -> int:
-        Cost(spec).train_flops_per_token(seq_len)  # refuses a length training cannot cost
-        return sum(Cost(spec).forward_flops(seq_len).values())
+        return Cost(spec).train_flops_per_sequence(seq_len)  # refuses a length training cannot cost
 
     return steps * per_sequence(reference) // per_sequence(other)
 

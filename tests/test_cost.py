@@ -317,3 +317,22 @@ def test_a_cost_asked_at_a_length_that_is_not_one_names_it():
         with pytest.raises(ValueError, match=re.escape(said)):
             ask()
     assert cost.row(np.int64(64)) == cost.row(64) and cost.cache_bytes(0).global_ == 0
+
+
+def test_flops_budget_buys_no_step_more_than_its_flops():
+    """`train --flops` divides by whole sequences' FLOPs, as equal-flops does: the per-token figure,
+    rounded down (at seq_len 1000, yoco-u-gdn's 3 x forward is not a multiple of 1000), bought
+    282,697 steps of 2e16 FLOPs where 282,696 spend no more than the budget."""
+    from rich.console import Console
+
+    from archlab.cli import _budget_steps
+    from archlab.train.config import load_config
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-gdn.yaml")
+    cfg = load_config(None, ["seq_len=1000", "batch_size=16"])
+    per_step = 3 * sum(Cost(spec).forward_flops(1000).values()) * 16
+    assert per_step % (16 * 1000)  # the per-token figure is rounded here
+    budget = 2e16
+    steps = _budget_steps(spec, cfg, None, None, budget, Console(quiet=True))
+    assert steps * per_step <= budget < (steps + 1) * per_step
+    assert steps == 282_696

@@ -2213,3 +2213,20 @@ def test_evaluate_refuses_a_held_out_split_that_is_not_the_runs(cli, tmp_path):
     refused(cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2"),
             f"is not the data {run} trained on: its checkpoint records", "give --data to score other text")
     assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2", "--data", tokens)[0] == 0
+
+
+@pytest.mark.parametrize("precision,scored_in_bf16", [("bf16", True), ("fp32", False), ("auto", False)])
+def test_a_run_is_scored_in_the_precision_it_trained_in(precision, scored_in_bf16):
+    """evaluate, needle, downstream and representations score a run as its config trained it: a
+    `precision: bf16` run on the CPU in a bf16 autocast (it was scored in float32), and by the same
+    rule a `precision: fp32` run on CUDA in float32 (it was scored in bf16)."""
+    from archlab.model import build_model
+    from archlab.train.evaluate import Loaded
+
+    model = build_model(load_spec(ROOT / "specs" / "tiny" / "transformer.yaml"))
+    loaded = Loaded(ROOT, model, TrainConfig(precision=precision), None, None, None)
+    _, autocast = loaded.on(torch.device("cpu"))
+    with autocast:
+        assert torch.is_autocast_enabled("cpu") == scored_in_bf16
+        if scored_in_bf16:
+            assert torch.get_autocast_dtype("cpu") == torch.bfloat16

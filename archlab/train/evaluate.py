@@ -157,8 +157,11 @@ class Loaded:
         return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
 
     def on(self, device: torch.device):
-        """The model on ``device`` in eval mode, and the precision to score in (bf16 on CUDA, as it trained)."""
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+        """The model on ``device`` in eval mode, and the precision to score in, as the run's config trained
+        it there (``precision``: bf16 autocast, fp32, or auto: bf16 on CUDA, fp32 on the CPU)."""
+        precision = self.config.precision
+        bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
         return self.model.to(device).eval(), autocast
 
 

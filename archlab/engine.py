@@ -220,8 +220,9 @@ class Engine:
         """One token per sequence (tokens [B, 1] at positions start [B]) through the whole model;
         returns the logits [B, V]. ``start[b]`` must be the position after the last one fed to
         sequence b: the cache keeps no count of its own to check it against (reading one would
-        cost a device sync a step), and a token fed after a gap attends over the skipped positions as whatever they hold. With ``cuda_graph`` the step is captured on first use per
-        cache and replayed after."""
+        cost a device sync a step), and a token fed after a gap attends over the skipped
+        positions as whatever they hold. With ``cuda_graph`` the step is captured on first use
+        per cache and replayed after."""
         if not self.cuda_graph:
             return self.feed(tokens, start, cache, full=True)
         if self._captured is None or self._captured.cache is not cache:

@@ -208,8 +208,10 @@ def round_up(n: int, multiple: int) -> int:
 
 def gated_head_output(mixer: nn.Module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """RetNet's and Gated DeltaNet's output: their heads o [B, N, H, V] through the mixer's per-head
-    ``head_norm``, gated by silu(``gate_proj`` x), then ``o_proj`` back to the width."""
-    o = mixer.head_norm(o) * F.silu(mixer.gate_proj(x)).view_as(o)
+    ``head_norm``, gated by silu(``gate_proj`` x), then ``o_proj`` back to the width. The norm
+    reads the heads in its weight's dtype: under autocast they come in bfloat16, which PyTorch's
+    fused RMSNorm refuses beside a float32 weight (a warning, and its slower path)."""
+    o = mixer.head_norm(o.to(mixer.head_norm.weight.dtype)) * F.silu(mixer.gate_proj(x)).view_as(o)
     return mixer.o_proj(o.flatten(2))
 
 

@@ -137,6 +137,20 @@ def test_rope_keeps_its_angles_in_any_model_dtype(dtype, tolerance):
     assert (rope(x, positions).double() - expected).abs().max() / expected.abs().max() < tolerance
 
 
+@pytest.mark.parametrize("spec, rope_theta", [(GatedDeltaNetSpec(type="gdn", n_heads=2, chunk_size=8), None),
+                                              (RetentionSpec(type="retnet", n_heads=2, chunk_size=8), 10_000.0)],
+                         ids=["gdn", "retnet"])
+def test_the_head_norm_reads_autocast_heads_in_its_weights_dtype(spec, rope_theta):
+    """Under the trainer's bfloat16 autocast the heads leave the ops in bfloat16; the head norm
+    reads them in its float32 weight's dtype, as PyTorch's fused RMSNorm needs (it warned of the
+    mismatch, once a process, and took its slower path)."""
+    mixer, read = spec.build(BuildContext(32, rope_theta)), []
+    mixer.head_norm.register_forward_pre_hook(lambda norm, inputs: read.append(inputs[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixer(torch.randn(2, 16, 32), MixerInput(torch.arange(16)[None]))
+    assert read == [torch.float32]
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["bf16-model", "autocast"])
 def test_moe_routes_bf16_tokens_as_float64_would(autocast):
     """The router multiplies out its scores in float32, in a bfloat16 model (to serve) as under

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,6 +108,14 @@ class Watched(TorchDispatchMode):
         self.free = free_bytes(self.device)
         if self.free is None:
             return self
+        cls = type(self)
+        if "torch._dynamo" in sys.modules and "_dynamo_kept_out" not in cls.__dict__:
+            # Compiled code is about (compile: true). A compiled layer's frame resumed after a graph break (MoE's
+            # host read of its experts) runs under Dynamo's frame hook, which would otherwise trace this mode's
+            # __torch_dispatch__, its shapes symbolic (nonzero's), and fail at their nbytes. Dynamo is loaded
+            # already, so keeping it out costs nothing here.
+            cls.__torch_dispatch__ = torch._disable_dynamo(cls.__dict__["__torch_dispatch__"], recursive=True)
+            cls._dynamo_kept_out = True
         self.start, self.made, self.largest = resident_bytes(), 0, 0
         return super().__enter__()
 

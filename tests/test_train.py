@@ -970,6 +970,29 @@ def test_compiled_layers_train_as_eager(tmp_path):
     assert runs[True][-1]["eval_loss"] == pytest.approx(runs[False][-1]["eval_loss"], rel=1e-5)
 
 
+def test_compiled_moe_layers_train_as_eager_under_the_first_steps_memory_watch(tmp_path):
+    """An MoE layer breaks its compiled graph where it reads its experts on the host; the frame
+    resumed after that break runs Dynamo's frame hook, which traced the first step's memory watch
+    (``Watched``) on the CPU and failed at the nbytes of nonzero's symbolic shape. Kept out of
+    it, compiled MoE layers train as eager ones, and their load statistic is the same."""
+    import archlab
+    from rich.console import Console
+
+    from archlab.train.trainer import Trainer
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-moe.yaml")
+    runs = {}
+    torch._dynamo.reset()
+    for compile in (False, True):
+        cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 2, "seq_len": 32, "data": {"source": "mqar"},
+                                          "eval_interval": 100, "log_interval": 1, "compile": compile})
+        runs[compile] = Trainer(spec, cfg, tmp_path / str(compile), Console(quiet=True)).fit(2)
+    for eager, compiled in zip(runs[False], runs[True], strict=True):
+        assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
+        assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)
+        assert compiled["moe_max_load"] == eager["moe_max_load"]
+
+
 def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatch):
     """tokens/s in a logged record is the mean over the steps it stands for, not its own step's."""
     import types

@@ -993,6 +993,51 @@ def test_compiled_moe_layers_train_as_eager_under_the_first_steps_memory_watch(t
         assert compiled["moe_max_load"] == eager["moe_max_load"]
 
 
+def test_moe_balance_loss_is_logged_as_recomputed_from_the_steps_batch(tmp_path):
+    """``moe_aux_loss``: the balance loss each step trained on, recomputed in float64 from the
+    router probabilities of the weights before the step, on its micro-batches: summed over every
+    application of an MoE layer (2 layers looped 3 times, 2 cross-decoder layers), the mean over
+    micro-batches."""
+    import copy
+
+    import archlab
+    from rich.console import Console
+
+    from archlab.ffn import MoEFFN
+    from archlab.train.trainer import Trainer, micro_batches
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-moe.yaml")
+    cfg = TrainConfig.model_validate({"batch_size": 4, "micro_batch_size": 2, "seq_len": 32, "data": {"source": "mqar"},
+                                      "eval_interval": 100, "log_interval": 1})
+    trainer = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True))
+    expected, step_of = [], trainer._step
+
+    def step(step, steps, data, model):
+        before = copy.deepcopy(trainer.model).double()
+        seen = []
+        for m in before.modules():
+            if isinstance(m, MoEFFN):
+                m.register_forward_hook(lambda m, args, out: seen.append((m, args[0].reshape(-1, args[0].shape[-1]))))
+        losses = []
+        for part in micro_batches(data.batch("train", step, cfg.batch_size), cfg.micro_batch_size):
+            seen.clear()
+            with torch.no_grad():
+                before(part.inputs)
+            assert len(seen) == 8
+            loss = 0.0
+            for m, tokens in seen:
+                probs = (tokens @ m.router.weight.T).softmax(-1)
+                routed = torch.bincount(probs.topk(2).indices.flatten(), minlength=8) / (2 * len(tokens))
+                loss += 0.01 * 8 * float((routed * probs.mean(0)).sum())
+            losses.append(loss)
+        expected.append(sum(losses) / len(losses))
+        return step_of(step, steps, data, model)
+
+    trainer._step = step
+    records = trainer.fit(2)
+    assert [r["moe_aux_loss"] for r in records] == pytest.approx(expected, rel=1e-5)
+
+
 def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatch):
     """tokens/s in a logged record is the mean over the steps it stands for, not its own step's."""
     import types

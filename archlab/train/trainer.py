@@ -689,19 +689,21 @@ class Trainer:
         record = {"step": step + 1, "lr": lr, "tokens": (step + 1) * self.tokens_per_step}
         if weights is None:  # every window fell inside prompts: no loss to learn from, and AdamW would only decay the weights
             return record
-        total = torch.zeros((), device=self.device)
+        total, balance = torch.zeros((), device=self.device), torch.zeros((), device=self.device)
         for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
             with sync, self.autocast:
                 loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
                 ((loss * weight + aux) / self.accumulation).backward()
             total += loss.detach() * weight / self.accumulation
+            balance += aux.detach().float() / self.accumulation
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or float("inf")).item()
-        loss = self.world.mean(total).item()
+        loss, balance = self.world.mean(torch.stack((total, balance))).tolist()
         if math.isfinite(loss) and math.isfinite(grad_norm):  # clipping leaves a NaN gradient NaN
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         record.update(loss=loss, grad_norm=grad_norm)
         if self.moe_layers:  # of the last micro-batch (a looped layer: its last pass); 1.0 is balance, E/top_k collapse
+            record["moe_aux_loss"] = balance  # the balance loss the step trained on, weight included: summed over layers and passes, mean over micro-batches
             record["moe_max_load"] = max(float(m.last_load.max()) * m.last_load.numel() for m in self.moe_layers)
         return record

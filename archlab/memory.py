@@ -95,8 +95,9 @@ class Watched(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        """Not wrapped to keep Dynamo out of ``__torch_dispatch__``, which it never traces here (see
-        above): the wrapper imports Dynamo at the first op, 1.2 s in every command watched."""
+        """Not wrapped when the class is made, as TorchDispatchMode would, to keep Dynamo out of
+        ``__torch_dispatch__``: the wrapper imports Dynamo at the first op, 1.2 s in every command
+        watched. ``__enter__`` wraps it where Dynamo is loaded already (``compile: true``)."""
         return False
 
     def __init__(self, device: torch.device | str, what: str):

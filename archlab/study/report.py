@@ -143,6 +143,12 @@ def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     return lines
 
 
+def stopped_by_its_worker(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether the trial's worker was stopped (Ctrl-C, SIGTERM) while training it: a retry's copy
+    of the mark is its old worker's, until its new one clears it."""
+    return STOPPED in trial.user_attrs and trial.user_attrs[STOPPED] == trial.user_attrs.get("worker")
+
+
 def progress(study: Study, trials: list[optuna.trial.FrozenTrial], silent: Collection[int] = ()) -> str:
     """How far the study has got, counting each planned trial once, by its latest attempt (a trial
     whose worker died counts as its retry), so the header agrees with the table. ``silent``: the
@@ -151,8 +157,7 @@ def progress(study: Study, trials: list[optuna.trial.FrozenTrial], silent: Colle
     planned = study.planned()
     attempts = [t for key, t in latest(trials).items() if key in planned]
     count = Counter(t.state.name.lower() for t in attempts)
-    is_stopped = [t.state == TrialState.RUNNING and STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")
-                  for t in attempts]  # a retry's copy of the mark is its old worker's, until its new one clears it
+    is_stopped = [t.state == TrialState.RUNNING and stopped_by_its_worker(t) for t in attempts]
     stopped = sum(is_stopped)
     gone = sum(t.state == TrialState.RUNNING and t.number in silent and not mark for t, mark in zip(attempts, is_stopped))
     finished = count["complete"] + count["fail"] + count["pruned"]
@@ -220,8 +225,7 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
         else:  # failed by the heartbeat check, which records no reason
             last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before its first evaluation"
             worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
-            stopped = STOPPED in t.user_attrs and t.user_attrs[STOPPED] == t.user_attrs.get("worker")  # not a retry's copy
-            why = f"its worker{worker} {'was stopped (Ctrl-C or SIGTERM)' if stopped else 'stopped sending heartbeats'}{last}"
+            why = f"its worker{worker} {'was stopped (Ctrl-C or SIGTERM)' if stopped_by_its_worker(t) else 'stopped sending heartbeats'}{last}"
         grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it
         lr, retry = learning_rate(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)
         rows.append({"trial": t.number, "variant": variant, "seed": seed, "lr": f"{lr:.2g}" if lr else "-", "why": why.replace("|", "\\|"),

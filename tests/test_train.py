@@ -13,6 +13,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 import warnings
 from types import SimpleNamespace
@@ -1367,6 +1368,33 @@ def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(t
     finally:
         os.close(held)
     assert busy.stderr.count("is in use by another training process") == 1 and "[rank1]" not in busy.stderr, busy.stderr
+
+
+def test_under_torchrun_a_stopped_run_lets_go_of_its_ddp_wrapper_before_leaving_the_group(tmp_path):
+    """A run stopped by an error (here, a divergence) kept its DDP wrapper, whose reducer holds the
+    process group, in the error's frames until the interpreter's exit, where gloo's teardown then
+    ran and once deadlocked on the GIL (both processes idle, the job never ending). It is let go
+    before the group is left."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import gc, sys, torch
+        from archlab.cli import app
+        from archlab.train import trainer
+        close = trainer.World.close
+        def counted(world):
+            gc.collect()
+            held = sum(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects())
+            print(f"DDP wrappers held at close: {held}", file=sys.stderr)
+            close(world)
+        trainer.World.close = counted
+        app()
+    """))
+    diverged = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "train",
+                               "specs/tiny/transformer.yaml", "--out", str(tmp_path / "run"), *MQAR, "--set", "grad_clip=0",
+                               "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e6", "--steps", "10"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert "became nan" in diverged.stderr, diverged.stderr
+    assert diverged.stderr.count("DDP wrappers held at close: 0") == 2, diverged.stderr
 
 
 def test_a_process_left_alone_by_a_killed_peer_says_so_and_what_is_kept(cli, monkeypatch, tmp_path):

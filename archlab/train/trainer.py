@@ -12,6 +12,7 @@ import json
 import math
 import os
 import time
+import traceback
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -559,6 +560,10 @@ class Trainer:
                 records = self._fit(steps, resume, on_eval, on_step)
             self.world.barrier()  # every process past its last collective before one leaves the group (close)
             return records
+        except BaseException as exc:
+            if self.world.size > 1:  # the DDP wrapper, held by the frames it passed through, holds the process group
+                traceback.clear_frames(exc.__traceback__)  # freed now, the group ends in close(), not at the exit
+            raise
         finally:
             self.world.close()
 

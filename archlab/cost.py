@@ -184,8 +184,6 @@ class Cost:
 
     def train_flops_per_token(self, seq_len: int) -> int:
         """Forward and backward (3 x forward) per token at training length ``seq_len``."""
-        if _tokens("seq_len", seq_len) < TRAINING_LENGTH:
-            raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
         return self.train_flops_per_sequence(seq_len) // seq_len
 
     def train_flops_per_sequence(self, seq_len: int) -> int:

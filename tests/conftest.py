@@ -13,6 +13,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # (torchrun's, concurrent study workers) do not contend for a small machine's cores; the tests'
 # models are too small to gain from a second thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest-xdist's workers run with COLUMNS=80 in their environment, and a rich console made while COLUMNS is set keeps
+# that width for good, where the in-process commands set their own (``in_process_cli``).
+os.environ.pop("COLUMNS", None)
 
 import pytest
 import torch

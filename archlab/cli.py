@@ -128,8 +128,8 @@ def _not_a_spec(path: Path) -> str | None:
 
     try:
         loaded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # its SpecError says so
-        return None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):  # its SpecError says so (nested
+        return None  # past reading, a number past Python's limit on digits)
     keys = set(loaded) if isinstance(loaded, dict) else set()
     if {"variants", "baseline"} <= keys:
         return "a study (run it with `archlab study run`)"

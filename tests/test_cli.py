@@ -1060,3 +1060,15 @@ def test_a_number_rounded_to_zero_from_below_is_shown_as_zero():
     table = render(rows, Format.md)
     assert "| 0.0000 |" in table and "| -0.5000 |" in table and "-0.0000" not in table, table
     assert f"{Decimals(-0.001, 2):.2f}" == "0.00"
+
+
+@pytest.mark.parametrize("text,said", [("a: " + "[" * 3000 + "]" * 3000 + "\n", "<yaml>: nested too deeply to read"),
+                                       ("d_model: 1" + "0" * 5000 + "\n", "<yaml>: cannot read a value: Exceeds the limit")],
+                         ids=["nested past reading", "a number too long to read"])
+@pytest.mark.parametrize("command", ["validate", "build", "cost"])
+def test_a_spec_too_deep_or_long_to_read_is_reported_by_every_command_that_loads_specs(cli, tmp_path, command, text, said):
+    """``show`` said so, but validate, build and cost, on asking whether the file was a study or a
+    training config instead, read it again unguarded: a RecursionError or ValueError traceback."""
+    (tmp_path / "s.yaml").write_text(text)
+    code, out, stderr = cli(command, tmp_path / "s.yaml")
+    assert code == 1 and said in stderr and "Traceback" not in out + stderr, out + stderr

@@ -570,8 +570,8 @@ def chat(
         _error(f"{run} trained on token ids or a recall task, with no tokenizer to read a conversation with; chat with a run fine-tuned"
                " on a .jsonl of conversations")
         raise typer.Exit(1)
-    config = resolve(run)[0] / "config.yaml"
-    source = load_config(str(config)).data.source if config.is_file() else None  # _trained read it already
+    config = _trained_config(resolve(run)[0])  # a damaged config.yaml is named, as the other commands name it
+    source = None if config is None else config.data.source
     if source is not None and not holds_examples(source):
         err.print(f"[yellow]notice[/]: {escape(str(run))} trained on {escape(source)}, not on conversations: its replies need not end"
                   " where a message does", highlight=False)

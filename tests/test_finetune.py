@@ -921,3 +921,15 @@ def test_chat_says_a_run_fine_tuned_on_pairs_learned_no_turns(cli, pretrained, e
     code, _, stderr = cli("chat", run, "--max-new-tokens", "1")
     assert code in (0, None) and (f"{run} trained on the prompt/response pairs of {examples}, not on conversations: it learned a"
                                   " response after a bare prompt, ended by a newline") in " ".join(stderr.split()), stderr
+
+
+def test_chat_names_a_damaged_config_of_its_run(cli, pretrained, tmp_path, monkeypatch):
+    """Chat reads the run's config.yaml for its data source after the weights loaded; a damaged
+    one was a SpecError traceback there, where every other command reading it names the file."""
+    run = tmp_path / "run"
+    shutil.copytree(pretrained, run)
+    (run / "config.yaml").write_text("")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
+    code, stdout, stderr = cli("chat", run, "--max-new-tokens", 2)
+    assert code == 1 and f"error in {run / 'config.yaml'}" in stderr and "the file is empty" in stderr, stderr
+    assert stdout == ""  # refused before the conversation began

@@ -2326,3 +2326,31 @@ def test_a_run_is_scored_in_the_precision_it_trained_in(precision, scored_in_bf1
         assert torch.is_autocast_enabled("cpu") == scored_in_bf16
         if scored_in_bf16:
             assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def damaged_npy_header(path, how: str) -> None:
+    """An .npy file whose header numpy's reader chokes on in its own words: a Python literal cut
+    short (a TokenError from its tokenizer) or a dtype that does not parse (a SyntaxError)."""
+    np.save(path, np.arange(100, dtype=np.uint16))
+    data = bytearray(path.read_bytes())
+    if how == "literal cut short":
+        data[10:30] = b"X" * 20
+    else:
+        data = data.replace(b"'<u2'", b"',u2'")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["literal cut short", "dtype unparsable"])
+def test_a_token_file_or_cached_corpus_whose_npy_header_is_garbled_is_named(cli, trained_on_text, tmp_path, how):
+    """numpy raises tokenize.TokenError or SyntaxError for some garbled headers, not the ValueError
+    the readers caught: a traceback from train, and from evaluate on the run."""
+    tokens = tmp_path / "tokens.npy"
+    damaged_npy_header(tokens, how)
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r", "--data", tokens, *SMALL),
+            f"token file {str(tokens)!r} could not be read")
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    damaged_npy_header(run / "data" / "val.npy", how)
+    refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged", f"remove {run / 'data'} to tokenize it again")
+    refused(cli("evaluate", run, "--seq-len", "32", "--sequences", "1", "--last", "8", "--device", "cpu"),
+            f"the tokenized corpus in {run / 'data'} is damaged")

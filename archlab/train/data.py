@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sysconfig
+import tokenize
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -566,6 +567,8 @@ def load_tokenizer(path: str, vocab_size: int):
 
 
 NPY_MAGIC = b"\x93NUMPY"  # how every .npy file begins
+NPY_UNREADABLE = (ValueError, EOFError, tokenize.TokenError, SyntaxError)  # what np.load raises for a damaged file: a garbled
+# header's Python literal is tokenized (TokenError where it is cut short) and parsed (SyntaxError, as for a dtype such as ',u2')
 
 
 def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
@@ -578,7 +581,7 @@ def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
             tokens = np.load(path, mmap_mode="r")
         else:
             tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
-    except (ValueError, OSError, EOFError) as exc:
+    except (*NPY_UNREADABLE, OSError) as exc:
         # numpy's word on an array of objects may advise allow_pickle, which would run the file's code
         objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
         why = "it holds Python objects, not token ids" if objects else exc
@@ -800,7 +803,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     for split in ("train", "val"):
         try:
             splits[split] = np.load(cache / f"{split}.npy", mmap_mode="r")
-        except (OSError, ValueError, EOFError) as exc:
+        except (*NPY_UNREADABLE, OSError) as exc:
             raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
         problem = _not_token_ids(splits[split], vocab_size)  # ids past the vocabulary would stop the first step
         if problem:

@@ -2354,3 +2354,30 @@ def test_a_token_file_or_cached_corpus_whose_npy_header_is_garbled_is_named(cli,
     refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged", f"remove {run / 'data'} to tokenize it again")
     refused(cli("evaluate", run, "--seq-len", "32", "--sequences", "1", "--last", "8", "--device", "cpu"),
             f"the tokenized corpus in {run / 'data'} is damaged")
+
+
+NESTED_PAST_READING = '{"spec": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize("file,said", [
+    ("checkpoints/step-00000004/state.json", "checkpoint {run}/checkpoints/step-00000004 is damaged (its state.json nests too deeply"),
+    ("data/corpus.json", "{run}/data holds a corpus whose corpus.json does not read"),
+    ("metrics.jsonl", "{run}/metrics.jsonl, line 5, is not a metrics record (its JSON nests too deeply)"),
+], ids=["state.json", "corpus.json", "metrics.jsonl"])
+def test_a_run_file_whose_json_nests_past_reading_is_named(cli, trained_on_text, tmp_path, file, said):
+    """json.loads raises RecursionError, not the ValueError of other damage, for JSON nested past
+    Python's recursion limit: a traceback from a resume, evaluate, generate or curves of the run."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    target = run / file
+    target.write_text((target.read_text() if file == "metrics.jsonl" else "") + NESTED_PAST_READING + "\n")
+    said = said.format(run=run)
+    refused_untouched(cli, run, said)
+    evaluated = cli("evaluate", run, "--seq-len", "32", "--sequences", "1", "--last", "8", "--device", "cpu")
+    if file == "metrics.jsonl":  # which evaluate reads only for a note, as it reads another damaged line
+        assert evaluated[0] == 0 and "Traceback" not in evaluated[2], evaluated[2]
+        refused(cli("curves", run), said)
+    else:  # generating reads no corpus, and state.json only for the spec trained, to compare: nothing to say
+        refused(evaluated, said)
+        code, _, stderr = cli("generate", run, "--prompt", "def", "--max-new-tokens", "2")
+        assert code == 0 and "Traceback" not in stderr, stderr

@@ -172,6 +172,8 @@ def info_of(path: Path, use: str = "resume") -> dict:
         info = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
+    except RecursionError:  # JSON nested past Python's limit
+        raise damaged(path, "its state.json nests too deeply to read", use) from None
     if not isinstance(info, dict):
         raise damaged(path, f"its state.json is not a mapping: {str(info)[:60]}", use)
     return info
@@ -263,7 +265,7 @@ def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
     try:
         trained = json.loads((used / "state.json").read_text()).get("spec")
         trained = validate_spec(trained, str(used / "state.json")) if isinstance(trained, dict) else None
-    except (OSError, ValueError, AttributeError, SpecError):
+    except (OSError, ValueError, AttributeError, RecursionError, SpecError):  # RecursionError: JSON nested past Python's limit
         return
     if trained is not None and trained != spec:
         changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))

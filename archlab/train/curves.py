@@ -59,6 +59,8 @@ def read_metrics(file: Path) -> tuple[list[dict], list[str]]:
             wrong = _wrong_with(record, records[-1] if records else None) if "step" in record else "it logs no step"
         except (ValueError, TypeError):  # not JSON, or JSON but not an object
             wrong = ""
+        except RecursionError:
+            wrong = "its JSON nests too deeply"
         if wrong is not None:
             if number == len(lines) and not text.endswith("\n"):
                 continue

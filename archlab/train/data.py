@@ -654,7 +654,7 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         made_from = json.loads((cache / "corpus.json").read_text())
     except FileNotFoundError:
         return  # none yet, or tokenized before corpora said what they were made from
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or JSON nested past Python's limit: no record of what it was made from
         made_from = None
     try:  # paths an older run recorded relative mean what they meant from here
         made_from |= {"source": anchored_source(made_from["source"]), "tokenizer": absolute(made_from["tokenizer"])}

@@ -926,6 +926,10 @@ def _key_value(item: Any) -> tuple[str, Any]:
         return key, _parse_yaml(value)
     except yaml.YAMLError as exc:
         raise SpecError("--set", [Problem(item, f"the value is not YAML: {getattr(exc, 'problem', None) or exc}")]) from None
+    except ValueError as exc:  # a number past Python's limit on digits, as in a file
+        raise SpecError("--set", [Problem(item[:60], f"the value cannot be read: {str(exc).split(';')[0]}")]) from None
+    except RecursionError:
+        raise SpecError("--set", [Problem(item[:60], "the value is nested too deeply to read")]) from None
 
 
 def _holder(path: list[str]) -> str | None:

@@ -453,7 +453,10 @@ def test_show_output_is_a_valid_spec(tmp_path):
     ("optimizer.betas=[2, 0.9]", ["optimizer.betas[0]:", "less than 1"]),
     ("optimizer.betas=[.nan, .nan]", ["optimizer.betas[0]:", "optimizer.betas[1]:"]),
     ("steps=on", ["steps: got true, a yes/no value where a number is wanted"]),
-], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number"])
+    ("optimizer.betas=" + "[" * 3000 + "]" * 3000, ["the value is nested too deeply to read"]),  # a RecursionError traceback
+    ("steps=1" + "0" * 5000, ["the value cannot be read: Exceeds the limit (4300 digits)"]),  # a ValueError traceback
+], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number", "nested past reading",
+        "a number too long to read"])
 def test_bad_training_config_override_is_named(override, fragments):
     from archlab.train.config import load_config
 

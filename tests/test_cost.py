@@ -119,6 +119,20 @@ def test_forward_attention_is_the_sum_of_decode_steps(name):
     assert cost.forward_flops(n)["attention"] == sum(cost.decode_flops(c)["attention"] for c in range(1, n + 1))
 
 
+def test_attention_pairs_are_the_pairs_counted_one_by_one():
+    """A query at position p sees the keys k with 0 <= p - k < W. The closed form's constant term
+    for a window (the pairs of the first W positions) cancels in a span that starts past the
+    window and in a sum of decoding steps, so the other tests cannot see it: here every (query,
+    key) pair is counted, for spans that start before, at and past the window."""
+    from archlab.ops.attention import attention_pairs
+
+    for window in (None, 1, 4, 16):
+        for start in (0, 3, 4, 5, 16, 17, 40):
+            for n in (1, 2, 5, 16, 17, 33):
+                counted = sum(1 for q in range(start, start + n) for k in range(q + 1) if window is None or q - k < window)
+                assert attention_pairs(n, start, window) == counted, (window, start, n)
+
+
 @pytest.mark.parametrize("path", TINY, ids=ids(TINY))
 def test_cache_bytes_equal_the_engine(path):
     spec = archlab.load_spec(path)

@@ -117,6 +117,23 @@ def test_paged_generation_equals_rows(path, kernel):
 
 
 @torch.no_grad()
+def test_a_long_row_among_short_ones_combines_its_pages_over_several_gathers():
+    """A decoding step combines each row's pages a few table columns at a time (as many as the
+    pool has pages per row): one long prompt among short ones in a pool of just the pages they
+    need spreads the long row over several gathers, whose partial results must share one running
+    maximum. The same logits, in float64, as the cache with a row per position."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco-u.yaml")
+    model = archlab.build_model(spec, dtype=torch.float64).eval()
+    prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 3, 3, 3)]
+    rows = Engine(model).generate(prompts, 4, keep_logits=True)
+    paged = Engine(model, page_size=4).generate(prompts, 4, keep_logits=True)
+    table = paged.cache.pages
+    assert table.width > ceil_div(table.pages, len(prompts))  # 11 columns, gathered 5 at a time
+    assert paged.tokens == rows.tokens
+    torch.testing.assert_close(torch.stack(paged.logits), torch.stack(rows.logits), rtol=1e-12, atol=1e-12)
+
+
+@torch.no_grad()
 def test_parscale_streams_each_get_their_pages():
     """YOCO with two ParScale streams: a row, and pages, per (sequence, stream)."""
     path = TINY[0].parent / "yoco-u.yaml"

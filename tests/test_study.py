@@ -730,6 +730,21 @@ def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
     assert passed_over(study, trials[:2] + [finished("yoco", 1, 1, 3.2, 0.003)]) == []  # a worse rate on fewer seeds goes unsaid
 
 
+def test_a_grid_report_keeps_each_variants_best_rate_and_its_difference_from_the_baseline(tmp_path):
+    """Every rate finished on both seeds, so the rate is chosen by its mean loss alone (the lower,
+    for a loss); worked out by hand: its mean, its sample sd, and the variant's mean less the
+    baseline's, negative where it does better."""
+    study = load_study(str(mini(tmp_path, "grid", seeds=[0, 1])))
+    trials = [finished("yoco", 0, 0, 3.0, 0.002), finished("yoco", 1, 0, 3.2, 0.002),
+              finished("yoco", 0, 1, 2.8, 0.004), finished("yoco", 1, 1, 3.0, 0.004),
+              finished("yoco-u", 0, 0, 2.5, 0.002), finished("yoco-u", 1, 0, 2.9, 0.002),
+              finished("yoco-u", 0, 1, 3.3, 0.004), finished("yoco-u", 1, 1, 3.5, 0.004)]
+    yoco, yoco_u = summarize(study, trials)
+    shown = ("val loss", "best lr", "spread (sd)", "seeds", "vs baseline")
+    assert tuple(yoco[k] for k in shown) == (2.9, "0.004", 0.1414, 2, "+0.0000")
+    assert tuple(yoco_u[k] for k in shown) == (2.7, "0.002", 0.2828, 2, "-0.2000")
+
+
 def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its_flops(tmp_path):
     """The paper's Figure 2, on mean curves worked out by hand: yoco-u (a loop, so more FLOPs a
     step) comes down to yoco's last loss between its two evaluations, and at yoco's FLOPs it is

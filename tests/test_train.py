@@ -2413,3 +2413,16 @@ def test_a_run_file_whose_json_nests_past_reading_is_named(cli, trained_on_text,
         refused(evaluated, said)
         code, _, stderr = cli("generate", run, "--prompt", "def", "--max-new-tokens", "2")
         assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_a_run_is_refused_inside_another_runs_checkpoints_folder_which_it_would_break(cli, trained_on_text, tmp_path):
+    """A run made at RUN/checkpoints/step-NNNNNNNN read as RUN's latest checkpoint, damaged: its
+    resume and generate were refused, and its pruning would have removed the run made there."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for out in (run / "checkpoints" / "step-00000009", run / "checkpoints" / "mine"):
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", out, *SMALL, "--steps", "1"),
+                f"--out {out} is inside the checkpoints folder of the run {run}")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}

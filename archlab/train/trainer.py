@@ -270,6 +270,7 @@ class Trainer:
             raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                              " over, or choose a new --out")
         self._refuse_writing_into_the_data()  # first: a tokenizer given from --out is named as such
+        self._refuse_another_runs_checkpoints()
         self._refuse_foreign_files()
         if self.cfg.init:
             self._start_from(self.cfg.init)
@@ -393,6 +394,15 @@ class Trainer:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
             raise TrainError(f"{self.run_dir} holds files that are not a training run's ({', '.join(named[:5])}"
                              f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
+
+    def _refuse_another_runs_checkpoints(self) -> None:
+        """A run inside another run's checkpoints folder would be taken by that run for a checkpoint
+        (a ``step-NNNNNNNN`` one its resume and ``generate`` call damaged) and removed with it when
+        that run prunes its old checkpoints."""
+        for folder in self.run_dir.resolve().parents:
+            if folder.name == "checkpoints" and (folder.parent / checkpoint.RUN_SPEC).is_file():
+                raise TrainError(f"--out {self.run_dir} is inside the checkpoints folder of the run {folder.parent}, which would take"
+                                 " it for one of its checkpoints (and remove it with them); put it outside")
 
     def _refuse_writing_into_the_data(self) -> None:
         """The run writes its files (spec, config, tokenized corpus and the tokenizer that made it)

@@ -1249,7 +1249,16 @@ Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the d
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", file_okay=False, help="study directory; default runs/studies/NAME-SCALE")]
 GracePeriod = Annotated[int, typer.Option(min=1, help="seconds without a heartbeat before a trial counts as dead")]
-StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)")]
+def _study_data(data: str | None) -> str | None:
+    """--data of a study: an empty one read as none, and the study trained on its own data unasked."""
+    if data is not None and not data.strip():
+        raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy, or leave it out for the"
+                                 " study's own data")
+    return data
+
+
+StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)",
+                                               callback=_study_data)]
 
 
 def _study_errors(action):

@@ -565,6 +565,16 @@ def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["run", "report"])
+@pytest.mark.parametrize("data", ["", "  "])
+def test_an_empty_data_override_is_refused_rather_than_read_as_none(tmp_path, cli, command, data):
+    """``--data ''`` (a variable left unset) trained the study's own data, saying nothing, as
+    ``train --data ''`` once did."""
+    code, _, stderr = cli("study", command, mini(tmp_path), "--out", tmp_path / "out", "--data", data)
+    assert code == 2 and "--data is empty" in stderr and "Traceback" not in stderr, stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_study_definitions_are_named(tmp_path, cli):
     path = mini(tmp_path)
     data = yaml.safe_load(path.read_text())

@@ -2426,3 +2426,25 @@ def test_a_run_is_refused_inside_another_runs_checkpoints_folder_which_it_would_
                 f"--out {out} is inside the checkpoints folder of the run {run}")
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("max_gen_toks, said", [(0, None), (-3, "a task asks for -3 new tokens (max_gen_toks); give 0 or more"),
+                                                ("abc", "a task's generation_kwargs cannot be read (invalid literal for int()")])
+def test_a_generation_tasks_max_gen_toks_of_none_is_empty_and_one_unusable_is_named(cli, trained_on_text, tmp_path, monkeypatch,
+                                                                                    max_gen_toks, said):
+    """A task of one's own asking for 0 new tokens, fewer, or a word: the engine's ValueError on
+    0 and -3, and int()'s on the word, came out of downstream as tracebacks."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    (tmp_path / "add.jsonl").write_text(json.dumps({"question": "def add(a, b):\n    return a", "answer": " + b"}) + "\n")
+    (tmp_path / "add.yaml").write_text(yaml.safe_dump({
+        "task": "archlab_add", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "add.jsonl")}},
+        "test_split": "test", "output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": max_gen_toks}, "metric_list": [{"metric": "exact_match"}]}))
+    outcome = cli("downstream", trained_on_text, "--tasks", "archlab_add", "--include-path", tmp_path, "--format", "json")
+    if said is None:
+        code, out, stderr = outcome
+        assert code in (0, None), stderr
+        assert [(row["metric"], row["value"]) for row in json.loads(out)] == [("exact_match", 0.0)]
+    else:
+        refused(outcome, said)

@@ -102,13 +102,22 @@ class ArchlabLM(TemplateLM):
         the last ``max_length`` less its ``max_gen_toks`` tokens of its context."""
         engine, out = Engine(self.model), []
         # as the harness's own models read them: max_gen_toks or an alias of it (max_new_tokens, ...), 256 if none
-        requests = [(context, normalize_gen_kwargs(kwargs)) for context, kwargs in (request.args for request in requests)]
+        try:
+            requests = [(context, normalize_gen_kwargs(kwargs)) for context, kwargs in (request.args for request in requests)]
+        except (TypeError, ValueError) as exc:  # int("abc") of max_gen_toks, float() of a temperature
+            raise EvaluationError(f"a task's generation_kwargs cannot be read ({exc}): max_gen_toks (or max_new_tokens) is a whole"
+                                  " number of tokens, temperature a number") from None
+        if (fewest := min((kwargs["max_gen_toks"] for _, kwargs in requests), default=0)) < 0:
+            raise EvaluationError(f"a task asks for {fewest:,} new tokens (max_gen_toks); give 0 or more")
         if any(kwargs["do_sample"] for _, kwargs in requests):
             warnings.warn("archlab generates greedily for downstream tasks; the tasks' sampling settings are ignored", stacklevel=2)
         with torch.no_grad(), self.autocast:
             for first in range(0, len(requests), self.batch):
                 some = requests[first : first + self.batch]
                 wanted = [kwargs["max_gen_toks"] for _, kwargs in some]
+                if max(wanted) == 0:  # nothing to generate: each continuation is empty
+                    out.extend("" for _ in some)
+                    continue
                 if max(wanted) >= self.max_length:
                     raise EvaluationError(f"a task asks for {max(wanted):,} new tokens, and the model reads {self.max_length:,}"
                                           " (--max-length): no context would be left before them; give a larger --max-length")

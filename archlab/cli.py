@@ -1107,7 +1107,7 @@ def niah(
     from archlab.train.needle import niah as probed
     from archlab.train.needle import plot, rows, summary
 
-    lengths = _lengths(seq_len)
+    lengths = list(dict.fromkeys(_lengths(seq_len)))  # a length given twice probed once, as evaluate scores it once
     if data is not None and haystack is HaystackKind.noise:
         raise typer.BadParameter("--data is the text haystack; give --haystack text with it")
     on = _scoring_device(device)

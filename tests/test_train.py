@@ -2448,3 +2448,12 @@ def test_a_generation_tasks_max_gen_toks_of_none_is_empty_and_one_unusable_is_na
         assert [(row["metric"], row["value"]) for row in json.loads(out)] == [("exact_match", 0.0)]
     else:
         refused(outcome, said)
+
+
+def test_niah_probes_a_length_given_twice_once(cli, trained_on_text):
+    """``--seq-len 512 512`` drew the probes of 512 twice into one row, whose count was then twice
+    ``--sequences``, where evaluate scores a length given twice once."""
+    code, out, stderr = cli("niah", trained_on_text, "--seq-len", "512", "512", "--depths", "1", "--sequences", "1", "--format", "json")
+    assert code in (0, None), stderr
+    (row,) = json.loads(out)
+    assert row["length"] == 512 and row["probes"] == 1 and "512, 512" not in stderr

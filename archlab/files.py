@@ -18,7 +18,11 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(f)`` into a temporary file, made durable, then renamed to ``path``."""
     tmp = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        opened = open(tmp, "wb")
+    except OSError as exc:  # a folder that cannot be written to: named by the file meant, not by its temporary name
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+    try:
+        with opened as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

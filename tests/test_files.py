@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from archlab.files import write_whole, written_as
+from archlab.files import TEMPORARY, write_whole, written_as
 
 
 def test_a_file_written_whole_leaves_its_readers_the_old_one(tmp_path):
@@ -33,3 +33,13 @@ def test_a_killed_writes_temporary_names_its_file():
     assert written_as(".train.npy.tmp-4242") == "train.npy"
     assert written_as("train.npy") == "train.npy"
     assert written_as(".hidden") == ".hidden"
+
+
+def test_a_file_that_cannot_be_written_is_named_not_its_temporary(tmp_path):
+    """The error names the file meant: its temporary name (``.config.yaml.tmp-NNNN``) told a
+    user of a read-only run folder nothing they had asked for."""
+    (tmp_path / "run").write_text("a file where a folder was meant")
+    path = tmp_path / "run" / "config.yaml"
+    with pytest.raises(NotADirectoryError) as raised:
+        write_whole(path, lambda f: f.write(b"steps: 6\n"))
+    assert raised.value.filename == str(path) and TEMPORARY not in str(raised.value), raised.value

@@ -1111,6 +1111,24 @@ def trained_on_text(tmp_path_factory):
     return finished_run(tmp_path_factory, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
 
 
+def test_a_resume_that_cannot_record_its_new_total_stops_before_saying_it_does(cli, trained_on_text, tmp_path, monkeypatch):
+    """A run folder that cannot be written to (read-only) stops a resume at config.yaml: the
+    notice that config.yaml records the new total came first, and the error named the file's
+    temporary name."""
+    import errno
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+
+    def read_only(path, text):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr("archlab.train.trainer.write_text_whole", read_only)
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
+    assert code == 1 and f"{run / 'config.yaml'}: Permission denied" in stderr, stderr
+    assert "records the new values" not in stderr
+
+
 def refused_untouched(cli, run, *fragments):
     """A resume of ``run`` refused with a clear message, every file of the run as it was."""
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}

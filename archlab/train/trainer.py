@@ -450,8 +450,8 @@ class Trainer:
         before, after = (f"{cfg.optimizer.lr * lr_factor(step, cfg.steps, cfg):.2e}" for cfg in (planned, now))
         lr = f"the learning rate of step {step + 1}"
         said.append(f"{lr} is {after}, not {before}" if after != before else f"{lr} stays {after}")
+        self._write_config(steps)  # first: a folder that cannot be written to stops the resume before it says so
         self._say(f"[yellow]notice[/]: {'; '.join(said)}; config.yaml records the new values")
-        self._write_config(steps)
 
     def _write_config(self, steps: int) -> None:
         config = self.cfg.model_copy(update={"steps": steps})  # the steps trained, whatever the config said

@@ -240,6 +240,8 @@ def _load_one(path: Path) -> ModelSpec:
 
 
 def _lengths(values: list[str], least: int = 1) -> list[int]:
+    """The token counts of --seq-len, each once (a length given twice would be a row twice), in
+    the order given."""
     try:
         lengths = [parse_length(v) for v in values]
     except ValueError as exc:
@@ -247,7 +249,7 @@ def _lengths(values: list[str], least: int = 1) -> list[int]:
     if min(lengths) < least:
         raise typer.BadParameter(f"--seq-len {min(lengths)}: training costs need sequences of {least} tokens or more"
                                  " (a single token is counted as a decoding step)")
-    return lengths
+    return list(dict.fromkeys(lengths))
 
 
 @contextmanager
@@ -1107,7 +1109,7 @@ def niah(
     from archlab.train.needle import niah as probed
     from archlab.train.needle import plot, rows, summary
 
-    lengths = list(dict.fromkeys(_lengths(seq_len)))  # a length given twice probed once, as evaluate scores it once
+    lengths = _lengths(seq_len)
     if data is not None and haystack is HaystackKind.noise:
         raise typer.BadParameter("--data is the text haystack; give --haystack text with it")
     on = _scoring_device(device)

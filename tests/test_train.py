@@ -2468,10 +2468,12 @@ def test_a_generation_tasks_max_gen_toks_of_none_is_empty_and_one_unusable_is_na
         refused(outcome, said)
 
 
-def test_niah_probes_a_length_given_twice_once(cli, trained_on_text):
-    """``--seq-len 512 512`` drew the probes of 512 twice into one row, whose count was then twice
-    ``--sequences``, where evaluate scores a length given twice once."""
+def test_a_length_given_twice_is_a_row_once(cli, trained_on_text):
+    """``niah --seq-len 512 512`` drew the probes of 512 twice into one row, whose count was then
+    twice ``--sequences``; ``cost`` gave the same row twice."""
     code, out, stderr = cli("niah", trained_on_text, "--seq-len", "512", "512", "--depths", "1", "--sequences", "1", "--format", "json")
     assert code in (0, None), stderr
     (row,) = json.loads(out)
     assert row["length"] == 512 and row["probes"] == 1 and "512, 512" not in stderr
+    code, out, stderr = cli("cost", "specs/tiny/yoco.yaml", "--seq-len", "1K", "1024", "--format", "json")
+    assert code in (0, None) and [row["seq_len"] for row in json.loads(out)] == [1024], out + stderr

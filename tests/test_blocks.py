@@ -523,3 +523,27 @@ def test_sliding_window_block_equals_flas_attention_layer_by_hand():
         state = ours.new_state(2, 33, torch.float64)
         pieces = [ours(x[:, a:b], MixerInput(torch.arange(a, b)[None], state)) for a, b in ((0, 17), (17, 29), *((t, t + 1) for t in range(29, 33)))]
         torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_cross_decoder_rope_rotates_queries_and_global_keys_alike():
+    """No shipped spec puts RoPE in the cross-decoder, so leaving its queries unrotated (while the
+    global K,V's keys are) went unseen. Rotated alike, the scores depend on offsets alone: the same
+    hidden states at positions shifted by 100 give the same output, and RoPE does change it."""
+    import archlab
+    from conftest import ROOT
+
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml").model_dump(mode="json")
+    data["layout"]["cross_decoder"]["position"] = {"type": "rope", "theta": 10000}
+    model = archlab.build_model(archlab.validate_spec(data), dtype=torch.float64)
+    cross = model.layers[model.spec.layout.self_decoder.n_layers].mixer
+    x = torch.randn(1, 12, model.spec.d_model, dtype=torch.float64)
+
+    def out(offset, causal):
+        positions = torch.arange(12)[None] + offset
+        return cross(x, MixerInput(positions, global_kv=model.global_kv(x, positions), causal=causal))
+
+    rotated = out(0, False)
+    torch.testing.assert_close(out(0, True), rotated, rtol=1e-10, atol=1e-12)  # the whole-sequence kernel, as training runs it
+    torch.testing.assert_close(out(100, False), rotated, rtol=1e-10, atol=1e-12)
+    cross.rotary = model.global_kv.rotary = None
+    assert not torch.allclose(out(0, False), rotated)

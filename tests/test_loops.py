@@ -161,3 +161,56 @@ def test_a_window_attention_loop_may_share_its_k_v():
             assert generated.tokens[row] == expected_tokens
             for step, expected in enumerate(expected_logits):
                 torch.testing.assert_close(generated.logits[step][row], expected, rtol=1e-9, atol=1e-10)
+
+
+def test_a_cross_decoder_layer_after_a_loop_that_projects_per_iteration_reads_the_one_global_kv():
+    """Walked by hand: a loop over part of the cross-decoder projects a K,V from its own input at
+    each iteration after the first; the layer after the loop is a new segment and reads the global
+    K,V the self-decoder's output gave, not the last iteration's. (The shipped upper loops cover
+    the whole cross-decoder, so no layer followed one.)"""
+    from archlab.block import MixerInput
+
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml").model_dump(mode="json")
+    data["loop"] = {"position": "range", "start": 2, "end": 3, "times": 3, "kv_cache": "per_iteration"}
+    spec = archlab.validate_spec(data)
+    assert spec.layout.self_decoder.n_layers == 2 and spec.n_layers == 4
+    model = archlab.build_model(spec, dtype=torch.float64)
+    tokens = torch.randint(0, spec.vocab_size, (2, 20))
+    positions, aux = torch.arange(20)[None], []
+    with torch.no_grad():
+        x = model.embed(tokens)
+        for i in (0, 1):
+            x = model.layers[i](x, MixerInput(positions), aux)
+        global_kv = kv = model.global_kv(x, positions)
+        for t in range(3):
+            kv = global_kv if t == 0 else model.global_kv(x, positions)
+            x = model.layers[2](x, MixerInput(positions, global_kv=kv), aux)
+        x = model.layers[3](x, MixerInput(positions, global_kv=global_kv), aux)
+        torch.testing.assert_close(model(tokens), model.head(model.norm(x)), rtol=1e-10, atol=1e-12)
+
+
+def test_a_shared_kv_loop_keeps_a_state_per_iteration_for_its_recurrent_layers():
+    """``kv_cache: shared`` shares the K,V of the loop's attention layers alone: a Gated DeltaNet
+    layer in the same loop still keeps one state per iteration in the cache, and
+    decoding gives what a recompute does. (No shipped spec mixes the two in one shared loop.)"""
+    from archlab.engine import Engine
+    from test_engine import recompute_greedy
+
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco-u.yaml").model_dump(mode="json")
+    data["layout"]["self_decoder"]["blocks"] = [data["layout"]["self_decoder"]["blocks"][0], {"type": "gdn", "n_heads": 4, "chunk_size": 16}]
+    data["loop"]["kv_cache"] = "shared"
+    spec = archlab.validate_spec(data)
+    assert [spec.block_at(i).type for i in range(2)] == ["swa", "gdn"] and spec.loop.times == 3
+    model = archlab.build_model(spec, dtype=torch.float64).eval()
+    engine = Engine(model, prefill_chunk=8)
+    cache = engine.new_cache(1, 64)
+    gdn_states = [key for key in cache.layers if key[2] == 1]
+    assert sorted(iteration for _, iteration, _ in gdn_states) == [0, 1, 2]
+    assert sorted(iteration for _, iteration, layer in cache.layers if layer == 0) == [0]  # the window K,V, once
+    prompt = torch.randint(0, spec.vocab_size, (37,))
+    generated = engine.generate([prompt], 6, keep_logits=True)
+    with torch.no_grad():
+        expected_tokens, expected_logits = recompute_greedy(model, prompt, 6)
+    assert generated.tokens[0] == expected_tokens
+    for step, expected in enumerate(expected_logits):
+        torch.testing.assert_close(generated.logits[step][0], expected, rtol=1e-9, atol=1e-10)

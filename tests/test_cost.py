@@ -90,6 +90,21 @@ def einsum_attend(q, k, v, mask):
     return torch.einsum("bhnm,bmhd->bnhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
+
+def test_several_shared_experts_are_counted_as_built_and_as_run():
+    """The shipped MoE specs have one shared expert, so a shared FFN built as wide as one expert
+    whatever ``n_shared`` said agreed with every other test; two must be twice the width."""
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco-u-moe.yaml").model_dump(mode="json")
+    data["ffn"]["n_shared"] = 2
+    spec = archlab.validate_spec(data)
+    model = archlab.build_model(spec)
+    assert model.layers[0].ffn.shared.down.in_features == 2 * spec.ffn.expert_hidden
+    assert Cost(spec).params_total == sum(p.numel() for p in model.parameters())
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, spec.vocab_size, (2, 40)), return_aux=True)
+    assert counter.get_total_flops() == 2 * sum(Cost(spec).forward_flops(40)[kind] for kind in COUNTED_IN_TRAINING)
+
+
 @pytest.mark.parametrize("path", TINY, ids=ids(TINY))
 @pytest.mark.parametrize("context", [5, 30])
 def test_decode_flops_match_torch_flop_counter(path, context, monkeypatch):

@@ -318,6 +318,19 @@ def test_the_share_of_windows_that_count_nothing_is_that_of_the_windows_batches_
     assert 0.3 < share < 0.9 and abs(np.mean(~drawn.any(axis=1)) - share) < 0.02
 
 
+
+def test_a_window_counts_its_targets_not_its_inputs_at_the_ends_of_the_tokens():
+    """A window from s reads inputs s..s+n-1 and counts targets s+1..s+n. By hand, windows of 4
+    over 10 tokens start at 0..5; with positions 0 and 5 counted, those from 0 and 5 count
+    nothing (0 is only ever an input, and the window from 5 reads 5 as an input), the other 4
+    count 5. A random mask, as above, tells a window shifted by one from the right one only at
+    the two ends of the tokens."""
+    counted = np.zeros(10, dtype=bool)
+    counted[[0, 5]] = True
+    data = TokenSource(np.arange(10), np.arange(10), 4, 0, "numbers", masks={"train": counted, "val": counted})
+    assert data.uncounted_share() == 2 / 6
+
+
 def test_a_tokenizers_template_adds_no_token_inside_examples_or_prompts(tmp_path):
     """A tokenizer.json that puts a start token before every encoding, as Llama's does: examples
     are joined from pieces tokenized apart, so it would stand before each response, and count."""

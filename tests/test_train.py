@@ -2030,6 +2030,38 @@ def own_logprob(model, whole: list[int], scored: int) -> tuple[float, bool]:
     return F.log_softmax(logits, -1).gather(-1, targets[:, None]).sum().item(), bool((logits.argmax(-1) == targets).all())
 
 
+def test_a_curve_a_whole_step_short_of_the_baselines_flops_is_not_taken_at_its_end():
+    """By hand: a curve at 1000 and 2000 training FLOPs, 500 a step. Short of the baseline's 2400
+    by less than a step, it is read at its end; short by a whole step (2500), a budget of the
+    baseline's FLOPs would have trained one more, so it has no value there; within it, the line."""
+    from archlab.train.curves import compared
+
+    tokens, flops, values = [10.0, 20.0], [1000.0, 2000.0], [3.0, 2.0]
+    assert compared(tokens, flops, values, 2.5, 2400.0, step_flops=500.0) == (15.0, 2.0)
+    assert compared(tokens, flops, values, 2.5, 2500.0, step_flops=500.0) == (15.0, None)
+    assert compared(tokens, flops, values, 2.5, 1250.0, step_flops=500.0) == (15.0, 2.75)
+
+
+def test_a_continuation_is_greedy_only_if_every_one_of_its_tokens_is_the_argmax(trained_on_text):
+    """Whole-logits greedy tokens after a context are greedy; the same with its last token
+    changed to another is not, though all but one of its tokens still are."""
+    pytest.importorskip("lm_eval")
+    from archlab.train.downstream import ArchlabLM
+    from archlab.train.evaluate import Loaded
+
+    lm = ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=2, max_length=40)
+    context = lm.tok_encode("def main():\n    print(")
+    greedy = []
+    with torch.no_grad():
+        for _ in range(3):
+            greedy.append(lm.model(torch.tensor(context + greedy)[None])[0, -1].argmax().item())
+    other = greedy[:-1] + [(greedy[-1] + 1) % lm.model.spec.vocab_size]
+    found = lm._loglikelihood_tokens([(None, context, greedy), (None, context, other)])
+    assert [is_greedy for _, is_greedy in found] == [True, False]
+    for (logprob, _), continuation in zip(found, (greedy, other)):
+        assert logprob == pytest.approx(own_logprob(lm.model, context + continuation, 3)[0], rel=1e-5)
+
+
 def test_downstream_tasks_score_a_run_as_its_whole_logits_do(trained_on_text):
     """lm-evaluation-harness's three kinds of request, against the model's whole logits."""
     pytest.importorskip("lm_eval")

@@ -1226,3 +1226,18 @@ def test_a_storage_that_lost_the_study_is_refused_where_its_trials_trained(tmp_p
     said = " ".join(stderr.split())
     assert code == 1 and "holds no study lost-tiny, but" in said and "holds 1 trial of it (0000-yoco-s0-lr0)" in said, stderr
     assert "Traceback" not in stderr and not (out / "optuna.db").exists() or not optuna.get_all_study_names(url)  # nothing queued
+
+
+def test_each_seed_of_a_study_trains_with_that_seed(tmp_path, cli):
+    """A trial planned with seed s trains with seed s: with the config's seed instead, every seed
+    of a study trained the same run, and its spread over seeds was zero."""
+    out = tmp_path / "out"
+    study = mini(tmp_path, variants={"yoco": {"spec": "yoco.yaml"}}, steps=2, seeds=[3, 5], lr={"low": 0.003, "high": 0.003, "points": 1})
+    code, _, stderr = cli("study", "run", study, "--out", out)
+    assert code in OK, stderr
+    trials = trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")
+    assert sorted(planned_as(t)[1] for t in trials) == [3, 5]
+    for trial in trials:
+        config = yaml.safe_load((Path(trial.user_attrs["run"]) / "config.yaml").read_text())
+        assert config["seed"] == planned_as(trial)[1]
+    assert trials[0].value != trials[1].value

@@ -128,8 +128,9 @@ def _not_a_spec(path: Path) -> str | None:
 
     try:
         loaded = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):  # its SpecError says so (nested
-        return None  # past reading, a number past Python's limit on digits)
+    # its SpecError says so, as for YAML nested past reading (RecursionError) or a number past Python's limit on digits
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):
+        return None
     keys = set(loaded) if isinstance(loaded, dict) else set()
     if {"variants", "baseline"} <= keys:
         return "a study (run it with `archlab study run`)"

@@ -365,3 +365,46 @@ def test_flops_budget_buys_no_step_more_than_its_flops():
     steps = _budget_steps(spec, cfg, None, None, budget, Console(quiet=True))
     assert steps * per_step <= budget < (steps + 1) * per_step
     assert steps == 282_696
+
+
+def test_tied_embeddings_are_counted_once_as_the_model_holds_them():
+    """Every shipped spec unties its head, so a tied one counted as two tables agreed with every
+    other test; the model holds one (``parameters()`` yields a shared tensor once)."""
+    spec = archlab.load_spec(ROOT / "specs/tiny/transformer.yaml", ["tie_embeddings=true"])
+    model = archlab.build_model(spec, device="meta")
+    untied = Cost(archlab.load_spec(ROOT / "specs/tiny/transformer.yaml"))
+    assert Cost(spec).params_total == sum(p.numel() for p in model.parameters())
+    assert untied.params_total - Cost(spec).params_total == spec.vocab_size * spec.d_model
+
+
+@pytest.mark.parametrize("name", ["transformer", "yoco", "upper-loop", "rins", "parscale"])
+def test_prefill_matmul_flops_match_torch_flop_counter(name, monkeypatch):
+    """A prompt's prefill runs the prefill steps over all its tokens but the last, without the head,
+    then the last token through the whole model: its matmuls counted by torch on the engine's own
+    prefill (the decode test counts only the step after it). Attention is left out: the prefill's
+    einsums compute every (query, key) pair of a chunk and mask the rest."""
+    monkeypatch.setattr(blocks.attention, "attend", einsum_attend)
+    monkeypatch.setattr(archlab.kv, "attend", einsum_attend)
+    spec = archlab.load_spec(ROOT / "specs/tiny" / f"{name}.yaml")
+    engine = Engine(archlab.build_model(spec).eval())
+    n = 23
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        engine.prefill([torch.randint(0, spec.vocab_size, (n,))], engine.new_cache(1, n))
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(v for op, v in counted.items() if op in (torch.ops.aten.mm, torch.ops.aten.addmm))
+    assert matmuls == Cost(spec).prefill_flops(n)["matmul"] > 0
+
+
+def test_parscale_keeps_a_window_ring_per_stream():
+    """The shipped ParScale spec holds only full attention, so the local part of its cache was
+    never multiplied by its streams in any test: with window attention, every stream keeps its own ring."""
+    data = archlab.load_spec(ROOT / "specs/tiny/parscale.yaml").model_dump(mode="json")
+    data["layout"]["layers"]["blocks"] = [{"type": "swa", "window": 8, "n_heads": 4, "n_kv_heads": 2},
+                                          {"type": "attention", "n_heads": 4, "n_kv_heads": 2}]
+    spec = archlab.validate_spec(data)
+    engine, cost = Engine(archlab.build_model(spec).eval()), Cost(spec)
+    for context in (3, 20):
+        held = engine.new_cache(1, context).bytes_per_sequence()
+        assert held == cost.cache_bytes(context) and held.local > 0
+    plain = data | {"parscale": None}
+    assert cost.cache_bytes(20).local == 2 * Cost(archlab.validate_spec(plain)).cache_bytes(20).local

@@ -473,3 +473,32 @@ def test_a_yes_or_no_field_still_takes_yes():
 
     assert load_config(None, ["compile=yes"]).compile is True
     assert archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", ["tie_embeddings=on"]).tie_embeddings is True
+
+
+def test_an_moe_routing_to_more_experts_than_it_has_is_refused_and_to_all_of_them_is_not():
+    """top_k is checked against n_experts only across the two fields, which no shipped spec comes near."""
+    moe = ROOT / "specs" / "tiny" / "yoco-u-moe.yaml"
+    assert archlab.load_spec(moe, ["ffn.top_k=8"]).ffn.top_k == 8
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(moe, ["ffn.top_k=9"])
+    assert [(p.loc, p.msg) for p in caught.value.problems] == [("ffn.top_k", "top_k=9 exceeds n_experts=8 (set in --set)")]
+
+
+def test_an_override_of_a_list_item_one_past_its_end_is_named():
+    """The last index of a two-block pattern is 1: index 2 is said as missing, not an IndexError."""
+    from archlab.spec import set_dotted
+
+    data = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-swa.yaml").model_dump(mode="json")
+    blocks = data["layout"]["self_decoder"]["blocks"]
+    last = len(blocks) - 1
+    assert set_dotted(data, f"layout.self_decoder.blocks.{last}.type", "attention")["layout"]["self_decoder"]["blocks"][last]["type"] == "attention"
+    with pytest.raises(archlab.SpecError, match=f"no item {last + 1} in a list of {len(blocks)}"):
+        set_dotted(data, f"layout.self_decoder.blocks.{last + 1}.type", "attention")
+
+
+def test_differences_show_floats_to_six_digits_and_a_missing_side_as_absent():
+    """A learning rate changed in its fourth digit still reads as changed, not as x -> x."""
+    from archlab.spec import describe_differences
+
+    assert describe_differences({"optimizer": {"lr": 0.0012345}, "seed": 1}, {"optimizer": {"lr": 0.0012346}, "steps": 5}) == [
+        "optimizer.lr 0.0012345 -> 0.0012346", "seed 1 -> (absent)", "steps (absent) -> 5"]

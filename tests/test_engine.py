@@ -515,3 +515,53 @@ def test_an_engine_refuses_a_model_moved_since_and_sampling_that_is_not_one():
     with pytest.raises(TypeError, match="sampling must be a Sampling"):
         Engine(model).generate([[1, 2, 3]], 2, {"temperature": 1.0})
     assert len(Engine(model).generate([[1, 2, 3]], 2).tokens[0]) == 2
+
+
+@pytest.mark.parametrize("page_size", [None, 4])
+def test_a_cache_one_position_short_is_refused_and_one_just_long_enough_is_not(page_size):
+    """The capacity check at its edge: 30 prompt tokens and 5 new ones need 35 positions."""
+    spec, model = tiny_model("yoco")
+    engine = Engine(model.eval(), page_size=page_size)
+    prompt = prompts_for(spec, (30,))
+    with pytest.raises(CacheFull, match="needs 35 positions, past the cache's capacity of 34"):
+        engine.stream(prompt, 5, cache=engine.new_cache(1, 34))
+    assert len(list(engine.stream(prompt, 5, cache=engine.new_cache(1, 35)))) == 5
+
+
+def test_generation_ends_once_every_row_has_stopped_and_keeps_logits_only_when_asked():
+    """Rows that stopped are not decoded further: a stop token each row's first greedy token
+    matches ends the generation after one step, with that one step's logits."""
+    spec, model = tiny_model("yoco-u")
+    engine = Engine(model.eval())
+    prompts = prompts_for(spec, (12, 9))
+    free = engine.generate(prompts, 6)
+    assert free.logits == [] and all(len(tokens) == 6 for tokens in free.tokens)
+    firsts = tuple({tokens[0] for tokens in free.tokens})
+    stopped = engine.generate(prompts, 6, Sampling(stop_tokens=firsts), keep_logits=True)
+    assert stopped.tokens == [tokens[:1] for tokens in free.tokens] and len(stopped.logits) == 1
+    assert len(list(engine.stream(prompts, 6, Sampling(stop_tokens=firsts)))) == 1
+
+
+def test_bench_divides_the_tokens_it_timed_by_the_time_they_took(monkeypatch):
+    """A clock that moves one second per timed prefill and per decoding step: the prefill's rate is
+    the prefilled rows' tokens a second, the decode's the whole batch's a step; the untimed
+    warm-up calls before each clock read are not counted."""
+    import time
+    import types
+
+    import archlab.bench as bench_module
+
+    now = [0.0]
+
+    def ticking(method):
+        def timed(*args, **kwargs):
+            now[0] += 1
+            return method(*args, **kwargs)
+        return timed
+
+    monkeypatch.setattr(Engine, "prefill", ticking(Engine.prefill))
+    monkeypatch.setattr(Engine, "decode", ticking(Engine.decode))
+    monkeypatch.setattr(bench_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0], sleep=time.sleep))
+    spec, model = tiny_model("yoco-u")
+    row = bench_module.bench(model.eval(), spec.name, seq_len=20, batch=4, gen=3, prefill_rows=2)
+    assert (row.prefill_tok_s, row.decode_tok_s) == (2 * 20, 4 * 3 / 3)

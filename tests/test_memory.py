@@ -32,6 +32,17 @@ def test_the_cpu_says_what_it_has_free_and_other_devices_leave_it_to_their_alloc
     assert free_bytes("meta") is None and free_bytes(torch.device("cuda", 0)) is None
 
 
+def test_the_memory_free_is_read_in_kilobytes_as_the_kernel_gives_it(monkeypatch):
+    """/proc/meminfo counts in kB: a MemAvailable of 3 GiB read as bytes would refuse a 4 MiB cache."""
+    import io
+
+    meminfo = "MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    3145728 kB\n"
+    monkeypatch.setattr(archlab.memory, "open", lambda path: io.StringIO(meminfo), raising=False)
+    assert free_bytes("cpu") == 3 * 2**30
+    monkeypatch.setattr(archlab.memory, "open", lambda path: io.StringIO("MemTotal: 16384000 kB\n"), raising=False)
+    assert free_bytes("cpu") is None  # a kernel that does not say
+
+
 @pytest.mark.parametrize("path", TINY, ids=ids(TINY))
 def test_a_cache_asks_for_what_its_cost_counts_and_nothing_is_made_without_room(path, free):
     spec = archlab.load_spec(path)

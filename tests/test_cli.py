@@ -23,7 +23,7 @@ from archlab.cache import Cache
 from archlab.registry import block_specs, plugin
 from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
-from archlab.table import Decimals, Format, parse_budget, parse_length, render
+from archlab.table import Decimals, Format, parse_budget, parse_length, render, tokens_label
 from archlab.train.checkpoint import CheckpointError, load
 from conftest import ROOT, parsed, tiny_model
 
@@ -644,6 +644,15 @@ def test_bench_prefills_a_few_rows_for_a_large_batch(cli):
     for bad, message in ((["--prefill-rows", "3"], "must divide --batch 4"), (["--cuda-graph"], "--cuda-graph needs --device cuda")):
         code, _, stderr = cli("bench", "specs/tiny/yoco-u.yaml", "--batch", "4", *bad)
         assert code == 2 and message in stderr and "Traceback" not in stderr
+
+
+def test_a_length_is_labelled_as_the_command_line_writes_it_and_g_is_a_billion():
+    """A report's column names its length in the largest unit that divides it (1M, not 1024K), and
+    reads back as the same count; a budget's G is B."""
+    labels = {2048: "2K", 16384: "16K", 1536: "1536", 2**20: "1M", 3 * 2**20: "3M", 2**20 + 1024: "1025K"}
+    assert {n: tokens_label(n) for n in labels} == labels
+    assert all(parse_length(label) == n for n, label in labels.items())
+    assert parse_budget("2G") == parse_budget("2B") == 2 * 10**9
 
 
 def test_bench_rejects_a_bad_length(cli):

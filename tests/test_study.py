@@ -755,6 +755,31 @@ def test_a_grid_report_keeps_each_variants_best_rate_and_its_difference_from_the
     assert tuple(yoco_u[k] for k in shown) == (2.7, "0.002", 0.2828, 2, "-0.2000")
 
 
+def test_a_reports_flops_and_cache_columns_are_the_cost_tables_own(tmp_path):
+    """Each row's training FLOPs are a step's (per token x batch x sequence length) times its steps,
+    and its cache column the whole cache, global and local, at the report's length: the
+    comparisons between variants scale them all alike, so a dropped factor shows only here."""
+    from archlab.table import MIB, si, tokens_label
+
+    study = load_study(str(mini(tmp_path, "columns")))
+    trials = [finished("yoco", 0, 0, 3.0, 0.002), finished("yoco-u", 0, 0, 2.9, 0.002)]
+    n = study.definition.report_seq_len
+    for row in summarize(study, trials):
+        cost = Cost(study.specs[row["variant"]])
+        per_step = sum(cost.forward_flops(32).values()) * 3 // 32 * 4 * 32  # batch 4 of 32 tokens
+        assert row["train FLOPs"] == si(per_step * 4)  # 4 steps
+        size = cost.cache_bytes(n)
+        assert size.local > 0 and row[f"KV MiB @ {tokens_label(n)}"] == round((size.global_ + size.local) / MIB, 2)
+
+
+def test_a_live_trial_beats_at_least_three_times_in_its_grace_period():
+    """A heartbeat late by a beat or two must not get a live trial taken over as dead."""
+    from archlab.study.runner import heartbeat_interval
+
+    for grace in range(3, 200):
+        assert 1 <= heartbeat_interval(grace) and 3 * heartbeat_interval(grace) <= grace, grace
+
+
 def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its_flops(tmp_path):
     """The paper's Figure 2, on mean curves worked out by hand: yoco-u (a loop, so more FLOPs a
     step) comes down to yoco's last loss between its two evaluations, and at yoco's FLOPs it is

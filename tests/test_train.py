@@ -1193,6 +1193,15 @@ def test_a_run_keeps_the_code_and_the_libraries_it_trains_with():
         assert kept["archlab"].startswith(f"{importlib.metadata.version('archlab')} at {head[:10]}")
 
 
+def test_a_run_trained_on_archlabs_own_blocks_names_archlab_once_with_its_commit():
+    """archlab's blocks are registered by archlab itself: listed as a plugin package, its bare
+    version would replace the one that names the commit."""
+    from archlab.registry import block_specs, distributions
+
+    assert distributions(block_specs().values()) == {}
+    assert environment(torch.device("cpu"), blocks=tuple(block_specs().values()))["archlab"] == environment(torch.device("cpu"))["archlab"]
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit decorators fla applies on import
 def test_the_environment_names_the_kernel_packages_on_a_gpu_and_the_processes_sharing_a_run(monkeypatch):
     import fla

@@ -2177,6 +2177,28 @@ def test_downstream_generation_reads_the_harness_aliases_of_max_gen_toks(trained
         assert text == lm.tokenizer.decode(sequence[len(prompt) :])
 
 
+def test_downstream_generation_feeds_the_last_max_length_less_new_tokens_of_a_long_context(trained_on_text, monkeypatch):
+    """A context past --max-length keeps as many of its last tokens as leave room for the tokens
+    asked for: the prompt and what it generates fit in what the model reads (a repetitive text,
+    whose greedy reply is the same either way, cannot show it)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    import archlab.train.downstream as downstream
+    from archlab.train.evaluate import Loaded
+
+    fed = []
+    real = downstream.Engine.generate
+    monkeypatch.setattr(downstream.Engine, "generate", lambda self, prompts, n, *a, **k: fed.append([p.tolist() for p in prompts]) or real(self, prompts, n, *a, **k))
+    lm = downstream.ArchlabLM(Loaded.of(trained_on_text), torch.device("cpu"), batch=1, max_length=40)
+    long = "".join(f"v{i} = {i * 7}\n" for i in range(30))
+    ids = lm.tok_encode(long)
+    assert len(ids) > 40
+    lm.generate_until([Instance("generate_until", {}, (long, {"until": [], "max_gen_toks": new}), i) for i, new in enumerate((4, 10))],
+                      disable_tqdm=True)
+    assert fed == [[ids[-36:]], [ids[-30:]]]
+
+
 def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_it_reports():
     from archlab.train.downstream import average
 
@@ -2190,6 +2212,17 @@ def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_i
     row, left_out = average("r", results, ["suite", "piqa", "gsm8k"], ["exact_match", "acc"])
     assert row["value"] == round((0.5 + 0.6 + 0.05) / 3, 4) and left_out == []
     assert average("r", results, ["piqa", "gsm8k"], ["acc"]) == (None, ["gsm8k"])  # one task: nothing to average
+
+
+def test_downstream_rows_are_each_tasks_metrics_with_their_own_standard_errors():
+    """The harness reports a metric's standard error beside it as "<metric>_stderr,<filter>": that is
+    the error of a row, not a metric of its own, and entries without a filter (an alias) are none."""
+    from archlab.train.downstream import metrics
+
+    results = {"results": {"piqa": {"alias": "piqa", "acc,none": 0.6, "acc_stderr,none": 0.01, "acc_norm,none": 0.7,
+                                    "acc_norm_stderr,none": "N/A", "sample_len": 10}}}
+    rows = [(row["task"], row["metric"], row["value"], row["stderr"]) for row in metrics("r", results)]
+    assert rows == [("piqa", "acc", 0.6, 0.01), ("piqa", "acc_norm", 0.7, None)]
 
 
 def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_text, trained_on_mqar, tmp_path, monkeypatch, capfd):

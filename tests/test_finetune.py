@@ -576,6 +576,19 @@ def test_examples_read_whatever_their_files_suffix_case_or_byte_order_mark(examp
         read_examples(str(examples), 10)
 
 
+def test_examples_are_read_until_their_characters_reach_max_bytes_and_no_further(tmp_path):
+    """max_bytes counts the prompt and response characters of the examples read: the example that
+    brings the count to exactly max_bytes is the last one read, and the rest are cut (and said to be)."""
+    path = write_examples(tmp_path / "four.jsonl", [{"prompt": "ab", "response": "cde"}] * 4)  # 5 characters each
+    with pytest.warns(UserWarning, match="is read as far as data.max_bytes"):
+        assert len(read_examples(str(path), 10)) == 2
+    with pytest.warns(UserWarning, match="is read as far as data.max_bytes"):
+        assert len(read_examples(str(path), 11)) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_examples(str(path), 20)) == 4  # every one read: nothing cut
+
+
 def test_examples_are_not_cached(cli, examples, tmp_path):
     refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", examples, "--set", f"data.cache={tmp_path}"],
                       "data.cache", "examples are tokenized at each start, into no cache; drop data.cache")

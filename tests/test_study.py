@@ -841,6 +841,16 @@ def test_a_trial_lost_before_training_is_listed_with_its_planned_lr(tmp_path):
     assert row["why"] == "its worker stopped sending heartbeats before its first evaluation" and row["lr"] == "0.004"
 
 
+def test_a_grid_of_learning_rates_is_log_spaced_from_low_to_high_and_one_point_is_their_geometric_mean():
+    """points log-spaced rates include both ends; a single point stands at the middle of the range
+    on a log scale (sqrt(low * high)), not at either end."""
+    from archlab.study.definition import LearningRates
+
+    assert LearningRates(low=1e-4, high=1e-2, points=1).grid() == pytest.approx([1e-3])
+    assert LearningRates(low=1e-4, high=1e-2, points=3).grid() == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert LearningRates(low=1e-3, high=8e-3, points=4).grid() == pytest.approx([1e-3, 2e-3, 4e-3, 8e-3])
+
+
 def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
     """Under TPE no two trials share a learning rate: grouping by it gave one trial per group, a
     minimum over draws reported as a mean of 1 seed. Each seed's best draw is averaged instead."""

@@ -1096,6 +1096,25 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
     assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]
 
 
+def test_evaluations_are_logged_between_log_intervals_and_the_last_step_is_evaluated_and_saved(tmp_path):
+    """Each interval counts on its own: a step is logged at every log_interval and at every
+    evaluation (an evaluation not logged would be lost from metrics.jsonl), evaluated at every
+    eval_interval, saved at every checkpoint_interval, and the last step is evaluated and saved
+    whatever the intervals."""
+    import archlab
+    from archlab.train.checkpoint import step_of
+
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml")
+    cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 2, "seq_len": 16, "data": {"source": "mqar"},
+                                      "eval_interval": 3, "eval_batches": 1, "log_interval": 4, "checkpoint_interval": 4})
+    evaluated = []
+    records = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True)).fit(5, on_eval=lambda step, _: evaluated.append(step))
+    assert [(r["step"], "eval_loss" in r) for r in records] == [(3, True), (4, False), (5, True)]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [3, 4, 5] and evaluated == [3, 5]
+    assert [step_of(p) for p in checkpoints(tmp_path / "run")] == [4, 5]
+
+
 def finished_run(tmp_path_factory, *args):
     """A tiny transformer trained with ``args`` in a folder of its own, for tests that copy it."""
     run = tmp_path_factory.mktemp("trained") / "run"

@@ -555,6 +555,15 @@ def test_streamed_text_holds_back_only_what_a_later_token_may_change():
     assert shown[-1] == final.removesuffix("<|end|>")
 
 
+def test_a_reply_that_so_far_is_only_the_start_of_a_stop_text_shows_nothing_yet():
+    """Text shorter than a stop text, all of it that text's beginning, may yet become the stop
+    text (a reply whose first tokens are "<|"): none of it is shown until a later token settles it."""
+    from archlab.cli import _settled
+
+    assert _settled("<|e", ("<|end|>",)) == "" and _settled("<", ("<|end|>",)) == ""
+    assert _settled("x<|e", ("<|end|>",)) == "x" and _settled("<x", ("<|end|>",)) == "<x"
+
+
 def test_generate_streams_text_with_a_notice(cli):
     texts, shown = [], warnings.showwarning
     # a stop token that never comes changes nothing either

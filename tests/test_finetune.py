@@ -276,6 +276,15 @@ def test_text_decodes_back_with_the_special_tokens_it_was_encoded_with(pretraine
     assert tokenizer.token_to_id("<|end|>") in ids and codec.decode(ids) == "Yo<|end|>\n"
 
 
+def test_a_typed_message_keeps_the_indentation_of_its_lines():
+    """A message is its lines up to a blank line, each without its line ending alone: code typed
+    into chat keeps its indentation (and a line of spaces alone ends the message, as a blank one does)."""
+    from archlab.cli import _messages
+
+    typed = io.StringIO("def f(x):\n    return x\r\n   \n  indented\n")
+    assert list(_messages(typed)) == ["def f(x):\n    return x", "  indented"]
+
+
 def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrained, monkeypatch):
     import archlab.memory
 

@@ -2422,6 +2422,20 @@ def test_a_tokenized_corpus_is_not_reused_for_text_edited_since(cli, tmp_path):
         assert code == 0, stderr
 
 
+def test_a_corpus_fingerprint_tells_apart_documents_split_otherwise_and_a_tokenizer_file_replaced(tmp_path):
+    """Each document is tokenized apart, so the same characters split into other documents give
+    other tokens, and so does another tokenizer file at the same path: either tokenizes again."""
+    from archlab.train.data import _text_fingerprint
+
+    assert _text_fingerprint(["ab", "c"], None) != _text_fingerprint(["a", "bc"], None)
+    assert _text_fingerprint(["ab", "c"], None) == _text_fingerprint(["ab", "c"], None)
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(train_tokenizer(["some text"], 260).to_str())
+    before = _text_fingerprint(["ab"], str(tokenizer))
+    tokenizer.write_text(train_tokenizer(["other words"], 262).to_str())
+    assert _text_fingerprint(["ab"], str(tokenizer)) != before != _text_fingerprint(["ab"], None)
+
+
 def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word():
     """Training on a whitespace-free run took time quadratic in its length: 11 s for 200K
     characters of DNA, and a 1 MB line did not finish in 150 s (now 0.14 s and 1.2 s here)."""

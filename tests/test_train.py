@@ -2231,6 +2231,9 @@ def test_the_downstream_average_takes_each_named_task_once_by_the_first_metric_i
     row, left_out = average("r", results, ["suite", "piqa", "gsm8k"], ["exact_match", "acc"])
     assert row["value"] == round((0.5 + 0.6 + 0.05) / 3, 4) and left_out == []
     assert average("r", results, ["piqa", "gsm8k"], ["acc"]) == (None, ["gsm8k"])  # one task: nothing to average
+    twice = {"results": {"gsm8k": {"exact_match,strict-match": 0.1, "exact_match,flexible-extract": 0.3}, "piqa": {"acc,none": 0.5}}}
+    row, _ = average("r", twice, ["gsm8k", "piqa"], ["exact_match", "acc"])  # a metric under two filters: the first reported
+    assert row["value"] == round((0.1 + 0.5) / 2, 4)
 
 
 def test_downstream_rows_are_each_tasks_metrics_with_their_own_standard_errors():

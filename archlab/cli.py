@@ -240,6 +240,13 @@ def _load_one(path: Path) -> ModelSpec:
         raise typer.Exit(1) from None
 
 
+def _data_given(data: str | None) -> str | None:
+    """--data of a training or a study: an empty one read as none, and trained on the default data unasked."""
+    if data is not None and not data.strip():
+        raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy, or leave it out")
+    return data
+
+
 def _lengths(values: list[str], least: int = 1) -> list[int]:
     """The token counts of --seq-len, each once (a length given twice would be a row twice), in
     the order given."""
@@ -860,7 +867,8 @@ def _budget_steps(spec: ModelSpec, cfg, steps: int | None, tokens: str | None, f
 def train(
     spec_path: Annotated[Path, typer.Argument(metavar="SPEC", help="the architecture spec (or a run's folder, for its spec)")],
     out: Annotated[Path, typer.Option(help="run directory: checkpoints, metrics.jsonl, spec and config")],
-    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens, .jsonl examples) | hf:NAME[:split] | mqar | copy")] = None,
+    data: Annotated[str | None, typer.Option(help="stdlib | PATH (text file/folder, .bin/.npy tokens, .jsonl examples) | hf:NAME[:split] | mqar | copy",
+                                             callback=_data_given)] = None,
     config: Annotated[Path | None, typer.Option(help="training config YAML")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help=f"override a config field: optimizer.lr=1e-3 (on --resume, only {', '.join(RESUMABLE)})")] = None,
     steps: Annotated[int | None, typer.Option(min=1, max=MAX_STEPS, help="optimizer steps")] = None,
@@ -876,8 +884,6 @@ def train(
 
     if sum(x is not None for x in (steps, tokens, flops)) > 1:
         raise typer.BadParameter("give at most one of --steps, --tokens, --flops")
-    if data is not None and not data.strip():  # it read as no --data at all, and trained on the default
-        raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
     say = err if _first_process() else Console(stderr=True, quiet=True)  # under torchrun, once
     try:
         _import_whole("torch._dynamo")  # the first forward pass's; a Ctrl-C inside it once aborted the process
@@ -1252,16 +1258,8 @@ Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the d
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", file_okay=False, help="study directory; default runs/studies/NAME-SCALE")]
 GracePeriod = Annotated[int, typer.Option(min=1, help="seconds without a heartbeat before a trial counts as dead")]
-def _study_data(data: str | None) -> str | None:
-    """--data of a study: an empty one read as none, and the study trained on its own data unasked."""
-    if data is not None and not data.strip():
-        raise typer.BadParameter("--data is empty; give stdlib, a path, hf:NAME[:split], mqar or copy, or leave it out for the"
-                                 " study's own data")
-    return data
-
-
 StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)",
-                                               callback=_study_data)]
+                                               callback=_data_given)]
 
 
 def _study_errors(action):

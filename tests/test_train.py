@@ -2587,3 +2587,17 @@ def test_a_length_given_twice_is_a_row_once(cli, trained_on_text):
     assert row["length"] == 512 and row["probes"] == 1 and "512, 512" not in stderr
     code, out, stderr = cli("cost", "specs/tiny/yoco.yaml", "--seq-len", "1K", "1024", "--format", "json")
     assert code in (0, None) and [row["seq_len"] for row in json.loads(out)] == [1024], out + stderr
+
+
+def test_a_run_says_when_it_tokenizes_its_corpus(cli, tmp_path):
+    """Tokenizing the default stdlib took some 20 s before the first line, in silence; the run now
+    says it is tokenizing, and a resume, which reads the tokens back, does not."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 400)
+    run = tmp_path / "run"
+    args = ("train", ROOT / "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--steps", "1")
+    code, _, stderr = cli(*args)
+    said = " ".join(stderr.split())
+    assert code == 0 and f"tokenizing data source '{text}' (10,800 characters, with a BPE of 256 tokens trained on it first)" in said, stderr
+    code, _, stderr = cli("train", ROOT / "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "2")
+    assert code == 0 and "tokenizing" not in stderr, stderr

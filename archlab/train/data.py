@@ -755,12 +755,14 @@ def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> tuple[np.nd
     return _encoded(cfg.source, read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field), load_tokenizer(str(tokenizer), vocab_size)), None
 
 
-def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False, resume: bool = False) -> DataSource:
+def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False, resume: bool = False,
+            say: Callable[[str], None] | None = None) -> DataSource:
     """Build the data source, tokenizing a corpus into ``data_dir/data`` (and its tokenizer into
     ``data_dir``) the first time; a resumed run reads those files back, so it trains on exactly
     the same tokens (where they are gone, it tokenizes again with the run's tokenizer, and the
     trainer compares the tokens with its checkpoint's). A corpus there made from other data is
-    replaced if ``replace``, else refused."""
+    replaced if ``replace``, else refused. ``say`` is told, in a line, when a corpus is about to
+    be tokenized: the default ``stdlib`` takes some 20 s on a CPU, which passed without a word."""
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)
@@ -779,6 +781,10 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
     if texts is not None and not (cache / "train.npy").is_file():
         own = data_dir / "tokenizer.json"
+        if say is not None:
+            trains = not cfg.tokenizer and not (resume and own.is_file())
+            say(f"tokenizing data source {cfg.source!r} ({sum(map(len, texts)):,} characters"
+                f"{f', with a BPE of {vocab_size:,} tokens trained on it first' if trains else ''}) into {cache}")
         if cfg.tokenizer:
             tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
         elif resume and own.is_file():  # a resume keeps the tokenizer its run generates with

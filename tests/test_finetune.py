@@ -11,6 +11,7 @@ import shutil
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import numpy as np
 import optuna
@@ -645,6 +646,13 @@ def test_a_study_fine_tunes_each_trial_from_one_run(cli, pretrained, examples, t
         assert (cfg.init, cfg.data.cache) == (str(pretrained / "checkpoints/step-00000004"), None)
         assert (folder / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()
         assert "eval_acc" in (folder / "metrics.jsonl").read_text()
+    # the report gives the best rate's response accuracy beside its loss, from the trial's last evaluation
+    best = min(trials, key=lambda t: t.value)
+    last = [r for r in map(json.loads, Path(best.user_attrs["run"], "metrics.jsonl").read_text().splitlines()) if "eval_acc" in r][-1]
+    assert last["eval_loss"] == best.value
+    header, _, row = (line for line in stdout.splitlines() if line.startswith("|"))
+    assert dict(zip(header.split(" | "), row.split(" | ")))["accuracy"] == f"{last['eval_acc']:.1%}", stdout
+    assert "; accuracy: of the tokens scored (responses or answers) at the last evaluation" in stdout
 
 
 def test_a_steps_loss_is_the_mean_over_the_responses_of_the_whole_batch(pretrained, examples, tmp_path):

@@ -16,7 +16,7 @@ from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
 from archlab.study.runner import (
-    OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study, settled, shown,
+    ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study, settled, shown,
 )
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
@@ -67,6 +67,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
     maximize = definition.maximize
     done = _reported(study, trials)
     rows, means, baseline, curves = [], {}, None, {}
+    scored = not maximize and any(ACCURACY in t.user_attrs for t in done.values())  # examples or a recall task, scored by loss
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
         complete = _complete(done, variant)
@@ -87,11 +88,14 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
             mean = means[variant] = statistics.mean(values)
             row.update({metric: Decimals(mean, 4), "spread (sd)": Decimals(statistics.stdev(values), 4) if len(values) > 1 else "-",
                         "seeds": len(values), "best lr": lr})
+            if scored:
+                accuracies = [t.user_attrs.get(ACCURACY) for t in best]
+                row[ACCURACY] = f"{statistics.mean(accuracies):.1%}" if None not in accuracies else "-"
             curves[variant] = (*_curve(best), flops_per_step)
             if variant == definition.baseline:
                 baseline = mean
         else:
-            row.update({metric: "-", "spread (sd)": "-", "seeds": 0, "best lr": "-"})
+            row.update({metric: "-", "spread (sd)": "-", "seeds": 0, "best lr": "-", **({ACCURACY: "-"} if scored else {})})
         row["pruned/failed"] = f"{sum(t.state == TrialState.PRUNED for t in mine)}/{sum(t.state == TrialState.FAIL for t in mine)}"
         rows.append(row)
     against = _against_baseline(curves, definition.baseline, maximize)
@@ -279,6 +283,9 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
     (out / OWNER).write_text(f"{study.key}\n")
     plots = plot(study, trials, out)
+    rows = summarize(study, trials)
+    accuracy = ("; accuracy: of the tokens scored (responses or answers) at the last evaluation, the mean over the seeds"
+                if any(ACCURACY in row for row in rows) else "")
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
         *([f"{definition.question or definition.description}\n"] if definition.question or definition.description else []),
@@ -291,8 +298,8 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         progress(study, trials, silent_trials(optuna_study)),
         *settings(study, trials),
         f"- storage `{(whole := shown(storage, relative=False))}` (open it with `optuna-dashboard {whole}`)",
-        f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better\n",
-        render(summarize(study, trials), Format.md),
+        f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better{accuracy}\n",
+        render(rows, Format.md),
         *passed_over(study, trials),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),

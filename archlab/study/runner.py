@@ -572,6 +572,9 @@ def claim(optuna_study: optuna.Study, url: str, out: Path, planned: Collection[t
     return None
 
 
+ACCURACY = "accuracy"  # a trial's last evaluation's accuracy, where its metric is the loss
+
+
 def trials_folder(out: Path, study_name: str, url: str) -> Path:
     """Where a study's trials train: numbered from 0 in each study and storage, so each pair has a
     folder of its own (a study run afresh with another storage, or two sharing an --out, would
@@ -623,7 +626,10 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
     trainer = Trainer(spec, cfg, folder, Console(quiet=True))
     trial.set_user_attr("flops_per_step", trainer.flops_per_step)
     trial.set_user_attr("environment", trainer.environment)
-    return trainer.fit(steps, on_eval=on_eval)[-1][metric]
+    final = trainer.fit(steps, on_eval=on_eval)[-1]
+    if metric != "eval_acc" and final.get("eval_acc") is not None:  # scored on responses or answers: the report gives it beside the loss
+        trial.set_user_attr(ACCURACY, final["eval_acc"])
+    return final[metric]
 
 
 def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -> tuple[float | None, TrialState, str | None]:

@@ -1114,7 +1114,7 @@ def niah(
     text: the share of probes whose greedy answer holds the number hidden in a long prompt, by
     length and depth, and the loss of the number's tokens with its gain from the needle."""
     from archlab.train.needle import niah as probed
-    from archlab.train.needle import plot, rows, summary
+    from archlab.train.needle import plot, probeable, rows, summary
 
     lengths = _lengths(seq_len)
     if data is not None and haystack is HaystackKind.noise:
@@ -1126,7 +1126,7 @@ def niah(
         with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch", None):
             return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed)
 
-    found = _each_trained_run(runs, data, plot_path, score)
+    found = _each_trained_run(runs, data, plot_path, score, probeable)
     sys.stdout.write(render([row for label, some in found.items() for row in rows(label, some)], fmt))
     for label, some in found.items():
         err.print(summary(label, some), highlight=False, markup=False)

@@ -1993,7 +1993,9 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     assert rows[0]["placed %"] == round(statistics.fmean(f.probe.placed for f in found[:2]), 1)
     assert f"{sum(f.hit for f in found)} of 8 probes found" in stderr
     assert (tmp_path / "niah.png").read_bytes().startswith(b"\x89PNG")
-    refused(cli("niah", trained_on_mqar, "--seq-len", "512"), "trained on a recall task and has no tokenizer")
+    code, _, stderr = outcome = cli("niah", trained_on_mqar, "--seq-len", "512")
+    refused(outcome, "trained on a recall task and has no tokenizer")
+    assert "512 tokens" not in stderr  # refused before the line that begins a run's probes
     refused(cli("niah", trained_on_text, "--seq-len", "300"), "--seq-len 300: the question and the needle alone take")
     refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")
 

@@ -34,7 +34,9 @@ from archlab.engine import Engine
 from archlab.memory import Watched
 from archlab.table import Decimals
 from archlab.train.data import encode, load_tokenizer
-from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
+from archlab.train.checkpoint import tokenizer_of
+from archlab.train.config import SYNTHETIC, load_config
+from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores, scorable
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
@@ -217,15 +219,23 @@ def search(loaded: Loaded, tokenizer, probes: list[Probe], new_tokens: int, batc
     return found
 
 
+def probeable(run: Path) -> None:
+    """Refuse, before anything is loaded, a path that is not a run with a tokenizer: a needle in a
+    haystack is text."""
+    scorable(run)
+    if tokenizer_of(run) is None:
+        recall = load_config(str(run / "config.yaml")).data.source in SYNTHETIC
+        raise EvaluationError(f"{run} trained on {'a recall task' if recall else 'token ids'} and has no tokenizer: a needle in a"
+                              " haystack is text")
+
+
 def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device: torch.device, haystack: str = "noise",
          data: str | None = None, batch: int = 8, new_tokens: int = 16, seed: int = 0) -> list[Found]:
     """``sequences`` probes of the run's latest checkpoint at each length and each of
     ``depth_count`` depths, in a haystack of ``noise`` or of ``text`` (its held-out split, or all
     of ``data``)."""
+    probeable(run)
     loaded = Loaded.of(run, data)
-    if loaded.tokenizer is None:
-        raise EvaluationError(f"{run} trained on {'a recall task' if loaded.recall else 'token ids'} and has no tokenizer: a"
-                              " needle in a haystack is text")
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
     if haystack == "noise":
         hay = Haystack.noise()

@@ -296,6 +296,33 @@ def test_chat_refuses_a_cache_without_room_before_the_reply_begins(cli, pretrain
     assert stdout == "User: Hi.\n\n"  # and no "Assistant: " left without its line's end
 
 
+def test_a_conversation_that_outgrows_its_cache_goes_on_in_a_new_one(cli, pretrained, monkeypatch):
+    """Chat's first cache has room for twice its first turn: a message past that is prefilled
+    afresh into a new cache, and the turn after goes on in that one; each reply is still greedy
+    decoding by the whole logits after the conversation so far."""
+    tokenizer, (_, model, _, _) = load_tokenizer(str(pretrained / "tokenizer.json"), 256), load_trained(pretrained)
+    said, messages, transcript, lengths = ("Hi.", " ".join(["word"] * 40), "Go on."), [], "", []
+    for message in said:
+        messages.append({"role": "user", "content": message})
+        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n") for i in tokenizer.encode(text).ids]
+        prompt += tokenizer.encode("Assistant: ").ids
+        lengths.append(len(prompt))
+        new = []
+        while len(new) < 3 and "<|end|>" not in tokenizer.decode(new):
+            with torch.no_grad():
+                new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
+        messages.append({"role": "assistant", "content": tokenizer.decode(new).partition("<|end|>")[0]})
+        transcript += f"User: {message}\n\nAssistant: {messages[-1]['content']}\n" + ("" if messages[-1]["content"].endswith("\n") else "\n")
+    assert lengths[1] + 3 > 2 * (lengths[0] + 3) and lengths[2] + 3 <= 2 * (lengths[1] + 3)  # outgrows the first cache, not the second
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n\n".join(said) + "\n"))
+    fed, feed = [], Engine.feed  # where each call into the model starts
+    monkeypatch.setattr(Engine, "feed", lambda engine, tokens, start, *rest, **named: fed.append(int(start[0])) or feed(engine, tokens, start, *rest, **named))
+    code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", "3")
+    assert code in (0, None) and "Traceback" not in stderr, stderr
+    assert stdout == transcript
+    assert fed.count(0) == 2 and lengths[1] in fed  # the second turn in a new cache; the third fed from where the second prompt ended
+
+
 def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
     """Piece by piece: with a BPE whose tokens join a space to the word after it, the conversation
     read as one text would start its messages with tokens training never saw there."""

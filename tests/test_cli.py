@@ -484,6 +484,10 @@ class ForwardlessSpec(StatelessSpec):  # a module with an inference state but no
 
     def build(self, ctx):
         return Forwardless()
+
+
+class PairSpec(StatelessSpec):  # one class for two block types: a spec's type names one block, and an entry point one class
+    type: Literal["pair", "couple"]
 '''
 
 
@@ -494,6 +498,8 @@ BROKEN_PLUGINS = {  # an entry point that cannot be used: what its notice says, 
                                                             "archlab's own blocks.attention:AttentionSpec is kept"], None),
     "abstract": ("half = broken:HalfSpec", ["block plugin 'half'", "does not define flops, params, state_bytes", "it is left out"], "half"),
     "exits": ("quits = quits:Spec", ["block plugin 'quits'", "failed to import: SystemExit: 3", "it is left out"], "quits"),
+    "two types": ("pair = broken:PairSpec", ["block plugin 'pair'", "must declare type: Literal['pair'], has ('pair', 'couple')",
+                                              "it is left out"], "pair"),
 }
 
 
@@ -848,6 +854,17 @@ def test_training_larger_than_memory_names_the_micro_batch_it_uses(cli, tmp_path
 def test_generate_refuses_a_prompt_or_stop_it_cannot_use_before_drawing_weights(cli, option, message):
     code, stdout, stderr = cli("generate", "specs/tiny/yoco.yaml", *option)
     assert code == 2 and message in stderr, stderr
+    assert "random weights" not in stderr and not stdout
+
+
+def test_generate_with_byte_prompts_needs_a_vocabulary_of_256(cli, tmp_path):
+    """A bare spec reads its prompt as UTF-8 bytes, ids 0 to 255: a vocabulary of 255 is refused
+    before weights are drawn, where byte 255 would index past the embedding (the tiny specs'
+    256 generate throughout this file)."""
+    spec = tmp_path / "bytes.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/transformer.yaml'}\nname: bytes\nvocab_size: 255\n")
+    code, stdout, stderr = cli("generate", spec, "--prompt", "a", "--max-new-tokens", "1")
+    assert code == 1 and "error: bytes has a vocabulary of 255; byte-level prompts need 256" in stderr, stderr
     assert "random weights" not in stderr and not stdout
 
 

@@ -224,6 +224,20 @@ def test_peak_flops_by_device_name():
         assert peak_flops("Some Future Accelerator") is None
 
 
+@pytest.mark.parametrize("order", [1, -1], ids=["as listed", "reversed"])
+def test_peak_flops_takes_the_longest_name_matched_in_any_order_of_the_table(monkeypatch, order):
+    """A name holds every shorter key it extends ("NVIDIA H100 PCIe" holds "H100", "NVIDIA GH200"
+    holds "H200"): the longest match is the card's, wherever the table lists it, and neither the
+    first match nor the last in alphabetical order ("H200" > "GH200"). Names match in any case."""
+    table = {"H100 PCIe": 1.0, "H100": 2.0, "GH200": 3.0, "H200": 4.0}
+    monkeypatch.setattr("archlab.cost.PEAK_FLOPS", dict(list(table.items())[::order]))
+    assert peak_flops("NVIDIA H100 PCIe") == 1.0
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 2.0
+    assert peak_flops("NVIDIA GH200 480GB") == 3.0
+    assert peak_flops("NVIDIA H200") == 4.0
+    assert peak_flops("nvidia h100 pcie") == 1.0
+
+
 def test_cost_docs_are_up_to_date():
     from archlab.cost import cost_doc
 

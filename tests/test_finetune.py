@@ -323,6 +323,35 @@ def test_a_conversation_that_outgrows_its_cache_goes_on_in_a_new_one(cli, pretra
     assert fed.count(0) == 2 and lengths[1] in fed  # the second turn in a new cache; the third fed from where the second prompt ended
 
 
+@pytest.mark.parametrize("over", [0, 1], ids=["filled", "one past"])
+def test_chat_keeps_its_cache_while_the_next_turn_fits_and_not_a_position_past(cli, pretrained, monkeypatch, over):
+    """The first turn's cache has room for its prompt and reply twice over; the next turn feeds
+    only what it adds where its prompt and --max-new-tokens fill that room exactly, and starts a
+    fresh cache where they need one position more (the reply would run past the cache's end).
+    The model's tokens are scripted; the run's tokenizer is byte-level, so each "x" is a token."""
+    tokenizer, new = load_tokenizer(str(pretrained / "tokenizer.json"), 256), 16
+    first = [{"role": "user", "content": "Hi."}]
+    capacity = 2 * (len(reply_prompt(first, tokenizer)) + new)
+    so_far = [*first, {"role": "assistant", "content": "one"}]
+    room = capacity - new - len(reply_prompt([*so_far, {"role": "user", "content": ""}], tokenizer))
+    second = "x" * (room + over)
+    assert len(reply_prompt([*so_far, {"role": "user", "content": second}], tokenizer)) + new == capacity + over
+    calls = []
+
+    def scripted(engine, given, max_new_tokens, sampling, cache=None, held=0):
+        calls.append((cache.capacity, held))
+        for token in tokenizer.encode("one<|end|>").ids:
+            yield torch.tensor([token]), None, torch.tensor([False])
+
+    monkeypatch.setattr(Engine, "stream", scripted)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Hi.\n\n{second}\n"))
+    code, stdout, stderr = cli("chat", pretrained, "--max-new-tokens", new)
+    assert code in (0, None) and stdout.count("Assistant: one\n") == 2, stderr
+    second_prompt = capacity + over - new
+    kept, fresh = (capacity, len(reply_prompt(first, tokenizer))), (2 * (second_prompt + new), 0)  # fed from its end, or from 0
+    assert calls == [(capacity, 0), fresh if over else kept]
+
+
 def test_a_reply_follows_the_conversation_tokenized_as_training_tokenized_it():
     """Piece by piece: with a BPE whose tokens join a space to the word after it, the conversation
     read as one text would start its messages with tokens training never saw there."""

@@ -1280,6 +1280,61 @@ def test_a_hugging_face_datasets_text_field_is_named_where_its_rows_lack_it(tmp_
     assert read_texts(f"hf:{tmp_path}", 1000, "content") == [rows[0]["content"], rows[2]["content"]]
 
 
+def test_a_hugging_face_source_streams_its_split_in_whole_rows_up_to_max_bytes(monkeypatch):
+    """``hf:NAME[:SPLIT]`` streams SPLIT of NAME (train where none is named), never downloading the
+    whole dataset; its rows are read whole until they reach max_bytes characters, and not one row
+    more (a stream may be endless), with a notice of the cut. A ``datasets`` module of our own
+    stands in for the library, so the test needs neither it nor the network."""
+    asked = []
+
+    def load_dataset(name, split, streaming):
+        asked.append((name, split, streaming))
+
+        def rows():
+            yield from ({"text": "abc"}, {"text": None}, {"text": "defg"})
+            if name == "user/endless":
+                raise AssertionError("a row read past max_bytes")
+
+        return rows()
+
+    monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
+    with pytest.warns(UserWarning, match=re.escape("data source 'hf:user/endless:validation' is read as far as data.max_bytes (7 ")):
+        assert read_texts("hf:user/endless:validation", 7) == ["abc", "defg"]
+    with pytest.warns(UserWarning, match=re.escape("data source 'hf:user/endless' is read as far as data.max_bytes (4 ")):
+        assert read_texts("hf:user/endless", 4) == ["abc", "defg"]  # the row that reaches max_bytes is read whole
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_texts("hf:user/short", 8) == ["abc", "defg"]
+    assert asked == [("user/endless", "validation", True), ("user/endless", "train", True), ("user/short", "train", True)]
+
+
+def test_a_byte_level_tokenizer_needs_a_vocabulary_of_256():
+    """Its alphabet is the 256 bytes, each a token before any merge: with fewer, ids would pass the
+    spec's vocabulary. 256 is enough, and gives the bytes alone."""
+    with pytest.raises(DataError, match=r"^a byte-level tokenizer needs a vocabulary of at least 256; the spec has 255$"):
+        train_tokenizer(["abc abc"], 255)
+    assert train_tokenizer(["abc abc"], 256).get_vocab_size() == 256
+
+
+def test_ids_past_uint16_are_kept_whole_in_text_and_examples(tmp_path):
+    """A tokenizer of more than 65,536 tokens (Llama 3's has 128,256): a corpus's ids and an
+    example's are kept as uint32, not wrapped round at 2**16 (70,000 would read as 4,464)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from archlab.train.config import Data
+    from archlab.train.data import tokens_of
+
+    wide = Tokenizer(models.WordLevel({"[UNK]": 0, "low": 5, "high": 70_000}, unk_token="[UNK]"))
+    wide.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wide.save(str(tmp_path / "wide.json"))
+    (tmp_path / "text.txt").write_text("low high high low\n")
+    (tmp_path / "pairs.jsonl").write_text('{"prompt": "low", "response": "high"}\n{"prompt": "high", "response": "low"}\n')
+    ids, counted = tokens_of(Data(source=str(tmp_path / "text.txt")), 100_000, tmp_path / "wide.json")
+    assert ids.tolist() == [5, 70_000, 70_000, 5] and counted is None
+    ids, counted = tokens_of(Data(source=str(tmp_path / "pairs.jsonl")), 100_000, tmp_path / "wide.json")
+    assert ids.tolist() == [5, 70_000, 70_000, 5] and counted.tolist() == [False, True, False, True]  # the END newline: no word
+
+
 def test_a_npy_token_file_that_is_not_one_says_so(cli, tmp_path):
     tokens = tmp_path / "tokens.npy"
     tokens.write_text("hello world\n")

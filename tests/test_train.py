@@ -1280,32 +1280,37 @@ def test_a_hugging_face_datasets_text_field_is_named_where_its_rows_lack_it(tmp_
     assert read_texts(f"hf:{tmp_path}", 1000, "content") == [rows[0]["content"], rows[2]["content"]]
 
 
-def test_a_hugging_face_source_streams_its_split_in_whole_rows_up_to_max_bytes(monkeypatch):
+def test_a_hugging_face_source_streams_its_split_up_to_max_bytes_cut_as_files_are(monkeypatch):
     """``hf:NAME[:SPLIT]`` streams SPLIT of NAME (train where none is named), never downloading the
-    whole dataset; its rows are read whole until they reach max_bytes characters, and not one row
-    more (a stream may be endless), with a notice of the cut. A ``datasets`` module of our own
-    stands in for the library, so the test needs neither it nor the network."""
-    asked = []
+    whole dataset; its rows are read up to max_bytes characters and cut there, as a corpus of files
+    is, with a notice where text is left unread: a row past the one that fills it is read to know,
+    and no more (a stream may be endless). A ``datasets`` module of our own stands in for the
+    library, so the test needs neither it nor the network."""
+    asked, past = [], []
 
     def load_dataset(name, split, streaming):
         asked.append((name, split, streaming))
 
         def rows():
-            yield from ({"text": "abc"}, {"text": None}, {"text": "defg"})
-            if name == "user/endless":
-                raise AssertionError("a row read past max_bytes")
+            yield from ({"text": "abc"}, {"text": None}, {"text": " \n"}, {"text": "defg"})
+            while name == "user/endless":
+                past.append(name)
+                yield {"text": "hij"}
 
         return rows()
 
     monkeypatch.setitem(sys.modules, "datasets", SimpleNamespace(load_dataset=load_dataset))
     with pytest.warns(UserWarning, match=re.escape("data source 'hf:user/endless:validation' is read as far as data.max_bytes (7 ")):
         assert read_texts("hf:user/endless:validation", 7) == ["abc", "defg"]
-    with pytest.warns(UserWarning, match=re.escape("data source 'hf:user/endless' is read as far as data.max_bytes (4 ")):
-        assert read_texts("hf:user/endless", 4) == ["abc", "defg"]  # the row that reaches max_bytes is read whole
+    assert len(past) == 1
+    with pytest.warns(UserWarning, match=re.escape("data source 'hf:user/endless' is read as far as data.max_bytes (5 ")):
+        assert read_texts("hf:user/endless", 5) == ["abc", "de"]
+    assert len(past) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert read_texts("hf:user/short", 7) == ["abc", "defg"]  # filled exactly by the last row: nothing left unread
         assert read_texts("hf:user/short", 8) == ["abc", "defg"]
-    assert asked == [("user/endless", "validation", True), ("user/endless", "train", True), ("user/short", "train", True)]
+    assert asked == [("user/endless", "validation", True), ("user/endless", "train", True)] + [("user/short", "train", True)] * 2
 
 
 def test_a_byte_level_tokenizer_needs_a_vocabulary_of_256():

@@ -310,6 +310,8 @@ def _walked(folder: Path) -> Iterator[tuple[str, list[str]]]:
 
 
 def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
+    """The texts of a Hugging Face dataset's split, streamed (never downloaded whole) up to
+    ``max_bytes`` characters, cut there as a corpus of files is."""
     try:
         import datasets
     except ImportError:
@@ -327,11 +329,14 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
             if not isinstance(row[field], str):
                 raise DataError(f"Hugging Face dataset {dataset!r}: row {number}'s {field!r} is a {type(row[field]).__name__}, not text;"
                                 " set data.hf_text_field to a field of text")
-            texts.append(row[field])
-            total += len(texts[-1])
-            if total >= max_bytes:
+            if not row[field].strip():
+                continue
+            if total + len(row[field]) > max_bytes or total == max_bytes:  # as a file is cut: there, and only if text is left
                 _say_cut(f"hf:{name}", max_bytes)
+                texts += [row[field][: max_bytes - total]] if total < max_bytes else []
                 break
+            texts.append(row[field])
+            total += len(row[field])
     except DataError:
         raise
     except Exception as exc:  # network, a missing dataset: both end the same way

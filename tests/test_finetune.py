@@ -79,6 +79,16 @@ def test_the_script_splits_each_function_after_its_docstring():
     assert _functions_script().examples(source, longest=10) == []  # the body is 29 characters
 
 
+def test_a_val_fraction_that_rounds_to_no_example_holds_out_one(tmp_path):
+    """Four examples at val_fraction 0.1 (0.4 of one): the last example is held out, not none
+    (an empty held-out split could not be evaluated)."""
+    path = write_examples(tmp_path / "four.jsonl", [{"prompt": f"p{i} ", "response": f"r{i}"} for i in range(4)])
+    data = prepare(Data(source=str(path), val_fraction=0.1), 256, 4, 0, tmp_path)
+    tokenizer = load_tokenizer(str(tmp_path / "tokenizer.json"), 256)
+    assert tokenizer.decode(data.splits["val"].tolist()) == "p3 r3\n"
+    assert tokenizer.decode(data.splits["train"].tolist()) == "p0 r0\np1 r1\np2 r2\n"
+
+
 def test_only_the_responses_and_their_ends_count(examples, tmp_path):
     """The training split's tokens where they count decode to each example's response and the
     newline that ends it, and where they do not, to its prompt; the last examples are held out."""

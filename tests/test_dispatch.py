@@ -160,6 +160,38 @@ def test_flash_attn_leaves_dtypes_it_cannot_run_to_the_pytorch_op():
     assert called == [torch.bfloat16]
 
 
+@pytest.mark.parametrize("window", [None, 1, 4])
+def test_flash_attn_is_given_the_window_as_the_keys_left_of_the_query(window):
+    """flash-attn's window_size is (keys left of the query, keys right of it), -1 for no limit: a
+    stand-in with that definition, spelled out mask by mask, attends as the PyTorch op does over
+    the last ``window`` positions (the query's own included), in bf16 as flash-attn runs."""
+    def flash_attn_func(q, k, v, causal, window_size):
+        left, right = window_size
+        i, j = torch.arange(q.shape[1])[:, None], torch.arange(k.shape[1])[None]
+        seen = (j <= i) & ((j <= i + right) | (right < 0)) & ((j >= i - left) | (left < 0))
+        k, v = (t.repeat_interleave(q.shape[2] // t.shape[2], dim=2).double() for t in (k, v))
+        scores = torch.einsum("bihd,bjhd->bhij", q.double(), k) * q.shape[-1] ** -0.5
+        weights = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        return torch.einsum("bhij,bjhd->bihd", weights, v).to(q.dtype)
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 9, h, 8, generator=gen).bfloat16() for h in (4, 2, 2))
+    positions = torch.arange(9).expand(2, 9)
+    out = dispatch._causal_from_flash_attn(flash_attn_func)(q, k, v, positions, window)
+    reference = kernel("torch", "causal_attention")(q.float(), k.float(), v.float(), positions, window)
+    torch.testing.assert_close(out.float(), reference, rtol=0, atol=2e-2)
+
+
+def test_auto_leaves_flex_to_a_spec_that_names_it(packages):
+    """A block offering FlexAttention without its own ``auto`` list: auto takes its first installed
+    kernel package but never flex (installed everywhere), which runs only where it is named."""
+    with pytest.warns(UserWarning, match=r"gla: no CUDA kernel package installed \(none\)"):
+        assert choose("gla", "auto", ("flex",), "cuda") == "torch"
+    packages.add("fla")
+    assert choose("gla", "auto", ("flex", "fla"), "cuda") == "fla"
+    assert choose("gla", "flex", ("flex", "fla"), "cuda") == "flex"
+
+
 def test_the_cli_names_a_missing_kernel_package(tmp_path, packages):
     import subprocess
     import sys
@@ -499,6 +531,28 @@ def test_a_plugin_naming_an_fla_kernel_gets_its_fallbacks(monkeypatch):
         with pytest.warns(UserWarning, match=r"gla: scan runs on the PyTorch implementation: .*fla #640"):
             assert Kernels("gla", "auto", ("fla",), ("scan",), table=table, chunk_size=64)(cpu)["scan"] is own_scan
     assert dispatch.cannot_run("fla", "scan", 48, {("fla", "scan"): own_scan}) is None
+
+
+@pytest.mark.parametrize(("hopper", "above_3_4_0", "above_3_7_1", "tilelang", "refused"), [
+    (True, True, False, False, True), (False, True, False, False, False), (True, False, False, False, False),
+    (True, True, True, False, False), (True, True, False, True, False)])
+def test_fla_refuses_its_gated_backward_on_hopper_with_triton_from_3_4_0_to_3_7_1_without_tilelang(
+        monkeypatch, hopper, above_3_4_0, above_3_7_1, tilelang, refused):
+    """fla #640: only Hopper GPUs with Triton >= 3.4.0 and < 3.7.1 and no tilelang; fla's flags pretended."""
+    import importlib.util
+
+    import fla.utils
+
+    for flag, value in (("IS_NVIDIA_HOPPER", hopper), ("TRITON_ABOVE_3_4_0", above_3_4_0), ("TRITON_ABOVE_3_7_1", above_3_7_1)):
+        monkeypatch.setattr(fla.utils, flag, value)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (object() if tilelang else None) if name == "tilelang"
+                        else find_spec(name, *args))
+    dispatch.fla_refuses_gated_backward.cache_clear()
+    try:
+        assert dispatch.fla_refuses_gated_backward() is refused
+    finally:
+        dispatch.fla_refuses_gated_backward.cache_clear()
 
 
 def test_fla_is_asked_about_its_gated_backward():

@@ -189,6 +189,27 @@ def test_a_cross_decoder_layer_after_a_loop_that_projects_per_iteration_reads_th
         torch.testing.assert_close(model(tokens), model.head(model.norm(x)), rtol=1e-10, atol=1e-12)
 
 
+def test_a_loop_inside_the_cross_decoder_projects_the_global_kv_once_then_once_per_later_iteration():
+    """The cross-decoder cut in three segments by a loop over its middle layer: the global K,V is
+    projected once, before its first segment, and again only at the loop's iterations after the
+    first; the segments after the first begin on that one K,V, so a projection before them would be
+    work (and cache) thrown away. Written out step by step, and counted as the model runs."""
+    from archlab.plan import Step
+
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml").model_dump(mode="json")
+    data["layout"]["cross_decoder"]["n_layers"] = 3
+    data["loop"] = {"position": "range", "start": 3, "end": 4, "times": 3, "kv_cache": "per_iteration"}
+    spec = archlab.validate_spec(data)
+    assert spec.layout.self_decoder.n_layers == 2 and spec.n_layers == 5
+    model = archlab.build_model(spec)
+    assert [(seg.half, seg.start, seg.end, seg.times) for seg in model.plan.segments] == [(0, 0, 2, 1), (1, 2, 3, 1), (1, 3, 4, 3), (1, 4, 5, 1)]
+    assert model.plan.steps == (Step(0, 0), Step(1, 0, project=True), Step(1, 0), Step(2, 0), Step(2, 1, project=True), Step(2, 1),
+                                Step(2, 2, project=True), Step(2, 2), Step(3, 0))
+    calls = count_calls(model.global_kv)
+    model(torch.randint(0, spec.vocab_size, (1, 8)))
+    assert len(calls) == 3
+
+
 def test_a_shared_kv_loop_keeps_a_state_per_iteration_for_its_recurrent_layers():
     """``kv_cache: shared`` shares the K,V of the loop's attention layers alone: a Gated DeltaNet
     layer in the same loop still keeps one state per iteration in the cache, and

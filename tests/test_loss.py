@@ -45,6 +45,17 @@ def test_evaluation_scores_equal_those_of_the_whole_logits(chunk_rows, monkeypat
     torch.testing.assert_close(scores(hidden, weight, targets), expected, rtol=1e-12, atol=1e-12)
 
 
+def test_a_batch_with_no_counted_target_gives_a_loss_and_gradients_of_zero():
+    """Every target ignored (a fine-tuning batch of prompts alone): the mean over no positions is
+    taken as 0 with zero gradients, where F.cross_entropy's 0 / 0 would put nan into the optimizer."""
+    hidden = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(20, 8, dtype=torch.float64, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.full((6,), IGNORE))
+    loss.backward()
+    assert loss.item() == 0.0
+    assert not hidden.grad.any() and not weight.grad.any()
+
+
 def test_under_bfloat16_autocast_is_close_to_float32():
     hidden = torch.randn(64, 32, requires_grad=True)
     weight = torch.randn(300, 32, requires_grad=True)

@@ -1,11 +1,14 @@
 """Block modules against independent references."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from archlab.block import BuildContext, MixerInput
 from archlab.ops.attention import attend, band_mask, local_attend
+from archlab.ops.common import decay_parameters
 from archlab.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from archlab.ops.retention import fused_recurrent_simple_gla
 from blocks.attention import AttentionSpec
@@ -547,3 +550,16 @@ def test_cross_decoder_rope_rotates_queries_and_global_keys_alike():
     torch.testing.assert_close(out(100, False), rotated, rtol=1e-10, atol=1e-12)
     cross.rotary = model.global_kv.rotary = None
     assert not torch.allclose(out(0, False), rotated)
+
+
+def test_decays_start_as_mamba2_draws_them():
+    """Mamba2's (and Gated DeltaNet's) decays at init, as mamba-ssm draws them: A uniform in
+    [1, 16], and the step size softplus(dt_bias) log-uniform in [1e-3, 1e-1], so dt_bias is stored
+    as its inverse softplus (stored as dt itself, the first steps would run at softplus(1e-3) ~ 0.69)."""
+    torch.manual_seed(0)
+    A_log, dt_bias = decay_parameters(4096)
+    A, log_dt = A_log.detach().exp(), F.softplus(dt_bias.detach().double()).log()
+    assert 1 <= A.min() and A.max() <= 16 and abs(A.mean() - 8.5) < 0.3
+    low, high = math.log(1e-3), math.log(1e-1)
+    assert low - 1e-6 <= log_dt.min() and log_dt.max() <= high + 1e-6
+    assert abs(log_dt.mean() - (low + high) / 2) < 0.1 and abs(log_dt.std() - (high - low) / 12**0.5) < 0.1

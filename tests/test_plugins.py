@@ -331,3 +331,19 @@ def test_a_forward_whose_module_no_file_holds_is_named_without_its_line():
         raise ValueError("the block's own error")
     except ValueError as exc:
         assert _raised_at(cell, exc) == ""
+
+
+def test_builds_decoding_check_measures_its_error_against_the_largest_logit():
+    """``build`` compares decoding with full passes relative to the largest logit: the same model
+    with its logits scaled by 1e4 (its head's weights) shows the same small error, where an
+    absolute one would grow 1e4-fold and call a correct cache wrong."""
+    from archlab.checks import DECODE_TOLERANCE, decode_error
+
+    model = archlab.build_model(archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u.yaml"))
+    torch.manual_seed(0)
+    plain, _ = decode_error(model, 24)
+    with torch.no_grad():
+        model.head.weight.mul_(1e4)
+    torch.manual_seed(0)
+    scaled, _ = decode_error(model, 24)
+    assert plain <= DECODE_TOLERANCE / 10 and scaled <= DECODE_TOLERANCE / 10, (plain, scaled)

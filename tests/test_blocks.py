@@ -241,6 +241,29 @@ def test_moe_balance_loss_is_the_share_of_routed_slots_times_the_mean_probabilit
     assert moe.last_load.dtype == torch.float64 and torch.equal(moe.last_load, shares)
 
 
+def test_moe_balance_loss_trains_the_router_through_its_mean_probabilities():
+    """The balance loss reaches the router through P_e alone (the routed shares f_e count choices,
+    with no gradient): its gradient is that of w * E * sum_e f_e P_e with f_e held constant, worked
+    token by token from a copy of the router's weight. Without it the loss balances nothing."""
+    from archlab.ffn import MoEFFN
+    from archlab.spec import MoE
+
+    torch.manual_seed(0)
+    moe = MoEFFN(16, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=8, aux_loss_weight=0.01), 0.5).double()
+    tokens = torch.randn(40, 16, dtype=torch.float64)
+    aux = []
+    moe(tokens, aux_losses=aux)
+    aux[0].backward()
+    weight = moe.router.weight.detach().clone().requires_grad_()
+    probs = torch.stack([(weight @ token).softmax(-1) for token in tokens])
+    shares = torch.zeros(8, dtype=torch.float64)
+    for p in probs.detach():
+        shares[p.topk(2).indices] += 1 / (len(tokens) * 2)
+    (0.01 * 8 * (shares * probs.mean(0)).sum()).backward()
+    assert weight.grad.abs().max() > 1e-4
+    torch.testing.assert_close(moe.router.weight.grad, weight.grad, rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
     """Each token's output is its chosen experts' SwiGLU outputs weighted as Switch (k = 1: the

@@ -309,6 +309,17 @@ def test_build_names_where_values_first_go_non_finite():
                                                    " layers.2.mixer.o_proj.weight"]
 
 
+def test_build_checks_decoding_over_24_tokens_at_least_whatever_the_seq_len():
+    """``build --seq-len 4``: the forward pass takes 4 tokens, decoding still three sequences of 24
+    (prompts of 12, 12 and 9). Over 4 its prompts were 2, 2 and -1 (3 tokens), and a sound spec failed,
+    its decoding said to differ by 0.8 of the largest logit."""
+    from archlab.checks import cpu_check
+
+    model = build_model(load_spec(ROOT / SPEC))
+    check = cpu_check(model, 4)
+    assert check.finite and check.problems == []
+
+
 MISTAKES = {  # the README's plugin with one mistake made in it: what is changed, what build says, the inference dtype
     "params": (("return ctx.d_model ** 2", "return ctx.d_model ** 2 + 2"), "params() sum to 209,540, the built model holds 209,536",
                "float32"),

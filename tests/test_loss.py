@@ -56,6 +56,26 @@ def test_a_batch_with_no_counted_target_gives_a_loss_and_gradients_of_zero():
     assert not hidden.grad.any() and not weight.grad.any()
 
 
+def test_a_last_chunk_of_one_row_is_counted(monkeypatch):
+    """41 rows in chunks of 8 leave row 40 alone in the last chunk: its loss, its gradient and its
+    scores are counted as over the whole logits (the other tests' last rows are ignored ones)."""
+    monkeypatch.setattr(archlab.loss, "CHUNK_ELEMENTS", 8 * 50)
+    hidden = torch.randn(41, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (41,))
+    targets[:40] = IGNORE  # the loss is the last row's alone
+    loss = linear_cross_entropy(hidden, weight, targets)
+    loss.backward()
+    logits = hidden.detach()[40] @ weight.detach().T
+    expected = logits.logsumexp(-1) - logits[targets[40]]
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hidden.grad[40], (logits.softmax(-1) - F.one_hot(targets[40], 50)) @ weight.detach(),
+                               rtol=1e-12, atol=1e-12)
+    assert not hidden.grad[:40].any()
+    got = scores(hidden.detach(), weight.detach(), targets)
+    assert got.tolist() == pytest.approx([expected.item(), float(logits.argmax() == targets[40]), 1.0], rel=1e-12)
+
+
 def test_under_bfloat16_autocast_is_close_to_float32():
     hidden = torch.randn(64, 32, requires_grad=True)
     weight = torch.randn(300, 32, requires_grad=True)

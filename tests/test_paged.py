@@ -203,6 +203,26 @@ def test_a_cache_that_ran_out_is_refused_when_used_again():
         list(engine.stream([torch.randint(0, spec.vocab_size, (5,)) for _ in range(2)], 3, cache=cache))
 
 
+@torch.no_grad()
+def test_a_cache_used_to_its_last_page_serves_again_within_the_pages_its_rows_hold():
+    """Pages stay with their rows for the cache's life. A pool used to its last page has not run
+    out: prompts within each row's pages decode in it as in a fresh cache. Prompts that move the
+    long one to the other row need 3 + 3 pages, the rows keeping what they hold, not 1 + 3: said
+    before anything runs, with the pages they need, rather than running out on the way."""
+    spec = archlab.load_spec(TINY[0].parent / "yoco.yaml")
+    engine = Engine(archlab.build_model(spec).eval(), page_size=8)
+    long, short = (torch.randint(0, spec.vocab_size, (n,)) for n in (20, 4))  # with 4 new tokens: 3 pages and 1
+    cache = engine.new_cache(2, 32, pages=4)
+    list(engine.stream([long, short], 4, cache=cache))
+    assert int(cache.pages.handed) == 4 and cache.pages.held.tolist() == [3, 1]
+    again = [torch.randint(0, spec.vocab_size, (n,)) for n in (18, 3)]
+    tokens = lambda cache: torch.stack([t for t, _, _ in engine.stream(again, 4, cache=cache)])  # noqa: E731
+    assert torch.equal(tokens(cache), tokens(engine.new_cache(2, 32, pages=4)))
+    with pytest.raises(CacheFull, match=r"the prompts and their 4 new tokens each need 6 K,V pages of 8 positions; the cache has 4"):
+        engine.stream([short, long], 4, cache=cache)
+    assert int(cache.pages.handed) == 4
+
+
 def test_a_pool_that_runs_out_at_the_last_token_is_named(monkeypatch):
     """The last token is only written into the cache, not decoded; past the pool, it went to the
     spare page with nothing said. The check at the call stops this first; without it, the check

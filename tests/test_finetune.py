@@ -37,6 +37,27 @@ def _functions_script():
     return module
 
 
+def greedy_chat(run, messages: list[dict], said: tuple[str, ...], new_tokens: int) -> tuple[str, list[int]]:
+    """What ``chat`` on ``run`` should print for the messages ``said`` after ``messages`` (which it
+    extends), worked without the engine or ``reply_prompt``: each prompt tokenized message by
+    message, each reply greedy by the whole model's logits up to ``new_tokens`` or ``<|end|>``;
+    and each prompt's length."""
+    tokenizer, (_, model, _, _) = load_tokenizer(str(run / "tokenizer.json"), 256), load_trained(run)
+    transcript, lengths = "", []
+    for message in said:
+        messages.append({"role": "user", "content": message})
+        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n") for i in tokenizer.encode(text).ids]
+        prompt += tokenizer.encode("Assistant: ").ids
+        lengths.append(len(prompt))
+        new = []
+        while len(new) < new_tokens and "<|end|>" not in tokenizer.decode(new):
+            with torch.no_grad():
+                new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
+        messages.append({"role": "assistant", "content": tokenizer.decode(new).partition("<|end|>")[0]})
+        transcript += f"User: {message}\n\nAssistant: {messages[-1]['content']}\n" + ("" if messages[-1]["content"].endswith("\n") else "\n")
+    return transcript, lengths
+
+
 def write_examples(path, examples):
     path.write_text("".join(json.dumps(example) + "\n" for example in examples))
     return path
@@ -180,20 +201,8 @@ def test_a_run_fine_tunes_on_conversations_is_evaluated_and_chats_as_it_trained(
     assert 0 < int(row["tokens scored"].replace(",", "")) < 4 * 32, stdout  # the assistant's tokens among the last 32 alone
     assert 0 <= float(row["acc"]) <= 1, stdout
 
-    tokenizer, (_, model, _, _) = load_tokenizer(str(run / "tokenizer.json"), 256), load_trained(run)
-    messages, transcript, lengths = [{"role": "system", "content": "Be brief."}], "", []
-    for said in ("Write the body of this function.\ndef double(x):", "And another."):
-        messages.append({"role": "user", "content": said})
-        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n")
-                  for i in tokenizer.encode(text).ids]
-        prompt += tokenizer.encode("Assistant: ").ids
-        lengths.append(len(prompt))
-        new = []
-        while len(new) < 6 and "<|end|>" not in tokenizer.decode(new):
-            with torch.no_grad():
-                new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
-        messages.append({"role": "assistant", "content": tokenizer.decode(new).partition("<|end|>")[0]})
-        transcript += f"User: {said}\n\nAssistant: {messages[-1]['content']}\n" + ("" if messages[-1]["content"].endswith("\n") else "\n")
+    messages = [{"role": "system", "content": "Be brief."}]
+    transcript, lengths = greedy_chat(run, messages, ("Write the body of this function.\ndef double(x):", "And another."), 6)
     monkeypatch.setattr(sys, "stdin", io.StringIO("Write the body of this function.\ndef double(x):\n\n\nAnd another.\n"))
     asked = []  # the conversation each reply follows, its replies included
     monkeypatch.setattr("archlab.train.data.reply_prompt",
@@ -310,19 +319,8 @@ def test_a_conversation_that_outgrows_its_cache_goes_on_in_a_new_one(cli, pretra
     """Chat's first cache has room for twice its first turn: a message past that is prefilled
     afresh into a new cache, and the turn after goes on in that one; each reply is still greedy
     decoding by the whole logits after the conversation so far."""
-    tokenizer, (_, model, _, _) = load_tokenizer(str(pretrained / "tokenizer.json"), 256), load_trained(pretrained)
-    said, messages, transcript, lengths = ("Hi.", " ".join(["word"] * 40), "Go on."), [], "", []
-    for message in said:
-        messages.append({"role": "user", "content": message})
-        prompt = [i for m in messages for text in (f"{m['role'].title()}: ", m["content"], "<|end|>\n") for i in tokenizer.encode(text).ids]
-        prompt += tokenizer.encode("Assistant: ").ids
-        lengths.append(len(prompt))
-        new = []
-        while len(new) < 3 and "<|end|>" not in tokenizer.decode(new):
-            with torch.no_grad():
-                new.append(int(model(torch.tensor([prompt + new]))[0, -1].argmax()))
-        messages.append({"role": "assistant", "content": tokenizer.decode(new).partition("<|end|>")[0]})
-        transcript += f"User: {message}\n\nAssistant: {messages[-1]['content']}\n" + ("" if messages[-1]["content"].endswith("\n") else "\n")
+    said = ("Hi.", " ".join(["word"] * 40), "Go on.")
+    transcript, lengths = greedy_chat(pretrained, [], said, 3)
     assert lengths[1] + 3 > 2 * (lengths[0] + 3) and lengths[2] + 3 <= 2 * (lengths[1] + 3)  # outgrows the first cache, not the second
     monkeypatch.setattr(sys, "stdin", io.StringIO("\n\n".join(said) + "\n"))
     fed, feed = [], Engine.feed  # where each call into the model starts

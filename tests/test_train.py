@@ -783,6 +783,31 @@ def test_a_moe_resume_keeps_its_micro_batches(cli, tmp_path):
                 "a resumed run keeps its micro_batch_size", "with MoE, micro_batch_size: the balance loss is taken over each pass")
 
 
+def test_a_looped_moe_run_resumed_with_other_evaluations_repeats_its_steps(cli, tmp_path):
+    """The killed-run test resumes the plain Transformer, evaluating as the run did: a looped MoE
+    model (routing, balance loss, a first step watched again) resumed with an evaluation after every
+    step, which a resume may set, trains to the bit as the run it continues did."""
+    run, resumed = tmp_path / "run", tmp_path / "resumed"
+    spec = "specs/tiny/yoco-u-moe.yaml"
+    small = ["--set", "seq_len=32", "--set", "batch_size=4", "--set", "micro_batch_size=2", "--set", "eval_batches=1",
+             "--set", "log_interval=1"]
+    assert cli("train", spec, "--out", run, "--data", "mqar", *small, "--set", "checkpoint_interval=2", "--set", "eval_interval=1000",
+               "--steps", "4")[0] == 0
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints/step-00000004")
+    code, _, stderr = cli("train", spec, "--out", resumed, "--resume", "--steps", "4", "--set", "eval_interval=1")
+    assert code == 0, stderr
+
+    def steps(folder):
+        return [{key: r[key] for key in ("step", "loss", "grad_norm", "moe_aux_loss", "moe_max_load")}
+                for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+    assert steps(resumed) == steps(run) and len(steps(run)) == 4
+    assert "eval_loss" in json.loads((resumed / "metrics.jsonl").read_text().splitlines()[2])  # step 3, evaluated this time
+    weights = [(folder / "checkpoints/step-00000004/model.safetensors").read_bytes() for folder in (run, resumed)]
+    assert weights[0] == weights[1]
+
+
 def test_a_resume_that_fails_changes_nothing(cli, tmp_path):
     """Damage found on resuming (a metrics line, the corpus, the step) stops it before any file is
     written; a last metrics line cut short by a kill is dropped, as what came after the checkpoint."""

@@ -2679,7 +2679,7 @@ def test_a_length_given_twice_is_a_row_once(cli, trained_on_text):
 def test_a_run_says_when_it_tokenizes_its_corpus(cli, tmp_path):
     """Tokenizing the default stdlib took some 20 s before the first line, in silence; the run now
     says it is tokenizing, and a resume, which reads the tokens back, does not."""
-    text = tmp_path / "corpus.txt"
+    text = tmp_path / "[bold]corpus.txt"  # a name that reads as markup is shown as it is
     text.write_text("def f(x):\n    return x + 1\n" * 400)
     run = tmp_path / "run"
     args = ("train", ROOT / "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--steps", "1")

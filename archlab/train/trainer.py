@@ -517,7 +517,8 @@ class Trainer:
         def first():
             undo = undo_tokenizing(data_dir)
             try:
-                data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume, say=self._say)  # a fresh start may replace a failed attempt's corpus
+                data = prepare(*args, replace=not (resume or self.cfg.data.cache), resume=resume,  # a fresh start may replace a failed attempt's corpus
+                               say=lambda line: self._say(escape(line)))  # a source's name may read as markup
             except ShortSplit as exc:
                 if self.resumed_corpus is None:  # a fresh start, or a checkpoint that recorded no corpus
                     raise

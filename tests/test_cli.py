@@ -311,8 +311,8 @@ def test_build_names_where_values_first_go_non_finite():
 
 def test_build_checks_decoding_over_24_tokens_at_least_whatever_the_seq_len():
     """``build --seq-len 4``: the forward pass takes 4 tokens, decoding still three sequences of 24
-    (prompts of 12, 12 and 9). Over 4 its prompts were 2, 2 and -1 (3 tokens), and a sound spec failed,
-    its decoding said to differ by 0.8 of the largest logit."""
+    (prompts of 12, 12 and 9). Over 4 alone its prompts would be 2, 2 and -1 tokens, and a sound spec
+    would fail, its decoding said to differ by 0.8 of the largest logit."""
     from archlab.checks import cpu_check
 
     model = build_model(load_spec(ROOT / SPEC))

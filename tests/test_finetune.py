@@ -938,6 +938,15 @@ def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
         assert not (tmp_path / name).exists() or name == "no-run", name  # refused as it loads (a run is looked for as it starts)
 
 
+def test_a_variants_run_is_recorded_as_the_path_it_names_from_where_the_study_runs(tmp_path, monkeypatch):
+    """``init: {run: ...}`` is read from where the study runs, as runs/ is: each trial's setup
+    records it made absolute, so that a worker started in another folder is compared by the run
+    it would start from, not by the words naming it."""
+    monkeypatch.chdir(tmp_path)
+    path = study_file(tmp_path / "tune.yaml", {"yoco": {"spec": "yoco.yaml", "init": {"run": "runs/pre"}}}, seeds=[0])
+    assert load_study(str(path)).setup("yoco", 0)["init"] == {"run": str(tmp_path / "runs" / "pre")}
+
+
 def test_a_study_finds_the_study_it_starts_from_in_its_own_storage(cli, tmp_path):
     """Studies sharing a storage (a server, or one SQLite file) find each other there, whatever
     folders their trials trained in."""

@@ -310,19 +310,30 @@ def test_an_item_of_a_list_not_given_is_refused_with_the_whole_form(cli, tmp_pat
     assert "optimizer.betas: is not given, so its item 0 cannot be set alone: give it whole, as optimizer.betas=[...]" in stderr
 
 
-@pytest.mark.parametrize("d_model,divisors", [
-    (32, [1, 2, 4, 8, 16, 32]),
-    (720720, [h for h in range(1, 720721) if 720720 % h == 0][:12]),
-    (999999937, [1, 999999937]),  # a prime
-    (2**40, [2**i for i in range(12)]),  # found by divisors up to the square root, not a loop over 10^12
+@pytest.mark.parametrize("d_model,divisors,more", [
+    (32, [1, 2, 4, 8, 16, 32], False),
+    (720720, [h for h in range(1, 720721) if 720720 % h == 0][:12], True),
+    (999999937, [1, 999999937], False),  # a prime
+    (2**40, [2**i for i in range(12)], True),  # found by divisors up to the square root, not a loop over 10^12
+    (36, [1, 2, 3, 4, 6, 9, 12, 18, 36], False),  # a square: its root, 6, is one
+    (60, [1, 2, 3, 4, 5, 6, 10, 12, 15, 20, 30, 60], False),  # twelve: every one listed, none left out
 ])
-def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, divisors):
+def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, divisors, more):
     from archlab.block import Problems, check_heads
 
     problems = Problems()
     check_heads(problems, d_model, next(h for h in range(3, 100) if d_model % h), None)
     (problem,) = problems.found
-    assert f"allowed: one of {divisors}" in problem.msg
+    assert f"allowed: one of {divisors}{' ...' if more else ''}, or set head_dim explicitly" in problem.msg
+
+
+def test_heads_that_do_not_tile_the_width_are_allowed_with_their_head_dim_given():
+    """The message's way out: with head_dim set, the heads need not divide d_model (3 heads of 16 in a width of 64)."""
+    block = "layout.layers.blocks.0={type: attention, n_heads: 3, n_kv_heads: 1, head_dim: 16}"
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", [block])
+    assert spec.layout.layers.blocks[0].shape(spec.d_model) == (3, 1, 16)
+    with pytest.raises(archlab.SpecError, match="3 heads do not divide d_model=64"):
+        archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", [block.replace(", head_dim: 16", "")])
 
 
 def test_a_spec_varied_past_its_checks_is_refused_by_the_build():
@@ -455,8 +466,10 @@ def test_show_output_is_a_valid_spec(tmp_path):
     ("steps=on", ["steps: got true, a yes/no value where a number is wanted"]),
     ("optimizer.betas=" + "[" * 3000 + "]" * 3000, ["the value is nested too deeply to read"]),  # a RecursionError traceback
     ("steps=1" + "0" * 5000, ["the value cannot be read: Exceeds the limit (4300 digits)"]),  # a ValueError traceback
+    ("data.source='  '", ["data.source: is empty; give stdlib, a path"]),  # blank is empty, not a file named by spaces
+    ("seq_len=1", ["seq_len: Input should be greater than or equal to 2"]),  # costed as a decoding step, not a training pass
 ], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number", "nested past reading",
-        "a number too long to read"])
+        "a number too long to read", "blank source", "one-token sequences"])
 def test_bad_training_config_override_is_named(override, fragments):
     from archlab.train.config import load_config
 
@@ -466,6 +479,25 @@ def test_bad_training_config_override_is_named(override, fragments):
     assert message.startswith("--set")
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_given_or_at_its_default():
+    """A micro-batch size given that does not divide the batch is refused, even one larger than the
+    batch; left at its default (16) it is refused only where the batch is larger and does not split
+    into it, and said to be the default. The divisor offered is the largest below it, 1 for a prime batch."""
+    from archlab.train.config import load_config
+
+    for overrides, said, divisor in [
+        (["batch_size=4", "micro_batch_size=6"], "micro_batch_size: 6 does not divide batch_size=4;", 4),
+        (["batch_size=24"], "micro_batch_size: 16 (the default) does not divide batch_size=24;", 12),
+        (["batch_size=7", "micro_batch_size=4"], "micro_batch_size: 4 does not divide batch_size=7;", 1),
+    ]:
+        with pytest.raises(archlab.SpecError) as caught:
+            load_config(None, overrides)
+        message = " ".join(str(caught.value).split())
+        assert said in message and f"set micro_batch_size to a divisor, such as {divisor}" in message, message
+    assert load_config(None, ["batch_size=4"]).micro_batch_size == 16  # passed whole: a pass takes at most the batch
+    assert load_config(None, ["batch_size=32"]).micro_batch_size == 16
 
 
 def test_a_yes_or_no_field_still_takes_yes():

@@ -587,6 +587,7 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         load_study(str(path))
     for changes, problem in [
         ({"lr": {"low": 0.003, "high": 0.003, "points": 2}}, "lr: low = high = 0.003 gives 2 equal learning rates"),
+        ({"lr": {"low": 0.004, "high": 0.002, "points": 2}}, "lr: low=0.004 is above high=0.002"),  # a grid run backwards, a range TPE refuses
         ({"seeds": [0, 1, 0]}, "seeds[2]: seed 0 is listed twice"),
         ({"variants": {**data["variants"], "yoco-u": {**data["variants"]["yoco-u"], "scale_set": {"tinyy": {"loop.times": 2}}}}},
          "variants.yoco-u.scale_set.tinyy: no scale 'tinyy'; this study has ['tiny']"),
@@ -608,6 +609,7 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
                                                   " one corpus tokenized at one vocabulary")):
         load_study(str(path))
     assert load_study(str(path), data="mqar").specs["yoco-u"].vocab_size == 512  # a recall task of each vocabulary
+    assert load_study(str(path), data=str(tmp_path / "ids.npy")).specs["yoco-u"].vocab_size == 512  # token ids: no tokenizer to share
     starved = mini(tmp_path, "starved", steps=1, budget="flops")  # yoco-u's step costs more than yoco's whole run
     with pytest.raises(SpecError, match=re.escape("variants.yoco-u: budget: flops gives it 0 steps: one of its steps costs more"
                                                   " training FLOPs than the baseline's whole run (steps: 1); raise scales.tiny.train.steps to at least 2")):
@@ -755,6 +757,25 @@ def test_a_grid_report_keeps_each_variants_best_rate_and_its_difference_from_the
     assert tuple(yoco_u[k] for k in shown) == (2.7, "0.002", 0.2828, 2, "-0.2000")
 
 
+def test_a_loss_studys_report_gives_the_chosen_rates_accuracy_and_a_dash_where_a_trial_has_none(tmp_path):
+    """Where a reported trial scored an accuracy beside its loss (examples or a recall task), every
+    row has the column: the mean over the seeds of the rate the table chose, as a percent; "-" for
+    a variant one of whose chosen trials has none, or with no trial complete."""
+    study = load_study(str(mini(tmp_path, "scored", seeds=[0, 1])))
+
+    def scoring(trial, accuracy):
+        trial.user_attrs = {} if accuracy is None else {"accuracy": accuracy}
+        return trial
+
+    yoco = [scoring(finished("yoco", 0, 0, 3.0, 0.002), 0.9), scoring(finished("yoco", 1, 0, 3.2, 0.002), 0.9),  # a rate not chosen
+            scoring(finished("yoco", 0, 1, 2.8, 0.004), 0.25), scoring(finished("yoco", 1, 1, 3.0, 0.004), 0.30)]
+    rows = summarize(study, [*yoco, scoring(finished("yoco-u", 0, 0, 2.5, 0.002), 0.5), scoring(finished("yoco-u", 1, 0, 2.9, 0.002), None)])
+    assert [(row["best lr"], row["accuracy"]) for row in rows] == [("0.004", "27.5%"), ("0.002", "-")]  # (0.25 + 0.30) / 2
+    rows = summarize(study, [*yoco, finished("yoco-u", 0, 0, None, state=TrialState.FAIL)])
+    assert [row["accuracy"] for row in rows] == ["27.5%", "-"]
+    assert summarize(study, [finished("yoco", 0, 0, 3.0, 0.002)])[0].keys().isdisjoint({"accuracy"})  # a text corpus scores none
+
+
 def test_a_reports_flops_and_cache_columns_are_the_cost_tables_own(tmp_path):
     """Each row's training FLOPs are a step's (per token x batch x sequence length) times its steps,
     and its cache column the whole cache, global and local, at the report's length: the
@@ -770,6 +791,59 @@ def test_a_reports_flops_and_cache_columns_are_the_cost_tables_own(tmp_path):
         assert row["train FLOPs"] == si(per_step * 4)  # 4 steps
         size = cost.cache_bytes(n)
         assert size.local > 0 and row[f"KV MiB @ {tokens_label(n)}"] == round((size.global_ + size.local) / MIB, 2)
+
+
+def test_a_flops_budget_trains_each_variant_for_the_baselines_training_flops(tmp_path):
+    """budget: flops gives each variant the whole steps whose training FLOPs (3 x forward, a batch of
+    whole sequences) do not pass the baseline's run; that is what each trial's setup records and
+    trains for. Its train config leaves out what a trial sets itself: steps, seed and lr."""
+    study = load_study(str(mini(tmp_path, "matched", steps=40, budget="flops")))
+    per_sequence = {v: 3 * sum(Cost(spec).forward_flops(32).values()) for v, spec in study.specs.items()}
+    looped = 40 * per_sequence["yoco"] // per_sequence["yoco-u"]
+    assert 0 < looped < 40  # a looped step costs more than the baseline's
+    assert [study.steps(v) for v in ("yoco", "yoco-u")] == [40, looped]
+    assert [study.setup(v, slot)["steps"] for v in ("yoco", "yoco-u") for slot in (0, 1)] == [40, 40, looped, looped]
+    train = study.setup("yoco-u", 1)["train"]
+    assert "steps" not in train and "seed" not in train and "lr" not in train["optimizer"] and train["batch_size"] == 4
+
+
+def test_a_recorded_setup_that_no_longer_validates_is_compared_as_it_was(tmp_path):
+    """A trial whose recorded training config holds a field archlab has since dropped is named as
+    trained under another definition, with that field, rather than failing to validate."""
+    study = load_study(str(mini(tmp_path, "dropped")))
+    setup = study.setup("yoco", 0)
+    older = optuna.create_study(study_name=study.key)
+    older.add_trial(optuna.trial.create_trial(
+        params={"variant": "yoco", "seed": 0, "slot": 0}, value=2.0, user_attrs={"setup": {**setup, "train": {**setup["train"], "warmup": 5}}},
+        distributions={"variant": CategoricalDistribution(["yoco", "yoco-u"]), "seed": CategoricalDistribution([0]),
+                       "slot": CategoricalDistribution([0, 1])}))
+    with pytest.raises(StudyChanged, match=r"yoco seed 0 lr slot 0: train\.warmup 5 -> \(absent\)"):
+        check_unchanged(study, older)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_trials_value_is_its_metrics_record_and_a_loss_keeps_the_accuracy_beside_it(tmp_path, monkeypatch):
+    """metric: accuracy takes a trial's value from its last evaluation's eval_acc; val_loss takes
+    eval_loss, and keeps the accuracy a task scored (eval_acc) beside it for the report.
+    (The training is stood in for: only what the trial records is looked at.)"""
+    last = {}
+    monkeypatch.setattr(Trainer, "fit", lambda self, steps, on_eval=None: [{"step": steps, **last}])
+
+    def trained(name, record, metric):
+        last.clear()
+        last.update(record)
+        study = load_study(str(mini(tmp_path, name, {"yoco": {"spec": "yoco.yaml"}}, steps=2, metric=metric,
+                                    lr={"low": 0.003, "high": 0.003, "points": 1})), data="mqar")
+        out = tmp_path / name
+        url = storage_url(out, None)
+        optuna_study = join(study, out, url, grace_period=60)
+        assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
+        (trial,) = optuna_study.get_trials()
+        assert trial.state == TrialState.COMPLETE, trial.user_attrs.get("failure")
+        return trial.value, trial.user_attrs.get("accuracy")
+
+    assert trained("acc", {"eval_loss": 2.5, "eval_acc": 0.25}, "accuracy") == (0.25, None)  # the value is the accuracy
+    assert trained("loss", {"eval_loss": 2.5, "eval_acc": 0.25}, "val_loss") == (2.5, 0.25)
 
 
 def test_a_live_trial_beats_at_least_three_times_in_its_grace_period():

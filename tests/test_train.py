@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.checkpoint import checkpoints, file_hash
-from archlab.train.config import RESUMABLE, TrainConfig, load_config
+from archlab.train.config import RESUMABLE, TrainConfig, kept_on_resume, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
 from conftest import ROOT, in_process_cli, interruptible
@@ -783,6 +783,14 @@ def test_a_moe_resume_keeps_its_micro_batches(cli, tmp_path):
                 "a resumed run keeps its micro_batch_size", "with MoE, micro_batch_size: the balance loss is taken over each pass")
 
 
+def test_a_resume_without_moe_may_change_its_micro_batches():
+    """Only with MoE does a resume keep micro_batch_size (its balance loss is taken over each pass);
+    without it, a micro-batch splits the same step's gradient otherwise, and may be --set."""
+    assert kept_on_resume(["micro_batch_size", "optimizer.lr"], moe=False) is None
+    said = kept_on_resume(["micro_batch_size", "optimizer.lr", "seq_len"], moe=True)
+    assert said.startswith("a resumed run keeps its micro_batch_size, seq_len: ") and "micro_batch_size" not in said.partition("may --set")[2]
+
+
 def test_a_looped_moe_run_resumed_with_other_evaluations_repeats_its_steps(cli, tmp_path):
     """The killed-run test resumes the plain Transformer, evaluating as the run did: a looped MoE
     model (routing, balance loss, a first step watched again) resumed with an evaluation after every
@@ -1293,6 +1301,18 @@ def test_a_resume_refuses_a_run_whose_tokenizer_is_gone_or_garbage(cli, trained_
     tokenizer.unlink()  # then trained again from the text, as it was: the same tokens, which the checkpoint's fingerprint checks
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
     assert code == 0, stderr
+
+
+def test_a_run_records_a_paths_source_absolute_and_a_named_one_as_it_is(tmp_path, monkeypatch):
+    """A run records its data with paths absolute, so that a resume from another folder finds them;
+    a named source (stdlib, a recall task, hf:NAME) is no path, and made one it would read a file of that name."""
+    from archlab.train.config import Data
+
+    monkeypatch.chdir(tmp_path)
+    for source in ("stdlib", "mqar", "copy", "hf:user/corpus:validation"):
+        assert Data(source=source).anchored().source == source
+    anchored = Data(source="corpus/text.txt", tokenizer="tok.json", cache="cache").anchored()
+    assert (anchored.source, anchored.tokenizer, anchored.cache) == tuple(str(tmp_path / p) for p in ("corpus/text.txt", "tok.json", "cache"))
 
 
 def test_a_hugging_face_datasets_text_field_is_named_where_its_rows_lack_it(tmp_path):

@@ -275,7 +275,7 @@ def test_the_readable_table_keeps_a_small_cache_visible():
 @pytest.mark.parametrize(
     "value, text",
     [(0, "0"), (4, "4.00"), (9.4e9, "9.40G"), (63e9, "63.0G"), (263e12, "263T"), (999.9, "1.00K"), (1.294e9, "1.29G"),
-     (1.45e18, "1.45E"), (7.68e25, "76.8Y"), (999.96e24, "1.00e+27"), (5.12e48, "5.12e+48")],
+     (1.45e18, "1.45E"), (-1.294e9, "-1.29G"), (7.68e25, "76.8Y"), (999.96e24, "1.00e+27"), (5.12e48, "5.12e+48")],
 )
 def test_si_keeps_three_digits(value, text):
     """Every figure in a column carries three digits, and rounding up moves to the next prefix;
@@ -290,6 +290,24 @@ def test_a_cost_past_the_integers_a_float_holds_shows_no_made_up_digits():
 
     said = render([{"KV MiB": 2.0**53 - 1}, {"KV MiB": 24414062499999997952.0}], Format.md).splitlines()[2:]
     assert said == ["| 9,007,199,254,740,991.0 |", "| 2.44e+19 |"]  # not 24,414,062,499,999,997,952.0
+
+
+def test_a_table_has_every_column_any_row_has_in_each_format():
+    """Rows that differ in their columns (a bench row with a page size beside one without) make one
+    table of every column, in the order first met: a row lacking one shows "-" in markdown, an empty
+    cell in CSV and null in JSON. Negative figures read as positive ones do (commas past 10, the
+    exponent past 2**53), and integers take commas."""
+    import json
+
+    from archlab.table import Format, render
+
+    rows = [{"spec": "a", "tok/s": 12345.6, "gain": -12345.6}, {"spec": "b", "page": 1234567, "gain": -(2.0**60)}]
+    assert render(rows, Format.md) == ("| spec | tok/s | gain | page |\n|---|---|---|---|\n"
+                                       "| a | 12,345.6 | -12,345.6 | - |\n| b | - | -1.15e+18 | 1,234,567 |\n")
+    assert render(rows, Format.csv) == f"spec,tok/s,gain,page\na,12345.6,-12345.6,\nb,,{-(2.0**60)!r},1234567\n"
+    said = render(rows, Format.json)
+    assert said.endswith("}\n]\n") and json.loads(said) == [{"spec": "a", "tok/s": 12345.6, "gain": -12345.6, "page": None},
+                                                          {"spec": "b", "tok/s": None, "gain": -(2.0**60), "page": 1234567}]
 
 
 class StateSizedWork(TorchDispatchMode):

@@ -1,5 +1,8 @@
 """Files written whole: readers see the old file or the new one, never part of one."""
 
+import os
+import stat
+
 import numpy as np
 import pytest
 
@@ -43,3 +46,32 @@ def test_a_file_that_cannot_be_written_is_named_not_its_temporary(tmp_path):
     with pytest.raises(NotADirectoryError) as raised:
         write_whole(path, lambda f: f.write(b"steps: 6\n"))
     assert raised.value.filename == str(path) and TEMPORARY not in str(raised.value), raised.value
+
+
+def test_a_temporary_is_named_for_its_file_and_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """A run killed mid-write leaves the temporary behind, which a resume takes for its own file
+    only if ``written_as`` reads its name back; and the bytes are flushed from Python's buffer and
+    fsynced before the rename makes them the file (else a crash could leave the name on an empty file)."""
+    path, seen, synced = tmp_path / "corpus.json", [], []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append((os.fstat(fd).st_size, path.exists())), fsync(fd)))
+
+    def write(f):
+        seen.extend(p.name for p in tmp_path.iterdir())
+        f.write(b"0123456789")
+
+    write_whole(path, write)
+    assert len(seen) == 1 and seen[0] != "corpus.json" and written_as(seen[0]) == "corpus.json", seen
+    assert synced == [(10, False)] and path.read_bytes() == b"0123456789"
+
+
+def test_a_file_written_whole_has_the_permissions_a_plain_write_gives(tmp_path):
+    """Readable by the group and others as the umask allows, as ``open(path, "w")`` makes it: a
+    temporary made by ``tempfile.mkstemp`` (mode 0600) would keep a shared corpus cache from the
+    others who share it."""
+    umask = os.umask(0o022)
+    try:
+        write_whole(tmp_path / "train.npy", lambda f: f.write(b"ids"))
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "train.npy").stat().st_mode) == 0o644

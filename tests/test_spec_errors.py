@@ -534,3 +534,13 @@ def test_differences_show_floats_to_six_digits_and_a_missing_side_as_absent():
 
     assert describe_differences({"optimizer": {"lr": 0.0012345}, "seed": 1}, {"optimizer": {"lr": 0.0012346}, "steps": 5}) == [
         "optimizer.lr 0.0012345 -> 0.0012346", "seed 1 -> (absent)", "steps (absent) -> 5"]
+
+
+def test_cross_attention_given_its_heads_needs_no_global_head_dim_dividing_the_model(tmp_path):
+    """Only query heads derived from d_model need it to be a multiple of the global K,V's head_dim;
+    given n_heads, the queries' width (4 x 12 = 48 beside d_model 32) is the projections' own."""
+    (tmp_path / "s.yaml").write_text(BASE.replace("head_dim: 8", "head_dim: 12").replace(
+        "cross_decoder: {n_layers: 2}", "cross_decoder: {n_layers: 2, blocks: [{type: cross_attention, n_heads: 4}]}"))
+    model = archlab.build_model(archlab.load_spec(tmp_path / "s.yaml"))
+    cross = model.layers[2].mixer
+    assert (cross.q_proj.out_features, cross.o_proj.in_features) == (48, 48)

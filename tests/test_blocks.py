@@ -551,15 +551,17 @@ def test_sliding_window_block_equals_flas_attention_layer_by_hand():
         torch.testing.assert_close(torch.cat(pieces, 1), expected, rtol=1e-10, atol=1e-12)
 
 
-def test_cross_decoder_rope_rotates_queries_and_global_keys_alike():
+@pytest.mark.parametrize("theta", [10000, 500])
+def test_cross_decoder_rope_rotates_queries_and_global_keys_alike(theta):
     """No shipped spec puts RoPE in the cross-decoder, so leaving its queries unrotated (while the
-    global K,V's keys are) went unseen. Rotated alike, the scores depend on offsets alone: the same
-    hidden states at positions shifted by 100 give the same output, and RoPE does change it."""
+    global K,V's keys are) went unseen. Rotated alike (at the spec's theta, for both), the scores
+    depend on offsets alone: the same hidden states at positions shifted by 100 give the same
+    output, and RoPE does change it."""
     import archlab
     from conftest import ROOT
 
     data = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml").model_dump(mode="json")
-    data["layout"]["cross_decoder"]["position"] = {"type": "rope", "theta": 10000}
+    data["layout"]["cross_decoder"]["position"] = {"type": "rope", "theta": theta}
     model = archlab.build_model(archlab.validate_spec(data), dtype=torch.float64)
     cross = model.layers[model.spec.layout.self_decoder.n_layers].mixer
     x = torch.randn(1, 12, model.spec.d_model, dtype=torch.float64)

@@ -786,13 +786,14 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
     if texts is not None and not (cache / "train.npy").is_file():
         own = data_dir / "tokenizer.json"
+        kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
+        trains = not (cfg.tokenizer or kept)
         if say is not None:
-            trains = not cfg.tokenizer and not (resume and own.is_file())
             say(f"tokenizing data source {cfg.source!r} ({sum(map(len, texts)):,} characters"
                 f"{f', with a BPE of {vocab_size:,} tokens trained on it first' if trains else ''}) into {cache}")
         if cfg.tokenizer:
             tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
-        elif resume and own.is_file():  # a resume keeps the tokenizer its run generates with
+        elif kept:
             try:
                 tokenizer = load_tokenizer(str(own), vocab_size)
             except DataError as exc:

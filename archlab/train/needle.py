@@ -224,9 +224,12 @@ def probeable(run: Path) -> None:
     haystack is text."""
     scorable(run)
     if tokenizer_of(run) is None:
-        recall = load_config(str(run / "config.yaml")).data.source in SYNTHETIC
-        raise EvaluationError(f"{run} trained on {'a recall task' if recall else 'token ids'} and has no tokenizer: a needle in a"
-                              " haystack is text")
+        raise _textless(run, load_config(str(run / "config.yaml")).data.source in SYNTHETIC)
+
+
+def _textless(run: Path, recall: bool) -> EvaluationError:
+    return EvaluationError(f"{run} trained on {'a recall task' if recall else 'token ids'} and has no tokenizer: a needle in a"
+                           " haystack is text")
 
 
 def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device: torch.device, haystack: str = "noise",
@@ -234,8 +237,9 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     """``sequences`` probes of the run's latest checkpoint at each length and each of
     ``depth_count`` depths, in a haystack of ``noise`` or of ``text`` (its held-out split, or all
     of ``data``)."""
-    probeable(run)
     loaded = Loaded.of(run, data)
+    if loaded.tokenizer is None:
+        raise _textless(run, loaded.recall)
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
     if haystack == "noise":
         hay = Haystack.noise()

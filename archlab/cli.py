@@ -1326,6 +1326,8 @@ def study_report(
     storage: Storage = None,
     out: StudyOut = None,
     data: StudyData = None,
+    fmt: Annotated[Format, typer.Option("--format", help="md: the whole report; csv or json: the variants' table, its figures as"
+                                                         " numbers (report.md and the plots are written either way)")] = Format.md,
 ) -> None:
     """The study's table (markdown) and plots (PNG), from its storage."""
     from archlab.study.definition import load_study
@@ -1343,7 +1345,7 @@ def study_report(
                                                             " the --out (or --storage) it ran with")])
         optuna_study = open_study(loaded, url, create=False)
         check_unchanged(loaded, optuna_study)
-        sys.stdout.write(report(loaded, optuna_study, where, url))
+        sys.stdout.write(report(loaded, optuna_study, where, url, fmt))
 
     _study_errors(action)
 

@@ -1,7 +1,9 @@
 """Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
+import csv
 import functools
 import io
+import json
 import os
 import re
 import signal
@@ -27,11 +29,11 @@ from sqlalchemy.engine import make_url
 from archlab.cost import Cost
 from archlab.environment import environment
 from archlab.spec import SpecError
-from archlab.table import Format, render
+from archlab.table import Format, render, si
 from archlab.study.definition import STUDIES, load_study
-from archlab.study.report import failures, passed_over, progress, report, settings, summarize
+from archlab.study.report import failures, passed_over, progress, readable, report, settings, summarize
 from archlab.study.runner import (
-    SameVariantAndSeed, StorageError, StudyChanged, check_unchanged, claim, join, open_study, planned_as, run_trial, settled, shown, storage_url,
+    SameVariantAndSeed, StorageError, StudyChanged, check_unchanged, claim, join, learning_rate, open_study, planned_as, run_trial, settled, shown, storage_url,
     work,
 )
 from archlab.train.trainer import Trainer
@@ -124,6 +126,16 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     code, again, stderr = cli("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
     assert code in OK and again == stdout, stderr
+    # the same table as numbers, for a notebook: each variant's val loss the mean over its chosen rate's trials
+    code, as_json, stderr = cli("study", "report", mini(tmp_path), "--out", out, "--format", "json")
+    assert code in OK and (out / "report.md").read_text() == stdout, stderr
+    rows = {row["variant"]: row for row in json.loads(as_json)}
+    for variant, row in rows.items():
+        chosen_trials = [t for t in trials if planned_as(t)[0] == variant and learning_rate(t) == row["best lr"]]
+        assert len(chosen_trials) == 1 and row["val loss"] == chosen_trials[0].value and row["failed"] == 0
+        assert f"| {variant} | {si(row['params'])} | {si(row['train FLOPs'])} |" in stdout
+    code, as_csv, stderr = cli("study", "report", mini(tmp_path), "--out", out, "--format", "csv")
+    assert code in OK and [r["variant"] for r in csv.DictReader(io.StringIO(as_csv))] == list(rows) == ["yoco", "yoco-u"], stderr
     code, elsewhere, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}", "--out", tmp_path / "copy")
     assert code in OK and "4 complete" in elsewhere, stderr  # a storage named, not --out's
     assert (tmp_path / "copy" / "report.md").is_file()
@@ -733,8 +745,10 @@ def test_a_grid_lr_that_lost_a_seed_does_not_win_on_the_seeds_it_kept(tmp_path):
     trials = [finished("yoco", 0, 0, 3.05, 0.002), finished("yoco", 1, 0, 3.05, 0.002),
               finished("yoco", 0, 1, None, 0.003, state=TrialState.FAIL, curve={2: 3.0}), finished("yoco", 1, 1, 2.90, 0.003)]
     (yoco, _) = summarize(study, trials)
-    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned/failed"]) == (3.05, 2, "0.002", "0/1")
-    assert "| yoco | " in (table := render(summarize(study, trials), Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
+    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["pruned"], yoco["failed"]) == (3.05, 2, 0.002, 0, 1)
+    shown = readable(yoco, maximize=False)
+    assert (shown["best lr"], shown["pruned/failed"]) == ("0.002", "0/1")
+    assert "| yoco | " in (table := render([shown], Format.md)) and "| 3.0500 | 0.0000 | 2 |" in table
     # the rate it passed over is said, with its mean and seeds, rather than left for the reader to miss
     assert passed_over(study, trials) == [
         "- notice: `yoco` at lr 0.003 scored 2.9000, mean over 1 seed, better than the 3.0500 over 2 at its lr 0.002 in the table,"
@@ -753,8 +767,9 @@ def test_a_grid_report_keeps_each_variants_best_rate_and_its_difference_from_the
               finished("yoco-u", 0, 1, 3.3, 0.004), finished("yoco-u", 1, 1, 3.5, 0.004)]
     yoco, yoco_u = summarize(study, trials)
     shown = ("val loss", "best lr", "spread (sd)", "seeds", "vs baseline")
-    assert tuple(yoco[k] for k in shown) == (2.9, "0.004", 0.1414, 2, "+0.0000")
-    assert tuple(yoco_u[k] for k in shown) == (2.7, "0.002", 0.2828, 2, "-0.2000")
+    assert tuple(yoco[k] for k in shown) == pytest.approx((2.9, 0.004, 0.02**0.5, 2, 0.0))
+    assert tuple(yoco_u[k] for k in shown) == pytest.approx((2.7, 0.002, 0.08**0.5, 2, -0.2))
+    assert tuple(readable(yoco_u, maximize=False)[k] for k in shown) == (2.7, "0.002", 0.2828, 2, "-0.2000")
 
 
 def test_a_loss_studys_report_gives_the_chosen_rates_accuracy_and_a_dash_where_a_trial_has_none(tmp_path):
@@ -770,9 +785,10 @@ def test_a_loss_studys_report_gives_the_chosen_rates_accuracy_and_a_dash_where_a
     yoco = [scoring(finished("yoco", 0, 0, 3.0, 0.002), 0.9), scoring(finished("yoco", 1, 0, 3.2, 0.002), 0.9),  # a rate not chosen
             scoring(finished("yoco", 0, 1, 2.8, 0.004), 0.25), scoring(finished("yoco", 1, 1, 3.0, 0.004), 0.30)]
     rows = summarize(study, [*yoco, scoring(finished("yoco-u", 0, 0, 2.5, 0.002), 0.5), scoring(finished("yoco-u", 1, 0, 2.9, 0.002), None)])
-    assert [(row["best lr"], row["accuracy"]) for row in rows] == [("0.004", "27.5%"), ("0.002", "-")]  # (0.25 + 0.30) / 2
+    assert [(row["best lr"], row["accuracy"]) for row in rows] == [(0.004, pytest.approx(0.275)), (0.002, None)]  # (0.25 + 0.30) / 2
+    assert [readable(row, maximize=False)["accuracy"] for row in rows] == ["27.5%", "-"]
     rows = summarize(study, [*yoco, finished("yoco-u", 0, 0, None, state=TrialState.FAIL)])
-    assert [row["accuracy"] for row in rows] == ["27.5%", "-"]
+    assert [readable(row, maximize=False)["accuracy"] for row in rows] == ["27.5%", "-"]
     assert summarize(study, [finished("yoco", 0, 0, 3.0, 0.002)])[0].keys().isdisjoint({"accuracy"})  # a text corpus scores none
 
 
@@ -788,9 +804,10 @@ def test_a_reports_flops_and_cache_columns_are_the_cost_tables_own(tmp_path):
     for row in summarize(study, trials):
         cost = Cost(study.specs[row["variant"]])
         per_step = sum(cost.forward_flops(32).values()) * 3 // 32 * 4 * 32  # batch 4 of 32 tokens
-        assert row["train FLOPs"] == si(per_step * 4)  # 4 steps
+        assert row["train FLOPs"] == per_step * 4  # 4 steps
+        assert readable(row, maximize=False)["train FLOPs"] == si(per_step * 4)
         size = cost.cache_bytes(n)
-        assert size.local > 0 and row[f"KV MiB @ {tokens_label(n)}"] == round((size.global_ + size.local) / MIB, 2)
+        assert size.local > 0 and row[f"KV MiB @ {tokens_label(n)}"] == (size.global_ + size.local) / MIB
 
 
 def test_a_flops_budget_trains_each_variant_for_the_baselines_training_flops(tmp_path):
@@ -863,27 +880,28 @@ def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its
     trials = [finished(variant, seed, 0, curve[4], 0.002, curve=curve) for variant, pair in curves.items() for seed, curve in enumerate(pair)]
     yoco, yoco_u = summarize(study, trials)
     target = 2.1  # yoco's mean last loss; yoco-u's mean curve is 2.5 at step 2, 1.5 at step 4
-    assert yoco_u["share of baseline tokens"] == round((2 + 2 * (2.5 - target) / (2.5 - 1.5)) / 4, 3)  # 0.7
+    assert yoco_u["share of baseline tokens"] == pytest.approx((2 + 2 * (2.5 - target) / (2.5 - 1.5)) / 4)  # 0.7
     per_step = {v: Cost(spec).train_flops_per_token(32) * 4 * 32 for v, spec in study.specs.items()}
     at = 4 * per_step["yoco"] / per_step["yoco-u"]  # the step at which yoco-u has spent yoco's FLOPs: between 2 and 4
-    assert 2 < at < 4 and yoco_u["vs baseline at its FLOPs"] == f"{2.5 + (1.5 - 2.5) * (at - 2) / 2 - target:+.4f}"
-    assert (yoco["share of baseline tokens"], yoco["vs baseline at its FLOPs"]) == (1.0, "+0.0000")
+    assert 2 < at < 4 and yoco_u["vs baseline at its FLOPs"] == pytest.approx(2.5 + (1.5 - 2.5) * (at - 2) / 2 - target)
+    assert (yoco["share of baseline tokens"], yoco["vs baseline at its FLOPs"]) == (1.0, 0.0)
     never = [finished("yoco-u", seed, 0, 2.5, 0.002, curve={2: 2.9, 4: 2.5}) for seed in (0, 1)]
     (_, late) = summarize(study, trials[:2] + never)
-    assert late["share of baseline tokens"] == "-" and late["vs baseline at its FLOPs"].startswith("+")
+    assert late["share of baseline tokens"] is None and late["vs baseline at its FLOPs"] > 0
+    assert readable(late, maximize=False)["share of baseline tokens"] == "-"
     from archlab.study.report import _against_baseline
 
     accuracy = _against_baseline({"a": ([2, 4], [0.2, 0.6], 10.0), "b": ([2, 4], [0.5, 0.9], 20.0)}, "a", maximize=True)
-    assert accuracy["b"] == {"share of baseline tokens": 0.625, "vs baseline at its FLOPs": "-0.1000"}  # up to 0.6 at step 2.5
+    assert accuracy["b"] == {"share of baseline tokens": 0.625, "vs baseline at its FLOPs": pytest.approx(-0.1)}  # up to 0.6 at step 2.5
     # the baseline against itself is 1 by construction: a curve that rises at its end, or is flat,
     # first came down to its last value before its end, and read below 1 against itself
     rising = _against_baseline({"a": ([2, 4, 6], [3.0, 2.0, 2.2], 10.0), "b": ([2, 4], [2.5, 1.5], 10.0)}, "a", maximize=False)
     assert (rising["a"]["share of baseline tokens"], rising["b"]["share of baseline tokens"]) == (1.0, 0.75)  # 2.0: at 4, and 3
     flat = _against_baseline({"a": ([2, 4, 6], [5.5, 5.5, 5.5], 10.0)}, "a", maximize=False)
-    assert flat["a"] == {"share of baseline tokens": 1.0, "vs baseline at its FLOPs": "+0.0000"}
+    assert flat["a"] == {"share of baseline tokens": 1.0, "vs baseline at its FLOPs": 0.0}
     whole_steps = _against_baseline({"a": ([2, 4], [3.0, 2.0], 10.0), "b": ([2, 3], [2.9, 2.5], 12.0), "c": ([2], [2.6], 12.0)}, "a", False)
-    assert whole_steps["b"]["vs baseline at its FLOPs"] == "+0.5000"  # 36 of a's 40: one step more would pass them
-    assert whole_steps["c"]["vs baseline at its FLOPs"] == "-"  # 24: it never spent them
+    assert whole_steps["b"]["vs baseline at its FLOPs"] == pytest.approx(0.5)  # 36 of a's 40: one step more would pass them
+    assert whole_steps["c"]["vs baseline at its FLOPs"] is None  # 24: it never spent them
 
 
 def test_a_report_names_each_setting_its_trials_trained_in(tmp_path):
@@ -932,7 +950,8 @@ def test_a_tpe_study_scores_each_seed_by_its_best_draw(tmp_path):
     trials = [finished("yoco", 0, 0, 2.0, 1e-3), finished("yoco", 0, 1, 1.8, 2e-3),
               finished("yoco", 1, 0, 1.9, 3e-3), finished("yoco", 1, 1, 2.1, 1e-3)]
     (yoco, _) = summarize(study, trials)
-    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["spread (sd)"]) == (1.85, 2, "0.002..0.003", 0.0707)
+    assert (yoco["val loss"], yoco["seeds"], yoco["best lr"], yoco["best lr high"]) == (pytest.approx(1.85), 2, 2e-3, 3e-3)
+    assert (shown := readable(yoco, maximize=False))["best lr"] == "0.002..0.003" and shown["spread (sd)"] == 0.0707
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options

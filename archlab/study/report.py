@@ -16,7 +16,8 @@ from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
 from archlab.study.definition import Study
 from archlab.study.runner import (
-    ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study, settled, shown,
+    ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, rate_label, refuse_foreign_files, refuse_other_study,
+    settled, shown,
 )
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
@@ -54,8 +55,8 @@ def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], b
     for variant, (steps, values, flops) in curves.items():  # steps stand for tokens: every step has as many
         reached[variant], at[variant] = compared(steps, [s * flops for s in steps], values, target, their_steps[-1] * their_flops,
                                                  maximize, flops)
-    return {variant: {"share of baseline tokens": "-" if reached[variant] is None else Decimals(reached[variant] / reached[baseline], 3),
-                      "vs baseline at its FLOPs": "-" if at[variant] is None else f"{at[variant] - theirs[-1]:+.4f}"} for variant in curves}
+    return {variant: {"share of baseline tokens": None if reached[variant] is None else reached[variant] / reached[baseline],
+                      "vs baseline at its FLOPs": None if at[variant] is None else at[variant] - theirs[-1]} for variant in curves}
 
 
 def _complete(done: dict[tuple, optuna.trial.FrozenTrial], variant: str) -> list[optuna.trial.FrozenTrial]:
@@ -63,11 +64,14 @@ def _complete(done: dict[tuple, optuna.trial.FrozenTrial], variant: str) -> list
 
 
 def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]:
+    """A row of figures per variant, as numbers (None where it has none), for CSV and JSON;
+    ``readable`` makes them the markdown table's."""
     definition = study.definition
     maximize = definition.maximize
     done = _reported(study, trials)
-    rows, means, baseline, curves = [], {}, None, {}
+    rows, means, curves = [], {}, {}
     scored = not maximize and any(ACCURACY in t.user_attrs for t in done.values())  # examples or a recall task, scored by loss
+    metric = "accuracy" if maximize else "val loss"
     for variant, spec in study.specs.items():
         mine = [t for (v, _, _), t in done.items() if v == variant]
         complete = _complete(done, variant)
@@ -76,34 +80,60 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
         flops_per_step = cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len
         row = {
             "variant": variant,
-            "params": si(cost.params_total),
-            "train FLOPs": si(flops_per_step * steps),
-            f"KV MiB @ {tokens_label(definition.report_seq_len)}": round(cost.cache_bytes(definition.report_seq_len).total / MIB, 2),
+            "params": cost.params_total,
+            "train FLOPs": flops_per_step * steps,
+            f"KV MiB @ {tokens_label(definition.report_seq_len)}": cost.cache_bytes(definition.report_seq_len).total / MIB,
             "steps": steps,
+            metric: None, "spread (sd)": None, "seeds": 0, "best lr": None,
+            **({"best lr high": None} if definition.sampler == "tpe" else {}),
+            **({ACCURACY: None} if scored else {}),
         }
-        metric = "val loss" if not maximize else "accuracy"
         if complete:
-            lr, best = chosen(complete, maximize, definition.sampler)
-            values = [t.value for t in best]
-            mean = means[variant] = statistics.mean(values)
-            row.update({metric: Decimals(mean, 4), "spread (sd)": Decimals(statistics.stdev(values), 4) if len(values) > 1 else "-",
-                        "seeds": len(values), "best lr": lr})
+            _, best = chosen(complete, maximize, definition.sampler)
+            values, rates = [t.value for t in best], [learning_rate(t) for t in best]
+            means[variant] = row[metric] = statistics.mean(values)
+            row.update({"spread (sd)": statistics.stdev(values) if len(values) > 1 else None, "seeds": len(values), "best lr": min(rates)})
+            if definition.sampler == "tpe":
+                row["best lr high"] = max(rates)
             if scored:
                 accuracies = [t.user_attrs.get(ACCURACY) for t in best]
-                row[ACCURACY] = f"{statistics.mean(accuracies):.1%}" if None not in accuracies else "-"
+                row[ACCURACY] = statistics.mean(accuracies) if None not in accuracies else None
             curves[variant] = (*_curve(best), flops_per_step)
-            if variant == definition.baseline:
-                baseline = mean
-        else:
-            row.update({metric: "-", "spread (sd)": "-", "seeds": 0, "best lr": "-", **({ACCURACY: "-"} if scored else {})})
-        row["pruned/failed"] = f"{sum(t.state == TrialState.PRUNED for t in mine)}/{sum(t.state == TrialState.FAIL for t in mine)}"
+        row["pruned"] = sum(t.state == TrialState.PRUNED for t in mine)
+        row["failed"] = sum(t.state == TrialState.FAIL for t in mine)
         rows.append(row)
     against = _against_baseline(curves, definition.baseline, maximize)
+    baseline = means.get(definition.baseline)
     for row in rows:
         mean = means.get(row["variant"])
-        row["vs baseline"] = f"{mean - baseline:+.4f}" if baseline is not None and mean is not None else "-"
-        row.update(against.get(row["variant"], {"share of baseline tokens": "-", "vs baseline at its FLOPs": "-"}))
+        row["vs baseline"] = mean - baseline if baseline is not None and mean is not None else None
+        row.update(against.get(row["variant"], {"share of baseline tokens": None, "vs baseline at its FLOPs": None}))
     return rows
+
+
+def readable(row: dict, maximize: bool) -> dict:
+    """A row for people: SI prefixes for counts, four decimals for scores (losses differ in the
+    third place), signs on differences, the learning rate (or TPE's range of them) to two digits,
+    "-" where there is none."""
+    def shown(value, how):
+        return "-" if value is None else how(value)
+
+    score = "accuracy" if maximize else "val loss"
+    formats = {"params": si, "train FLOPs": si, score: lambda v: Decimals(v, 4), "spread (sd)": lambda v: Decimals(v, 4),
+               "vs baseline": lambda v: f"{v:+.4f}", "share of baseline tokens": lambda v: Decimals(v, 3),
+               "vs baseline at its FLOPs": lambda v: f"{v:+.4f}"}
+    formats.update({column: lambda v: round(v, 2) for column in row if column.startswith("KV MiB")})
+    if not maximize:
+        formats[ACCURACY] = lambda v: f"{v:.1%}"
+    out = {}
+    for column, value in row.items():
+        if column == "best lr":
+            out[column] = shown(value, lambda low: rate_label(low, row.get("best lr high", low)))
+        elif column == "pruned":
+            out["pruned/failed"] = f"{value}/{row['failed']}"
+        elif column not in ("best lr high", "failed"):
+            out[column] = shown(value, formats[column]) if column in formats else value
+    return out
 
 
 def passed_over(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
@@ -273,8 +303,9 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
     return paths
 
 
-def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) -> str:
-    """Write report.md and the plots into ``out``; return the markdown."""
+def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fmt: Format = Format.md) -> str:
+    """Write report.md and the plots into ``out``; return the markdown, or in CSV or JSON the
+    variants' table alone, its figures as numbers."""
     definition = study.definition
     trials = optuna_study.get_trials(deepcopy=False)
     failed = failures(study, trials)
@@ -285,7 +316,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     plots = plot(study, trials, out)
     rows = summarize(study, trials)
     accuracy = ("; accuracy: of the tokens scored (responses or answers) at the last evaluation, the mean over the seeds"
-                if any(ACCURACY in row for row in rows) else "")
+                if not definition.maximize and any(ACCURACY in row for row in rows) else "")
     text = [
         f"# Study `{study.name}` ({study.scale} scale)\n",
         *([f"{definition.question or definition.description}\n"] if definition.question or definition.description else []),
@@ -299,7 +330,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
         *settings(study, trials),
         f"- storage `{(whole := shown(storage, relative=False))}` (open it with `optuna-dashboard {whole}`)",
         f"- baseline: `{definition.baseline}`; {'higher accuracy' if definition.maximize else 'lower val loss'} is better{accuracy}\n",
-        render(rows, Format.md),
+        render([readable(row, definition.maximize) for row in rows], Format.md),
         *passed_over(study, trials),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
         *(f"![{p.stem}]({p.name})" for p in plots),
@@ -307,4 +338,4 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str) ->
     ]
     markdown = "\n".join(text)
     (out / "report.md").write_text(markdown)
-    return markdown
+    return markdown if fmt is Format.md else render(rows, fmt)

@@ -732,12 +732,16 @@ def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str)
         for t in trials:
             by_seed.setdefault(planned_as(t)[1], []).append(t)
         best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
-        low, high = min(learning_rate(t) for t in best), max(learning_rate(t) for t in best)
-        return (f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"), best
+        return rate_label(min(learning_rate(t) for t in best), max(learning_rate(t) for t in best)), best
     by_lr = by_rate(trials)
     sign = 1 if maximize else -1
     lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
     return f"{lr:.2g}", by_lr[lr]
+
+
+def rate_label(low: float, high: float) -> str:
+    """A learning rate to two digits, or TPE's range of them."""
+    return f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"
 
 
 def by_rate(trials: list[optuna.trial.FrozenTrial]) -> dict[float, list[optuna.trial.FrozenTrial]]:

@@ -101,6 +101,11 @@ def _report(exc: SpecError) -> None:
         err.print(f"  [cyan]{escape(problem.loc)}[/]: {escape(problem.msg)}", highlight=False)
 
 
+def _say(line: str) -> None:
+    """A line of progress on stderr, shown as it is (a data source's name may read as markup)."""
+    err.print(line, highlight=False, markup=False)
+
+
 def _error(text: str) -> None:
     """One line naming what is wrong (any markup-like text in it shown as it is)."""
     err.print(f"[bold red]error[/]: {escape(text)}", highlight=False)
@@ -479,7 +484,7 @@ def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
     except CheckpointError as exc:
         _error(str(exc))
         raise typer.Exit(1) from None
-    err.print(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}", highlight=False, markup=False)
+    _say(f"weights from {checkpoint}; {'tokenizer ' + str(tokenizer) if tokenizer else 'byte tokens'}")
     return spec, model, codec
 
 
@@ -523,23 +528,31 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
                 prompted = cache.mark()
             new.append(int(tokens[0]))
             text = codec.decode(new)
-            met = [(text.index(end), end) for end in until if end in text]
-            if met:
-                place, stop = min(met)
+            place, stop = _first_stop(text.removesuffix("\ufffd"), until)  # a last character partly decoded may read otherwise yet
+            if stop is not None:
                 text = text[:place]
                 break
             text = _settled(text, until)
             sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
-        else:
+        else:  # the last token's bytes are final now
             text = codec.decode(new)
+            place, stop = _first_stop(text, until)
+            text = text[:place]
     except FloatingPointError as exc:  # weights that give NaN
         sys.stdout.write("\n" if new else "")  # after the line begun
         _error(str(exc))
         raise typer.Exit(1) from None
     sys.stdout.write(text[len(shown) :])
     return Written(text, stop, len(new), cache, prompted, time.perf_counter() - start)
+
+
+def _first_stop(text: str, until: tuple[str, ...]) -> tuple[int, str | None]:
+    """Where the first of the texts ``until`` to come begins in ``text``, and which it is (the
+    text's length and None where none has come)."""
+    met = [(text.index(end), end) for end in until if end in text]
+    return min(met) if met else (len(text), None)
 
 
 def _settled(text: str, until: tuple[str, ...]) -> str:
@@ -596,7 +609,7 @@ def chat(
         if messages:
             reply_prompt(messages, codec.tokenizer)  # a system message that cannot be read is refused before any is typed
         if typed:
-            err.print("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation", highlight=False, markup=False)
+            _say("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation")
         said: list[int] = []  # the last prompt, which the last reply's cache held before it
         reply, replies = None, 0
         for message in _messages(sys.stdin):
@@ -605,7 +618,7 @@ def chat(
                 if not typed:
                     _error(refused)
                     raise typer.Exit(1)
-                err.print(f"{refused}; type it again without it", highlight=False, markup=False)  # a slip, not the conversation's end
+                _say(f"{refused}; type it again without it")  # a slip, not the conversation's end
                 continue
             messages.append({"role": "user", "content": message})
             prompt = reply_prompt(messages, codec.tokenizer)
@@ -623,7 +636,7 @@ def chat(
             said = prompt
             sys.stdout.write("\n" if reply.text.endswith("\n") else "\n\n")  # then a blank line, as after a message typed
             if reply.stop is None:
-                err.print(f"(the reply was cut at --max-new-tokens {max_new_tokens})", highlight=False, markup=False)
+                _say(f"(the reply was cut at --max-new-tokens {max_new_tokens})")
             messages.append({"role": "assistant", "content": reply.text})
     except DataError as exc:  # a --system message holding MESSAGE_END
         _error(str(exc))
@@ -977,7 +990,7 @@ def curves(
         raise typer.Exit(1) from None
     sys.stdout.write(render(rows, fmt))
     for line in trained_with(read) + started_from(read) + tokens_apart(folders, [run.label for run in read]):
-        err.print(line, markup=False, highlight=False)
+        _say(line)
     if plot_path is not None:
         err.print(f"plot written to {plot_path}", markup=False)
 
@@ -1004,14 +1017,14 @@ def evaluate(
     on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list[dict]:
-        err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
+        _say(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens")
         with _fits_in_memory(f"{label}: {batch} windows of {max(lengths):,} tokens", "--seq-len or --batch", None):
-            return [result.row(label) for result in scored(run, lengths, last, sequences, on, data, batch)]
+            return [result.row(label) for result in scored(run, lengths, last, sequences, on, data, batch, _say)]
 
     rows = [row for found in _each_trained_run(runs, data, plot_path, score, scorable).values() for row in found]
     sys.stdout.write(render(rows, fmt))
     for line in tokens_apart(runs, labels(runs)):
-        err.print(line, markup=False, highlight=False)
+        _say(line)
     if plot_path is not None:
         plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
@@ -1078,13 +1091,13 @@ def layers(
     def score(run: Path, label: str) -> list:
         windows = f"{batch} windows of {f'{length:,} tokens' if length else 'the length it trained on'}"
         with _fits_in_memory(f"{label}: {windows}", "--seq-len or --batch", None):
-            return measure(run, length, sequences, on, data, batch)
+            return measure(run, length, sequences, on, data, batch, _say)
 
     measured = _each_trained_run(runs, data, plot_path, score)
     sys.stdout.write(render([m.row(label) for label, found in measured.items() for m in found], fmt))
     for label, found in measured.items():
         for line in summary(label, found):
-            err.print(line, markup=False, highlight=False)
+            _say(line)
     if plot_path is not None:
         plot(measured, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
@@ -1122,14 +1135,14 @@ def niah(
     on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list:
-        err.print(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens", highlight=False, markup=False)
+        _say(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens")
         with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch", None):
-            return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed)
+            return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed, _say)
 
     found = _each_trained_run(runs, data, plot_path, score, probeable)
     sys.stdout.write(render([row for label, some in found.items() for row in rows(label, some)], fmt))
     for label, some in found.items():
-        err.print(summary(label, some), highlight=False, markup=False)
+        _say(summary(label, some))
     if plot_path is not None:
         plot(found, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
@@ -1171,7 +1184,7 @@ def downstream(
     on = _scoring_device(device)
 
     def score(run: Path, label: str) -> list:
-        err.print(f"{label}: {', '.join(names)}", highlight=False, markup=False)
+        _say(f"{label}: {', '.join(names)}")
         model = ArchlabLM(Loaded.of(run), on, batch, max_length)
         with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch", None):
             try:  # the harness records the commit of the folder it runs in, and outside a repository git says "fatal"
@@ -1314,7 +1327,7 @@ def study_run(
             err.print(f"[bold red]error[/]: no trial succeeded ({planned} of {planned} failed); why each failed is under"
                       f" Failed trials in {escape(str(where / 'report.md'))}", highlight=False)
             raise typer.Exit(1)
-        err.print(f"report and plots in {where}", highlight=False, markup=False)
+        _say(f"report and plots in {where}")
 
     _study_errors(action)
 

@@ -639,6 +639,38 @@ def test_of_stop_texts_that_one_token_completes_the_first_to_begin_stops(capsys)
     assert (written.text, written.stop, written.tokens, capsys.readouterr().out) == ("x = ", "a", 2, "x = ")
 
 
+def test_a_stop_text_holding_a_replacement_character_is_not_met_by_a_character_still_being_decoded(capsys):
+    """Bytes of a character not yet whole decode, for now, to U+FFFD: a stop text holding one is
+    met only where the character stays one (bytes that never make a character), not by the first
+    byte of an é; where generation ends on such bytes, they are final, and meet it there."""
+    from archlab.cli import _written
+    from archlab.engine import Sampling
+
+    class Bytes:
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    class Scripted:
+        page_size, prefill_chunk, device = None, 2048, torch.device("cpu")
+
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+        def cache_for(self, lengths, new_tokens):
+            return Cache(tiny_model("transformer")[1], 1, 4, torch.float32)
+
+        def stream(self, prompts, max_new_tokens, sampling, cache, held):
+            yield from ((torch.tensor([token]), None, None) for token in self.tokens)
+
+    for generated, until, expected in [(b"a\xc3\xa9b", ("\ufffd",), ("a\u00e9b", None, 4)),  # an é, whole two bytes later
+                                       (b"a\xffb", ("\ufffd",), ("a", "\ufffd", 3)),  # a byte no character begins with
+                                       (b"a\xc3", ("\ufffd",), ("a", "\ufffd", 2)),  # the last bytes, never completed
+                                       (b"a\xc3\xa9;", ("\ufffd;", "\u00e9;"), ("a", "\u00e9;", 4))]:
+        written = _written(Scripted(list(generated)), [0], len(generated), Sampling(), Bytes(), until=until)
+        assert (written.text, written.stop, written.tokens) == expected, generated
+        assert capsys.readouterr().out == expected[0]
+
+
 def test_bench_json_and_plot(cli, tmp_path):
     png = tmp_path / "bench.png"
     code, out, stderr = cli("bench", "specs/tiny/yoco.yaml", "specs/tiny/yoco-u.yaml", "--seq-len", "256", "1K",

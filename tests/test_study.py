@@ -122,6 +122,8 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert "lr grid of 2 points over [0.002, 0.004]" in stdout and "\n\n\n" not in stdout  # no question: no gap
     assert sum(line.startswith("trial ") and ": complete, val_loss " in line for line in stderr.splitlines()) == 4  # a log, not a terminal
     assert stderr.count("is read as far as data.max_bytes") == 1  # said once, not by every trial that reads the data again
+    tokenizing = f"tokenizing data source 'stdlib' (200,000 characters, with a BPE of 256 tokens trained on it first) into {out / 'data'}"
+    assert stderr.count(tokenizing) == 1  # said before the trials share it
     for png in ("curves.png", "loss_vs_flops.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     code, again, stderr = cli("study", "report", mini(tmp_path), "--out", out)  # the report alone, from the storage
@@ -141,6 +143,7 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     assert (tmp_path / "copy" / "report.md").is_file()
     code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out)  # a finished study runs nothing again
     assert code in OK and len(trials_of(f"sqlite:///{out / 'optuna.db'}", "mini")) == 4, stderr
+    assert "tokenizing" not in stderr  # its corpus read back
     notes = tmp_path / "notes"  # a folder of someone's files, which the report and plots would overwrite
     notes.mkdir()
     (notes / "report.md").write_text("mine")

@@ -1921,6 +1921,14 @@ def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, traine
     code, out, stderr = cli("evaluate", trained_on_text, trained_on_mqar, "--seq-len", "32", "--last", "16", "--sequences", "2",
                             "--format", "csv")
     assert code in (0, None) and out.splitlines()[0].endswith(",ppl,acc") and out.splitlines()[1].endswith(","), stderr
+    # text is tokenized after the run's line, which says so first (the default stdlib takes some 20 s); a token file is not
+    said = (f"tokenizing data source {str(corpus)!r} ({len(corpus.read_text()):,} characters) with the run's tokenizer"
+            f" {trained_on_text / 'tokenizer.json'}")
+    for command in (["evaluate", "--seq-len", "64", "--last", "16", "--sequences", "2"], ["layers", "--seq-len", "64", "--sequences", "2"],
+                    ["niah", "--seq-len", "512", "--depths", "1", "--sequences", "1", "--new-tokens", "12", "--haystack", "text"]):
+        for data, line in ((corpus, said), (tmp_path / "ids.npy", None)):
+            code, _, stderr = cli(command[0], trained_on_text, *command[1:], "--data", data)
+            assert code in (0, None) and (line in stderr if line else "tokenizing" not in stderr), (command, stderr)
 
 
 def angle(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -385,13 +385,14 @@ def _beside_sqlite(url: str) -> Path | None:
     return Path(f"{database}.lock")
 
 
-def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
+def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[str], None] | None = None) -> optuna.Study:
     """Open the study, plan its trials and prepare its data, one worker at a time (the first one
     also creates the storage's tables). Where each fine-tuned variant's seeds start is looked up
     here and recorded for the trials: a pretraining study that chooses another trial while they
     run, or a run that gains a checkpoint, moves none of them (the next worker to join refuses).
     Everything that may refuse the run comes before the study is created and its trials queued:
-    a refused run leaves no empty study behind for ``report`` to show."""
+    a refused run leaves no empty study behind for ``report`` to show. ``say`` is told before a
+    corpus is tokenized."""
     with planning_lock(url, out, study.key):
         refuse_other_study(out, study)
         try:
@@ -416,7 +417,7 @@ def join(study: Study, out: Path, url: str, grace_period: int) -> optuna.Study:
             except checkpoint.CheckpointError as exc:
                 raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
         undo = undo_tokenizing(out)
-        fingerprint = _read_data(study, out)
+        fingerprint = _read_data(study, out, say)
         optuna_study = optuna_study or open_study(study, url, grace_period)
         check_corpus(optuna_study, fingerprint, cfg.data.source, undo)
         (out / OWNER).write_text(f"{study.key}\n")
@@ -449,7 +450,7 @@ def refuse_earlier_trials(out: Path, key: str, url: str) -> None:
                            " dropped or made again? Give the study another --out to run it afresh, or move that folder away")
 
 
-def _read_data(study: Study, out: Path) -> str | None:
+def _read_data(study: Study, out: Path, say: Callable[[str], None] | None) -> str | None:
     """Read the study's data, so that data that does not read stops the study before any trial:
     tokenize the corpus its trials share into ``out`` (its fingerprint), or read the examples or
     text each trial tokenizes itself (None)."""
@@ -457,7 +458,7 @@ def _read_data(study: Study, out: Path) -> str | None:
     try:
         if study.shares_corpus:  # tokenize the corpus once for this worker's trials
             vocab = next(iter(study.specs.values())).vocab_size
-            return prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out).fingerprint
+            return prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out, say=say).fingerprint
         if holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
             read_examples(cfg.data.source, cfg.data.max_bytes)
         else:
@@ -793,7 +794,7 @@ def _once(show: Callable) -> Callable:
 
 
 def _work(study: Study, out: Path, url: str, console: Console, grace_period: int) -> optuna.Study:
-    optuna_study = join(study, out, url, grace_period)
+    optuna_study = join(study, out, url, grace_period, lambda line: console.print(line, highlight=False, markup=False))
     planned = study.planned()
     columns = [TextColumn(f"[bold]{optuna_study.study_name}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[now]}"), TimeElapsedColumn()]
     live = console.is_interactive  # a terminal; a log file gets a plain line per trial instead

@@ -744,20 +744,26 @@ def _encoded(source: str, texts: list[str], tokenizer) -> np.ndarray:
     return ids
 
 
-def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None) -> tuple[np.ndarray, np.ndarray | None]:
+def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None,
+              say: Callable[[str], None] | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Every token of ``cfg.source``, split off nothing and written nowhere (a corpus to evaluate
     on): a token file's ids, or text (or examples) tokenized with ``tokenizer`` (a run's own); and
-    which of them count (of examples, their responses; None: every one)."""
+    which of them count (of examples, their responses; None: every one). ``say`` is told, as
+    ``prepare``'s is, before text is tokenized."""
     path = Path(cfg.source)
     if holds_token_ids(cfg.source) and path.is_file():
         return _token_file(path, cfg, vocab_size), None
     if tokenizer is None:
         raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
                         " token ids or a recall task); give a token file")
+    read = load_tokenizer(str(tokenizer), vocab_size)
     if holds_examples(cfg.source):  # the examples as a run trained on them reads them
-        ids, counted = _example_tokens(read_examples(cfg.source, cfg.max_bytes), load_tokenizer(str(tokenizer), vocab_size))
+        ids, counted = _example_tokens(read_examples(cfg.source, cfg.max_bytes), read)
         return np.concatenate(ids), np.concatenate(counted)
-    return _encoded(cfg.source, read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field), load_tokenizer(str(tokenizer), vocab_size)), None
+    texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
+    if say is not None:
+        say(f"tokenizing data source {cfg.source!r} ({sum(map(len, texts)):,} characters) with the run's tokenizer {tokenizer}")
+    return _encoded(cfg.source, texts, read), None
 
 
 def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path, replace: bool = False, resume: bool = False,

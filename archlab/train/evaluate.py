@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,15 @@ class Loaded:
     tokenizer: Path | None
     data: str | None
     corpus: str | None  # the fingerprint of the tokens the checkpoint trained on (None: one from before they recorded it)
+    say: Callable[[str], None] | None = None  # told before text is tokenized (the default stdlib takes some 20 s)
 
     @classmethod
-    def of(cls, run: Path, data: str | None = None) -> Loaded:
+    def of(cls, run: Path, data: str | None = None, say: Callable[[str], None] | None = None) -> Loaded:
         scorable(run)
         _, model, used, tokenizer = load_trained(run)
         _say_an_earlier_step(run, used)
         corpus = info_of(used, "score").get("corpus")
-        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus)
+        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus, say)
 
     @property
     def source(self) -> str:
@@ -147,14 +149,15 @@ class Loaded:
         if self.data is None:
             data_dir = Path(cfg.data.cache or self.run)
             undo = undo_tokenizing(data_dir)
-            held_out = prepare(cfg.data, vocab, 1, cfg.seed, data_dir, resume=True)
+            held_out = prepare(cfg.data, vocab, 1, cfg.seed, data_dir, resume=True, say=self.say)
             if self.corpus not in (None, held_out.fingerprint):  # its held-out split would be other tokens, trained on, maybe
                 undo()
                 raise EvaluationError(f"{held_out.describe} is not the data {self.run} trained on: its checkpoint records"
                                       f" {self.corpus}, the data now gives {held_out.fingerprint}; put the run's data back{remove_advice(data_dir, cfg.data.source)} to"
                                       " score its held-out split, or give --data to score other text")
             return held_out.splits["val"], (held_out.masks or {}).get("val"), "the held-out split"
-        return *tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer), f"data source {self.data!r}"
+        return (*tokens_of(cfg.data.model_copy(update={"source": self.data}), vocab, self.tokenizer, self.say),
+                f"data source {self.data!r}")
 
     def on(self, device: torch.device):
         """The model on ``device`` in eval mode, and the precision to score in, as the run's config trained
@@ -166,12 +169,12 @@ class Loaded:
 
 
 def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device,
-             data: str | None = None, batch: int = 8) -> list[Evaluated]:
+             data: str | None = None, batch: int = 8, say: Callable[[str], None] | None = None) -> list[Evaluated]:
     """The run's latest checkpoint scored at each length, ``batch`` windows at a time: on its
     held-out split (or all of ``data``, read with the run's tokenizer), the loss of the last
     ``last`` tokens of each window (of examples, the loss and accuracy of the responses among
     them); on a recall task, the loss and accuracy of the answers."""
-    loaded = Loaded.of(run, data)
+    loaded = Loaded.of(run, data, say)
     if not loaded.recall and last > min(lengths):
         raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
                               " last tokens")

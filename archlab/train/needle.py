@@ -233,11 +233,12 @@ def _textless(run: Path, recall: bool) -> EvaluationError:
 
 
 def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device: torch.device, haystack: str = "noise",
-         data: str | None = None, batch: int = 8, new_tokens: int = 16, seed: int = 0) -> list[Found]:
+         data: str | None = None, batch: int = 8, new_tokens: int = 16, seed: int = 0,
+         say: Callable[[str], None] | None = None) -> list[Found]:
     """``sequences`` probes of the run's latest checkpoint at each length and each of
     ``depth_count`` depths, in a haystack of ``noise`` or of ``text`` (its held-out split, or all
-    of ``data``)."""
-    loaded = Loaded.of(run, data)
+    of ``data``); ``say`` is told before text is tokenized."""
+    loaded = Loaded.of(run, data, say)
     if loaded.tokenizer is None:
         raise _textless(run, loaded.recall)
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)

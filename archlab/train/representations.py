@@ -11,6 +11,7 @@ a jump where the cross-decoder begins says the two halves do different work.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,11 +90,12 @@ class Measured:
 
 
 def measure(run: Path, seq_len: int | None, sequences: int, device: torch.device, data: str | None = None,
-            batch: int = 8) -> list[Measured]:
+            batch: int = 8, say: Callable[[str], None] | None = None) -> list[Measured]:
     """Each layer application of the run's latest checkpoint, measured on ``sequences`` windows of
     ``seq_len`` tokens (the length it trained on if None) of its held-out split (or of all of
-    ``data``; fresh sequences on a recall task), ``batch`` at a time."""
-    loaded = Loaded.of(run, data)
+    ``data``; fresh sequences on a recall task), ``batch`` at a time; ``say`` is told before text
+    is tokenized."""
+    loaded = Loaded.of(run, data, say)
     length = seq_len or loaded.config.seq_len
     windows = loaded.sequences([length], sequences)[length]
     model, autocast = loaded.on(device)

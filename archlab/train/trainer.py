@@ -225,7 +225,8 @@ class Trainer:
                              f" {divisor_below(per_process, micro)}{moe}")
         self.accumulation = per_process // micro
         torch.manual_seed(cfg.seed)
-        check_room(4 * Cost(spec).params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")
+        cost = Cost(spec)
+        check_room(4 * cost.params_total * 4, self.device, "its float32 weights, gradients and AdamW's two moments")
         self.model = build_model(spec, device=self.device)
         self._refuse_untrainable_kernels()
         with self.autocast:  # as a step runs it, kernel choices and their notices included
@@ -240,7 +241,7 @@ class Trainer:
             fused=True,  # one kernel for the whole update, on the CPU as on CUDA
         )
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.flops_per_step = Cost(spec).train_flops_per_token(cfg.seq_len) * self.tokens_per_step
+        self.flops_per_step = cost.train_flops_per_token(cfg.seq_len) * self.tokens_per_step
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]

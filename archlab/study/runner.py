@@ -270,9 +270,10 @@ class SameVariantAndSeed(optuna.pruners.BasePruner):
 
 
 class SameVariantSampler(optuna.samplers.BaseSampler):
-    """A sampler that learns from the trials of the drawing trial's own variant only (as
-    ``SameVariant`` prunes): one architecture's best learning rate says little of another's, and
-    pooled, the best variant's would draw every variant's trials to it."""
+    """A sampler that learns from the trials of the drawing trial's own variant only, over all its
+    seeds (``SameVariantAndSeed`` narrows the pruner to one seed too): one architecture's best
+    learning rate says little of another's, and pooled, the best variant's would draw every
+    variant's trials to it."""
 
     def __init__(self, sampler: optuna.samplers.BaseSampler):
         self.sampler = sampler

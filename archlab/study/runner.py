@@ -349,11 +349,12 @@ def storage_lock(url: str, out: Path):
     """One process at a time among the workers of a SQLite storage, however many study folders
     they write to (a lock file beside the database), or of a study folder for other storages."""
     out.mkdir(parents=True, exist_ok=True)
-    lock = _beside_sqlite(url) or out / ".plan.lock"
+    beside_database = _beside_sqlite(url)
+    lock = beside_database or out / ".plan.lock"
     try:
         handle = open(lock, "w")
     except OSError as exc:
-        beside = f" beside the database of {url}" if lock != out / ".plan.lock" else ""
+        beside = f" beside the database of {url}" if beside_database else ""
         raise StorageError(f"the workers' lock file {lock}{beside} cannot be made: {exc.strerror}") from None
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)

@@ -825,12 +825,16 @@ def _work(study: Study, out: Path, url: str, console: Console, grace_period: int
                 console.print(f"trial {trial.number} ({now}) was taken over: this worker sent no heartbeat for over {grace_period} s"
                               " (paused?), so another failed it and queued it again; going on", highlight=False, markup=False)
             elif not live:
-                trial = optuna_study._storage.get_trial(trial_id)
-                outcome, metric = trial.state.name.lower(), study.definition.metric
-                if trial.state == TrialState.PRUNED and trial.last_step is not None:  # its value is where it was cut, not a result
-                    outcome += f" at step {trial.last_step} ({metric} {trial.intermediate_values[trial.last_step]:.4f} there)"
-                elif trial.value is not None:
-                    outcome += f", {metric} {trial.value:.4f}"
-                outcome += f" ({trial.user_attrs['failure'].splitlines()[0]})" if "failure" in trial.user_attrs else ""
+                outcome = _outcome_said(optuna_study._storage.get_trial(trial_id), study.definition.metric)
                 console.print(f"trial {trial.number} ({now}): {outcome}", highlight=False, markup=False)  # a failure may quote [paths]
     return optuna_study
+
+
+def _outcome_said(trial: optuna.trial.FrozenTrial, metric: str) -> str:
+    """How a finished trial ended, for a log's line: its state, its metric, and why it failed."""
+    outcome = trial.state.name.lower()
+    if trial.state == TrialState.PRUNED and trial.last_step is not None:  # its value is where it was cut, not a result
+        outcome += f" at step {trial.last_step} ({metric} {trial.intermediate_values[trial.last_step]:.4f} there)"
+    elif trial.value is not None:
+        outcome += f", {metric} {trial.value:.4f}"
+    return outcome + (f" ({trial.user_attrs['failure'].splitlines()[0]})" if "failure" in trial.user_attrs else "")

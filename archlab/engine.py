@@ -372,7 +372,7 @@ class Engine:
             tokens = sampling.choose(logits, generator)
             done_before = finished.clone()
             finished |= torch.isin(tokens, stops)
-            # one host read a step, as ever, which also says whether the logits were all finite
+            # the step's one host read, which also says whether the logits were all finite
             all_done, finite = torch.stack([finished.all(), logits.isfinite().all()]).tolist()
             if not finite:
                 rows = (~logits.isfinite().all(dim=-1)).nonzero()[:, 0].tolist()

@@ -254,8 +254,8 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
 class SameVariantAndSeed(optuna.pruners.BasePruner):
     """A pruner that weighs a trial against the trials of its own variant and seed only, its other
     learning rates: architectures' loss curves differ, and a median over all of them would cut
-    every trial of the worse ones; pooled over seeds, a rate's trial was cut by its own twin on a
-    luckier seed, and the report then scored the variant at a rate that kept more seeds, its worst.
+    every trial of the worse ones; pooled over seeds, a rate's trial would be cut by its own twin on
+    a luckier seed, and the report would score the variant at a rate that kept more seeds, its worst.
     Each (variant, seed) has a pruner of its own, made by ``make``: Hyperband sizes its brackets by
     the steps of the first run it sees finish, and an equal-FLOPs budget gives variants different steps."""
 

@@ -530,7 +530,7 @@ def _training_pieces(text: str):
     """``text`` in pieces for BPE training, cut only inside runs of more than LONGEST_WORD
     characters without whitespace (DNA, base64): such a run is one pre-token, whose training takes
     time quadratic in its length (minutes for a 1 MB line, and Ctrl-C waits for it). Text
-    without such runs is one piece, and trains the same tokenizer as before."""
+    without such runs stays one piece, so BPE trains on it exactly as on the whole text."""
     start = 0
     for run in re.finditer(rf"\S{{{LONGEST_WORD}}}(?=\S)", text):  # a long run: one match per LONGEST_WORD characters of it
         yield text[start:run.end()]
@@ -773,7 +773,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     the same tokens (where they are gone, it tokenizes again with the run's tokenizer, and the
     trainer compares the tokens with its checkpoint's). A corpus there made from other data is
     replaced if ``replace``, else refused. ``say`` is told, in a line, when a corpus is about to
-    be tokenized: the default ``stdlib`` takes some 20 s on a CPU, which passed without a word."""
+    be tokenized: the default ``stdlib`` takes some 20 s on a CPU, which would pass without a word."""
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)

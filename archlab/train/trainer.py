@@ -108,9 +108,9 @@ class World:
 
     def close(self) -> None:
         """Leave the process group, as torch.distributed asks before a process exits: left to the
-        exit, a rank once aborted in gloo's teardown ("terminate called without an active exception").
-        It aborted once more, rarely, after a finished fine-tune under load: ``fit`` now waits at a
-        barrier first, so that no process leaves while another is still in a collective."""
+        exit, gloo's teardown may abort a rank ("terminate called without an active exception").
+        ``fit`` waits at a barrier first, so that no process leaves while another is still in a
+        collective."""
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -687,7 +687,7 @@ class Trainer:
         """What each pass's mean loss is weighed by, so that a step's loss is the mean over every
         counted token of the global batch, however it is split into passes and processes: its
         share of those tokens times the number of passes. Where every pass counts as many tokens
-        (text, recall tasks) each is exactly 1.0, and the loss is computed as it always was;
+        (text, recall tasks) each is exactly 1.0, leaving the loss bit for bit the plain mean;
         examples' responses fill passes unevenly. None where the global batch counts no token."""
         if all(part.mask is None for part in parts):
             return [1.0] * len(parts)

@@ -791,44 +791,59 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         text = _text_fingerprint(texts, cfg.tokenizer)
     _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
     if texts is not None and not (cache / "train.npy").is_file():
-        own = data_dir / "tokenizer.json"
-        kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
-        trains = not (cfg.tokenizer or kept)
-        if say is not None:
-            say(f"tokenizing data source {cfg.source!r} ({sum(map(len, texts)):,} characters"
-                f"{f', with a BPE of {vocab_size:,} tokens trained on it first' if trains else ''}) into {cache}")
-        if cfg.tokenizer:
-            tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
-        elif kept:
-            try:
-                tokenizer = load_tokenizer(str(own), vocab_size)
-            except DataError as exc:
-                raise DataError(f"{exc}; put it back, or remove it to train one again from the text (the resume then checks"
-                                " the tokens against its checkpoint)") from None
-        else:
-            tokenizer = train_tokenizer(texts, vocab_size)
-        ids = _encoded(cfg.source, texts, tokenizer)
-        cut = int(len(ids) * (1 - cfg.val_fraction))
-        cache.mkdir(parents=True, exist_ok=True)
-        # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote
-        write_text_whole(data_dir / "tokenizer.json", tokenizer.to_str(pretty=True))
-        write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
-        write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size, text), indent=2))
-        write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
-    damaged = f"the tokenized corpus in {cache} is damaged"
-    again = f"remove {cache} to tokenize it again"
-    splits = {}
-    for split in ("train", "val"):
-        try:
-            splits[split] = np.load(cache / f"{split}.npy", mmap_mode="r")
-        except (*NPY_UNREADABLE, OSError) as exc:
-            raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
-        problem = _not_token_ids(splits[split], vocab_size)  # ids past the vocabulary would stop the first step
-        if problem:
-            raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
+        _tokenize_corpus(cfg, vocab_size, data_dir, texts, text, resume, say)
+    train, val = _read_corpus(cache, vocab_size)
     _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or remove it and"
                                            f" {cache} to tokenize again")
-    return TokenSource(splits["train"], splits["val"], seq_len, seed, repr(cfg.source))
+    return TokenSource(train, val, seq_len, seed, repr(cfg.source))
+
+
+def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str], text: str, resume: bool,
+                     say: Callable[[str], None] | None) -> None:
+    """Tokenize ``texts`` into ``data_dir/data``, with ``cfg.tokenizer``, the run's own on a
+    resume, or a BPE trained on them, written into ``data_dir``; ``corpus.json`` records what
+    the tokens were made from (``text``: the texts' fingerprint)."""
+    cache, own = data_dir / "data", data_dir / "tokenizer.json"
+    kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
+    trains = not (cfg.tokenizer or kept)
+    if say is not None:
+        say(f"tokenizing data source {cfg.source!r} ({sum(map(len, texts)):,} characters"
+            f"{f', with a BPE of {vocab_size:,} tokens trained on it first' if trains else ''}) into {cache}")
+    if cfg.tokenizer:
+        tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
+    elif kept:
+        try:
+            tokenizer = load_tokenizer(str(own), vocab_size)
+        except DataError as exc:
+            raise DataError(f"{exc}; put it back, or remove it to train one again from the text (the resume then checks"
+                            " the tokens against its checkpoint)") from None
+    else:
+        tokenizer = train_tokenizer(texts, vocab_size)
+    ids = _encoded(cfg.source, texts, tokenizer)
+    cut = int(len(ids) * (1 - cfg.val_fraction))
+    cache.mkdir(parents=True, exist_ok=True)
+    # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote
+    write_text_whole(own, tokenizer.to_str(pretty=True))
+    write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
+    write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size, text), indent=2))
+    write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
+
+
+def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The train and val tokens of a tokenized corpus, mapped from its files, checked to be token
+    ids of this vocabulary (ids past it would stop the first step)."""
+    damaged = f"the tokenized corpus in {cache} is damaged"
+    again = f"remove {cache} to tokenize it again"
+    splits = []
+    for split in ("train", "val"):
+        try:
+            tokens = np.load(cache / f"{split}.npy", mmap_mode="r")
+        except (*NPY_UNREADABLE, OSError) as exc:
+            raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
+        if problem := _not_token_ids(tokens, vocab_size):
+            raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
+        splits.append(tokens)
+    return splits[0], splits[1]
 
 
 def _check_tokenizer(data_dir: Path, vocab_size: int, recover: str) -> None:

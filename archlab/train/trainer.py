@@ -323,28 +323,29 @@ class Trainer:
         if not found:
             start_over = "" if (self.run_dir / "metrics.jsonl").exists() else "; start it without --resume"
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
+        latest = found[-1]
         recorded = load_config(str(self.run_dir / "config.yaml"))
         self.recorded = recorded.model_copy(update={"data": recorded.data.anchored()})  # as self.cfg holds it
         refusal = kept_on_resume(list(changes(self.recorded, self.cfg)), moe=bool(self.moe_layers))
         if refusal:
             raise TrainError(refusal)
-        trainer_state, info = checkpoint.load(found[-1], self.model)
-        self._refuse_another_spec(found[-1], info.get("spec"))
-        self._refuse_another_config(found[-1], info.get("config"), resumable(bool(self.moe_layers)))
+        trainer_state, info = checkpoint.load(latest, self.model)
+        self._refuse_another_spec(latest, info.get("spec"))
+        self._refuse_another_config(latest, info.get("config"), resumable(bool(self.moe_layers)))
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
         try:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
             _check_optimizer_state(self.optimizer)
             torch.set_rng_state(trainer_state["rng"])
         except (KeyError, ValueError, RuntimeError, TypeError) as exc:
-            raise checkpoint.damaged(found[-1], f"unusable trainer state: {exc}") from None
+            raise checkpoint.damaged(latest, f"unusable trainer state: {exc}") from None
         # the state holds the settings it was saved with; a resume may have --set others
         for group, settings in zip(self.optimizer.param_groups, _group_settings(self.cfg.optimizer), strict=True):
             group.update(settings)
         step = info["step"]
         if step > steps:
-            raise TrainError(f"{found[-1]} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
-        self._say(f"resuming from {escape(str(found[-1]))} (step {step})")
+            raise TrainError(f"{latest} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
+        self._say(f"resuming from {escape(str(latest))} (step {step})")
         return step
 
     def _refuse_another_spec(self, saved: Path, trained: object) -> None:

@@ -291,10 +291,10 @@ class Engine:
                              f"make it with new_cache({len(prompts)}, ...)")
         if held and cache.fresh:
             raise ValueError(f"held={held}, but nothing has been fed into this cache yet")
-        if not (_whole(held) and 0 <= held < min(len(p) for p in prompts)):
+        shortest, longest = min(map(len, prompts)), max(map(len, prompts))
+        if not (_whole(held) and 0 <= held < shortest):
             raise ValueError(f"held must be a whole number from 0 to one less than the shortest prompt"
-                             f" ({min(len(p) for p in prompts)} tokens), got {held!r}")
-        longest = max(len(p) for p in prompts)
+                             f" ({shortest} tokens), got {held!r}")
         need = longest + new_tokens
         if need > cache.capacity:
             new = f" + {new_tokens} new" if new_tokens else ""

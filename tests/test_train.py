@@ -845,10 +845,14 @@ def test_a_resume_that_fails_changes_nothing(cli, tmp_path):
         refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6"), fragment)
         assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}, run.name
 
-    cut = damaged("cut", append('{"step": 5, "lo'))
-    resumed = cli("train", "specs/tiny/transformer.yaml", "--out", cut, "--resume", "--steps", "6")
-    assert resumed[0] == 0, resumed[2]
-    assert [step for step, _ in losses(cut)] == [1, 2, 3, 4, 5, 6]
+    def cut_in_a_character(run):  # the bytes a kill leaves of a line: they need not be whole UTF-8
+        with open(run / "metrics.jsonl", "ab") as file:
+            file.write('{"step": 5, "note": "é'.encode()[:-1])
+
+    for cut in (damaged("cut", append('{"step": 5, "lo')), damaged("cut in a character", cut_in_a_character)):
+        resumed = cli("train", "specs/tiny/transformer.yaml", "--out", cut, "--resume", "--steps", "6")
+        assert resumed[0] == 0, resumed[2]
+        assert [step for step, _ in losses(cut)] == [1, 2, 3, 4, 5, 6]
 
 
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(cli, tmp_path):

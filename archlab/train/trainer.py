@@ -435,7 +435,7 @@ class Trainer:
             except RunError as exc:
                 raise TrainError(f"{exc}; mend or remove it to resume") from None
             kept = "".join(line + "\n" for record, line in zip(records, lines) if record["step"] <= step)
-            if kept != metrics.read_text():  # else left as it is: a finished run resumed with nothing to do writes nothing
+            if kept.encode() != metrics.read_bytes():  # else left as it is: a finished run resumed with nothing to do writes nothing
                 write_text_whole(metrics, kept)
         self._adopt_config(step, steps)
         self._adopt_environment(step, settings)

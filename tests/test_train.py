@@ -947,9 +947,14 @@ def test_mqar_answers_are_the_values_of_earlier_keys():
 def test_batches_split_across_processes_exactly():
     tokens = np.arange(10_000, dtype=np.uint32)
     source = TokenSource(tokens[:9000], tokens[9000:], 32, seed=1, describe="t")
-    whole = source.batch("train", 7, 8)
-    halves = [source.batch("train", 7, 8, rank, 2) for rank in (0, 1)]
-    assert torch.equal(torch.cat([h.inputs for h in halves]), whole.inputs)
+    for data in (source, RecallTask("mqar", 256, 64, seed=1)):
+        whole = data.batch("train", 7, 8)
+        for world in (2, 4):
+            shares = [data.batch("train", 7, 8, rank, world) for rank in range(world)]
+            for field in ("inputs", "targets", "mask"):
+                parts = [getattr(share, field) for share in shares]
+                assert all(len(part) == 8 // world for part in parts) if parts[0] is not None else field == "mask"
+                assert parts[0] is None or torch.equal(torch.cat(parts), getattr(whole, field))
     assert torch.equal(whole.targets[:, :-1], whole.inputs[:, 1:])
 
 

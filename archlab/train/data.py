@@ -17,7 +17,7 @@ import re
 import sysconfig
 import tokenize
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +52,11 @@ def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) 
     if batch % world:
         raise DataError(f"the batch of {batch} sequences does not split evenly over {world} processes")
     return np.random.default_rng([seed, SPLITS[split], step])
+
+
+def _own_rows(rows: Sequence, rank: int, world: int) -> Sequence:
+    """This process's rows of a global batch drawn whole: the rank-th of ``world`` equal shares."""
+    return rows[rank * len(rows) // world : (rank + 1) * len(rows) // world]
 
 
 class OtherCorpus(DataError):
@@ -109,7 +114,7 @@ class TokenSource:
         tokens = self.splits[split]
         rng = _global_batch_rng(self.seed, split, step, batch, world)
         starts = rng.integers(0, len(tokens) - self.seq_len, size=batch)
-        mine = starts[rank * batch // world : (rank + 1) * batch // world]
+        mine = _own_rows(starts, rank, world)
         rows = torch.from_numpy(np.stack([np.asarray(tokens[s : s + self.seq_len + 1], dtype=np.int64) for s in mine]))
         if self.masks is None:
             return Batch(rows[:, :-1], rows[:, 1:])
@@ -143,7 +148,7 @@ class RecallTask:
     def batch(self, split: str, step: int, batch: int, rank: int = 0, world: int = 1) -> Batch:
         rng = _global_batch_rng(self.seed, split, step, batch, world)
         rows = [self._mqar(rng) if self.kind == "mqar" else self._copy(rng) for _ in range(batch)]
-        rows = rows[rank * batch // world : (rank + 1) * batch // world]
+        rows = _own_rows(rows, rank, world)
         seq = torch.tensor(np.stack([r[0] for r in rows]), dtype=torch.long)
         answer = torch.tensor(np.stack([r[1] for r in rows]), dtype=torch.bool)
         return Batch(seq[:, :-1], seq[:, 1:], answer[:, 1:])

@@ -1342,7 +1342,8 @@ def study_report(
     fmt: Annotated[Format, typer.Option("--format", help="md: the whole report; csv or json: the variants' table, its figures as"
                                                          " numbers (report.md and the plots are written either way)")] = Format.md,
 ) -> None:
-    """The study's table (markdown) and plots (PNG), from its storage."""
+    """The study's report (markdown; its table alone in CSV or JSON with --format) and plots
+    (PNG), from its storage."""
     from archlab.study.definition import load_study
     from archlab.study.report import report
     from archlab.study.runner import check_unchanged, default_dir, open_study, storage_url

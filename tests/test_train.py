@@ -1985,6 +1985,20 @@ def zip_measured(model, distances):
     return (Measured(a, d) for a, d in zip(applications(model), distances))
 
 
+def test_layers_measure_a_layer_that_leaves_the_hidden_state_as_it_was_as_turning_it_by_nothing():
+    """A layer whose output is its input (a residual branch that adds nothing, as a layer that has
+    learned to pass its input on does): the cosine of a float32 vector with itself rounds past 1
+    for some tokens, whose arccos would be NaN and make the layer's mean NaN."""
+    from archlab.model import build_model
+    from archlab.train.representations import angular_distances
+
+    spec = load_spec(ROOT / "specs" / "tiny" / "yoco.yaml")
+    model = build_model(spec).eval()
+    model.layers[1].register_forward_hook(lambda layer, args, output: args[0])  # before the measure's hook: it sees the input again
+    distances = angular_distances(model, torch.randint(0, spec.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0)))
+    assert all(math.isfinite(d) for d in distances) and distances[1] < 1e-3 < min(distances[:1] + distances[2:]), distances
+
+
 def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_text, trained_on_mqar, tmp_path):
     from archlab.train.checkpoint import load_trained
     from archlab.train.evaluate import windows

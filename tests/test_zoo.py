@@ -76,6 +76,14 @@ def test_paper_spec_shape(path):
     assert sum(p.numel() for p in model.parameters()) > 1_000_000_000
 
 
+def test_a_sliding_window_given_no_size_is_the_papers():
+    """The paper's self-decoders attend over windows of 512 (keys i-511..i); a spec that leaves the
+    window out gets it, and a window of one key more or less changes every cost and result."""
+    from blocks.swa import SlidingWindowSpec
+
+    assert SlidingWindowSpec(type="swa").window == SlidingWindowSpec(type="swa").window_size() == 512
+
+
 @pytest.mark.parametrize("path", TINY, ids=ids(TINY))
 def test_tiny_forward_backward_finite(path):
     spec = archlab.load_spec(path)

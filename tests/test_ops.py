@@ -462,3 +462,23 @@ def test_gradients_chunked_match_recurrent(name):
     for k in grads[0]:
         assert torch.isfinite(grads[0][k]).all(), k
         close(grads[0][k], grads[1][k], F64)
+
+
+@pytest.mark.parametrize("chunked, recurrent, with_beta", [
+    (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, True),
+    (chunk_simple_gla, fused_recurrent_simple_gla, False),
+])
+def test_float32_chunks_keep_their_precision_after_a_reset(chunked, recurrent, with_beta):
+    """In float32 (the ops' compute dtype for float32 and bfloat16 models), a chunk whose early
+    tokens reset the state (a decay of 0, or a Mamba2 dt spike: g ~ -1000) computes the decays of
+    its later tokens as accurately as the recurrence does. Taken as differences G_i - G_j of running
+    sums near -3000, they would be off by float32's spacing there (2.4e-4, relatively) instead."""
+    q, k, v, g, beta, h0 = (t.float() for t in linear_inputs(64, init=True, B=1, H=2))
+    g[:, [1, 3]] = -torch.inf
+    g[:, 5] = -1500.0
+    gates = dict(g=g, beta=beta) if with_beta else dict(g=g)
+    o, s = chunked(q, k, v, chunk_size=64, initial_state=h0, output_final_state=True, **gates)
+    wide = {name: t.double() for name, t in gates.items()}
+    o_ref, s_ref = recurrent(q.double(), k.double(), v.double(), initial_state=h0.double(), output_final_state=True, **wide)
+    close(o, o_ref, dict(atol=1e-5, rtol=1e-5))
+    close(s, s_ref, dict(atol=1e-5, rtol=1e-5))

@@ -43,18 +43,24 @@ def to_chunks(x, C):
 
 
 def chunk_log_decays(g):
-    """G [..., C]: the running sums of the log-decays g [..., C] within each chunk. A decay of 0
-    (g = -inf: forget everything) is taken as g = -1000, whose exp is exactly 0 in float32 and
-    float64 alike, so that the differences G_i - G_j stay finite (-inf - -inf is nan)."""
-    return g.clamp(min=-1000.0).cumsum(-1)
+    """(g, G) [..., C]: the log-decays g [..., C] and their running sums G within each chunk. A
+    decay of 0 (g = -inf: forget everything) is taken as g = -1000, whose exp is exactly 0 in
+    float32 and float64 alike, so that sums stay finite (and their gradients free of nan)."""
+    g = g.clamp(min=-1000.0)
+    return g, g.cumsum(-1)
 
 
-def decay_matrix(G):
-    """exp(G_i - G_j) for j <= i, else 0: the causal decay mask within a chunk, from the cumulative
-    log-decays G [..., C]; returns [..., C, C]."""
-    C = G.shape[-1]
-    causal = torch.ones(C, C, dtype=torch.bool, device=G.device).tril()
-    return (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+def decay_matrix(g):
+    """exp(g_{j+1} + ... + g_i) for j <= i, else 0: the causal decay mask within a chunk, from the
+    (clamped) log-decays g [..., C]; returns [..., C, C]. Each entry is summed over its own segment
+    (the Mamba-2 listing's stable segsum) rather than taken as G_i - G_j of the running sums: after
+    a reset (a decay near 0) in a chunk those sums are large, and their difference keeps only
+    float32's absolute spacing there (2.4e-4 near -3000) of a decay that may be near 1. The last
+    row is the chunk's state-update decay exp(G_C - G_j)."""
+    C = g.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    steps = g[..., None, :].expand(*g.shape, C).masked_fill(causal, 0)  # [j, t]: g_t where t > j
+    return steps.cumsum(-1).transpose(-1, -2).masked_fill(~causal, float("-inf")).exp()  # summed along rows: fast
 
 
 def decay_parameters(heads: int) -> tuple[nn.Parameter, nn.Parameter]:

@@ -25,20 +25,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     out_dtype, V = q.dtype, v.shape[-1]
     dtype, scale, S = setup_state(q, v, scale, initial_state)
     q, k, v, g, beta = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v, g, beta))
-    G = chunk_log_decays(g)  # [B, H, N, C]
-    decay = decay_matrix(G)  # exp(G_i - G_j), j <= i
+    g, G = chunk_log_decays(g)  # [B, H, N, C]
+    decay = decay_matrix(g)  # exp(G_i - G_j), j <= i, each summed over its own segment
     kb = k * beta[..., None]
     A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # the unit diagonal is implied by unitriangular=True
     rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)
     U, W = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True).split([V, k.shape[-1]], -1)
     q = q * scale
     attn = q @ k.transpose(-1, -2) * decay
+    k_to_end = k * decay[..., -1, :, None]  # keys decayed to their chunk's end: exp(G_C - G_j) k_j
     o = []
     for n in range(q.shape[2]):
-        Gn, kn = G[:, :, n], k[:, :, n]
+        Gn, kn = G[:, :, n], k_to_end[:, :, n]
         u = U[:, :, n] - W[:, :, n] @ S  # the chunk's actual delta-rule writes, now that S_0 is known
         o.append((q[:, :, n] * Gn.exp()[..., None]) @ S + attn[:, :, n] @ u)
-        S = S * Gn[..., -1, None, None].exp() + (kn * (Gn[..., -1:] - Gn).exp()[..., None]).transpose(-1, -2) @ u
+        S = S * Gn[..., -1, None, None].exp() + kn.transpose(-1, -2) @ u
     o = torch.stack(o, 2).reshape(B, H, -1, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), S if output_final_state else None
 

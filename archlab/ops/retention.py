@@ -24,14 +24,15 @@ def chunk_simple_gla(q, k, v, g, scale=None, initial_state=None, output_final_st
     dtype, scale, S = setup_state(q, v, scale, initial_state)
     q, k, v, g = (to_chunks(x.to(dtype), chunk_size) for x in (q, k, v, g))
     q = q * scale
-    G = chunk_log_decays(g)  # [B, H, N, C]
-    decay = decay_matrix(G)  # exp(G_i - G_j), j <= i
+    g, G = chunk_log_decays(g)  # [B, H, N, C]
+    decay = decay_matrix(g)  # exp(G_i - G_j), j <= i, each summed over its own segment
     attn = q @ k.transpose(-1, -2) * decay
+    k_to_end = k * decay[..., -1, :, None]  # keys decayed to their chunk's end: exp(G_C - G_j) k_j
     o = []
     for n in range(q.shape[2]):
-        Gn, kn, vn = G[:, :, n], k[:, :, n], v[:, :, n]
+        Gn, kn, vn = G[:, :, n], k_to_end[:, :, n], v[:, :, n]
         o.append((q[:, :, n] * Gn.exp()[..., None]) @ S + attn[:, :, n] @ vn)
-        S = S * Gn[..., -1, None, None].exp() + (kn * (Gn[..., -1:] - Gn).exp()[..., None]).transpose(-1, -2) @ vn
+        S = S * Gn[..., -1, None, None].exp() + kn.transpose(-1, -2) @ vn
     o = torch.stack(o, 2).reshape(B, H, -1, V)[:, :, :T].transpose(1, 2)
     return o.to(out_dtype), S if output_final_state else None
 

@@ -577,6 +577,33 @@ def test_cross_decoder_rope_rotates_queries_and_global_keys_alike(theta):
     assert not torch.allclose(out(0, False), rotated)
 
 
+def test_cross_decoder_rope_turns_each_query_by_its_own_position():
+    """A query and the global key at its own position must be turned by the same angle: RoPE's
+    scores then see the true offset between a token and each key it reads, as a reference YOCO
+    does. A query turned one position too far (or not by its position at all) still gives outputs
+    that do not change when every position shifts, so only a hand computation tells them apart:
+    the queries rotated at their positions, causal softmax over the global K,V, the output projection."""
+    import archlab
+    from conftest import ROOT
+
+    data = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml").model_dump(mode="json")
+    data["layout"]["cross_decoder"]["position"] = {"type": "rope", "theta": 10000}
+    model = archlab.build_model(archlab.validate_spec(data), dtype=torch.float64)
+    cross = model.layers[model.spec.layout.self_decoder.n_layers].mixer
+    x, positions = torch.randn(1, 12, model.spec.d_model, dtype=torch.float64), torch.arange(12)[None]
+    kv = model.global_kv(x, positions)
+    with torch.no_grad():
+        q = cross.rotary(cross.q_proj(x).view(1, 12, cross.heads, cross.head_dim), positions)
+        group = cross.heads // kv.k.shape[2]
+        k, v = (t.repeat_interleave(group, dim=2) for t in (kv.k, kv.v))  # query head h reads K,V head h // group
+        scores = torch.einsum("bnhd,bmhd->bhnm", q, k) / cross.head_dim**0.5
+        scores = scores.masked_fill(torch.ones(12, 12, dtype=torch.bool).triu(1), float("-inf"))
+        expected = cross.o_proj(torch.einsum("bhnm,bmhd->bnhd", scores.softmax(-1), v).reshape(1, 12, -1))
+        for causal in (False, True):  # decoding's path over K,V rows, and training's whole-sequence kernel
+            got = cross(x, MixerInput(positions, global_kv=kv, causal=causal))
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
 def test_decays_start_as_mamba2_draws_them():
     """Mamba2's (and Gated DeltaNet's) decays at init, as mamba-ssm draws them: A uniform in
     [1, 16], and the step size softplus(dt_bias) log-uniform in [1e-3, 1e-1], so dt_bias is stored

@@ -713,6 +713,13 @@ def test_a_length_is_labelled_as_the_command_line_writes_it_and_g_is_a_billion()
     assert parse_budget("2G") == parse_budget("2B") == 2 * 10**9
 
 
+def test_a_budgets_k_is_a_thousand_tokens_and_one_token_is_a_budget():
+    """--tokens counts in powers of ten throughout, K included (2K is 2,000 tokens, where a length's
+    2K is 2,048): a study's budgets of 500K or 2K tokens must buy the steps their numbers say. The
+    smallest budget is one token, which still trains a step."""
+    assert [parse_budget(text) for text in ("2K", "500k", "1.5K", "1")] == [2000, 500_000, 1500, 1]
+
+
 def test_bench_rejects_a_bad_length(cli):
     code, _, stderr = cli("bench", "specs/tiny/yoco.yaml", "--seq-len", "lots")
     assert code not in (0, None)

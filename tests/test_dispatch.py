@@ -274,6 +274,30 @@ def test_flex_attention_backend_equals_the_torch_path(spec):
     assert band_block_mask.cache_info().hits == hits + 1  # a second pass reuses the block mask
 
 
+def test_the_cross_decoders_training_pass_runs_its_chosen_kernel():
+    """cross_attention's ``backend`` picks the kernel of its whole-sequence (training) attention,
+    flash_attn, fla or flex on a GPU: a training pass must go through it, once per cross-decoder
+    layer, not through the masked attention over K,V rows that decoding uses, which gives the
+    same numbers at the speed and memory the backend was named to avoid. Decoding reads the
+    cache instead, never the whole-sequence kernel."""
+    from archlab.engine import Engine
+
+    spec = archlab.load_spec(ROOT / "specs/tiny/yoco.yaml")
+    model = archlab.build_model(spec)
+    cross = [layer.mixer for layer in model.layers[spec.layout.self_decoder.n_layers :]]
+    calls = []
+    for chosen in {id(t): t for t in (m.kernels(torch.device("cpu")) for m in cross)}.values():  # blocks may share one choice
+        op = chosen["causal_attention"]
+        chosen["causal_attention"] = lambda *args, op=op: calls.append(args[0].shape) or op(*args)
+    tokens = torch.randint(0, spec.vocab_size, (2, 10))
+    with torch.no_grad():
+        model(tokens[:, :-1], targets=tokens[:, 1:])
+        assert len(calls) == len(cross) == 2
+        calls.clear()
+        Engine(model).generate([tokens[0]], 3)
+    assert calls == []
+
+
 def test_the_gpu_check_script_runs_in_smoke_mode(tmp_path, monkeypatch):
     """The script a lent GPU runs, end to end on the CPU at tiny sizes, so it is ready when one is."""
     import json

@@ -1138,6 +1138,36 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
     assert [r["tok_s"] for r in records] == [pytest.approx(2 * 16 * 3 / (1 + 2 + 3)), pytest.approx(2 * 16 * 3 / (4 + 5 + 6))]
 
 
+def test_logged_mfu_is_the_models_training_flops_at_the_logged_speed_over_the_peak(tmp_path, monkeypatch):
+    """MFU compares the model's own training FLOPs (the cost model's, per token of every sequence in
+    the batch) at the logged speed with what the hardware could do: the number a study reads to tell
+    a fast architecture from a well-fed one. It is the logged tokens/s times the FLOPs per token,
+    over the peak (here a made-up one, as the CPU has none)."""
+    import types
+
+    import archlab
+    from archlab.cost import Cost
+    from archlab.train import trainer as trainer_module
+
+    clock = types.SimpleNamespace(now=0.0)
+
+    def perf_counter():  # every step, timed from one call to the next, takes half a second
+        clock.now += 0.5
+        return clock.now
+
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco.yaml")
+    cfg = TrainConfig.model_validate({"batch_size": 4, "micro_batch_size": 2, "seq_len": 16, "data": {"source": "mqar"},
+                                      "eval_interval": 100, "eval_batches": 1, "log_interval": 2})
+    trainer = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True))
+    trainer.peak = 1e9
+    records = trainer.fit(2)
+    (record,) = [r for r in records if "mfu" in r]
+    assert record["tok_s"] == pytest.approx(4 * 16 / 0.5)
+    assert record["mfu"] == pytest.approx(4 * 16 / 0.5 * Cost(spec).train_flops_per_token(16) / 1e9)
+    assert f"MFU {record['mfu']:.1%}" in trainer_module.status_line(record)
+
+
 def test_evaluations_are_logged_between_log_intervals_and_the_last_step_is_evaluated_and_saved(tmp_path):
     """Each interval counts on its own: a step is logged at every log_interval and at every
     evaluation (an evaluation not logged would be lost from metrics.jsonl), evaluated at every

@@ -605,3 +605,38 @@ def test_rows_of_a_batch_stop_at_their_own_stop_tokens_and_the_rest_decode_on_un
         assert torch.equal(logits[going], free.logits[step][going])
     flags = [done.tolist() for _, _, done in engine.stream(prompts, 8, Sampling(temperature=1.0, seed=1, stop_tokens=stops))]
     assert flags == [[step >= len(tokens) for tokens in wanted] for step in range(8)]
+
+
+@pytest.mark.parametrize("name", ["yoco", "yoco-u", "upper-loop-no-shared-kv"])
+def test_a_prefill_runs_the_cross_decoder_on_the_last_prompt_token_alone_unless_it_projects_kvs(name):
+    """YOCO's prefill stops at the global K,V projection: the cross-decoder keeps no state, so only
+    the last prompt token, whose logits give the first new token, goes through it (the paper's
+    prefill speed-up). A looped cross-decoder that projects a K,V per iteration runs its
+    iterations up to the last projection on the whole prompt too, as they leave K,V behind."""
+    spec, model = tiny_model(name)
+    model.eval()
+    prompt = torch.randint(0, spec.vocab_size, (33,), generator=torch.Generator().manual_seed(0))
+
+    def tokens_through_each_half(run) -> dict[int, int]:
+        fed = {0: 0, 1: 0}
+
+        def count(half):
+            return lambda module, args, output: fed.__setitem__(half, fed[half] + args[0].shape[1])
+
+        hooks = [module.register_forward_hook(count(model.plan.half_of(i))) for i, module in enumerate(model.layers)]
+        try:
+            with torch.no_grad():
+                run()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return fed
+
+    whole = tokens_through_each_half(lambda: model(prompt[None]))  # every layer application sees the 33 tokens
+    prefilled = tokens_through_each_half(lambda: next(Engine(model).stream([prompt], 1)))
+    assert prefilled[0] == whole[0]
+    applications = whole[1] // 33
+    if name == "upper-loop-no-shared-kv":
+        assert applications < prefilled[1] < whole[1]  # its iterations before the last projection saw the whole prompt
+    else:
+        assert prefilled[1] == applications  # the last token alone, once per application

@@ -48,6 +48,18 @@ def test_a_file_that_cannot_be_written_is_named_not_its_temporary(tmp_path):
     assert raised.value.filename == str(path) and TEMPORARY not in str(raised.value), raised.value
 
 
+def test_a_file_whose_place_is_taken_by_a_folder_is_named_not_its_temporary(tmp_path):
+    """A run folder edited by hand (``data/train.npy`` made a folder) fails the rename, not the
+    open: the error names the file meant, which is what is in the way, not ``.train.npy.tmp-NNNN``,
+    a file the user never made and cannot find afterwards."""
+    path = tmp_path / "train.npy"
+    path.mkdir()
+    with pytest.raises(IsADirectoryError) as raised:
+        write_whole(path, lambda f: np.save(f, np.arange(10)))
+    assert raised.value.filename == str(path) and TEMPORARY not in str(raised.value), raised.value
+    assert [p.name for p in tmp_path.iterdir()] == ["train.npy"]  # no temporary left behind
+
+
 def test_a_temporary_is_named_for_its_file_and_on_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
     """A run killed mid-write leaves the temporary behind, which a resume takes for its own file
     only if ``written_as`` reads its name back; and the bytes are flushed from Python's buffer and

@@ -91,7 +91,11 @@ def _expand(paths: list[Path]) -> list[Path]:
             files.append(path)
     unique: dict[Path, Path] = {}  # a file named twice: its row once, where first named
     for file in files:
-        unique.setdefault(file.resolve(), file)
+        try:
+            key = file.resolve()
+        except (RuntimeError, OSError):  # a link that leads back to itself: load_spec names it
+            key = file.absolute()
+        unique.setdefault(key, file)
     return list(unique.values())
 
 

@@ -179,6 +179,20 @@ def test_a_spec_that_is_no_regular_file_is_not_said_to_be_missing():
         archlab.load_spec("/dev/null")
 
 
+def test_a_run_whose_spec_is_a_link_to_itself_is_named_not_a_traceback(cli, tmp_path):
+    """A run folder's spec.yaml replaced by a symbolic link that leads back to itself (an edit or a
+    copy gone wrong) is refused like any unreadable spec, naming the file, by every command that
+    reads a run's spec (show, cost, a resume): it raised Python's RuntimeError from the cycle check."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "spec.yaml").symlink_to(run / "spec.yaml")
+    with pytest.raises(archlab.SpecError, match="symbolic link"):
+        archlab.load_spec(run / "spec.yaml")
+    for command in (["show", run], ["cost", run], ["train", run, "--out", run, "--resume"]):
+        code, _, err = cli(*command)
+        assert code == 1 and "spec.yaml" in err and "symbolic link" in err, (command, code, err)
+
+
 @pytest.mark.parametrize("name,files,target,fragments", CASES, ids=[c[0] for c in CASES])
 def test_malformed_spec_message(tmp_path, name, files, target, fragments):
     for fname, text in files.items():

@@ -19,8 +19,8 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     tmp = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
     try:
         opened = open(tmp, "wb")
-    except OSError as exc:  # a folder that cannot be written to: named by the file meant, not by its temporary name
-        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+    except OSError as exc:  # a folder that cannot be written to
+        raise _named(exc, path) from None
     try:
         with opened as f:
             write(f)
@@ -28,10 +28,15 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
             os.fsync(f.fileno())
         try:
             os.replace(tmp, path)
-        except OSError as exc:  # its place taken (a folder where the file goes): named by the file meant, as above
-            raise type(exc)(exc.errno, exc.strerror, str(path)) from None
+        except OSError as exc:  # its place taken (a folder where the file goes)
+            raise _named(exc, path) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _named(exc: OSError, path: Path) -> OSError:
+    """The error as of the file meant, not of its temporary, which the user never made."""
+    return type(exc)(exc.errno, exc.strerror, str(path))
 
 
 def write_text_whole(path: Path, text: str) -> None:

@@ -1257,6 +1257,39 @@ def test_a_retry_claimed_by_a_worker_of_the_stopped_ones_name_is_not_counted_sto
     assert seen and "1 running" in seen[0] and "stopped" not in seen[0], seen
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_worker_reporting_while_another_writes_its_folders_owner_finds_its_own_study(tmp_path, monkeypatch):
+    """Workers sharing an --out each write its .study file as they join and as they report, and a
+    reporting worker reads it without the workers' lock. Written in place, it was read emptied
+    mid-write: of three workers finishing together, one was refused its own folder (`--out OUT holds
+    study ; give this study its own --out`) and exited 1, its trials complete and no report written."""
+    import builtins
+
+    from archlab.study.runner import refuse_other_study
+
+    path = mini(tmp_path, "owned", steps=2, variants={"yoco": {"spec": "yoco.yaml"}}, lr={"low": 0.003, "high": 0.003, "points": 1})
+    study, out = load_study(str(path)), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    real, seen = builtins.open, []
+
+    def opened(file, mode="r", *args, **kwargs):  # another worker reads the folder's owner as each file there is opened to write
+        handle = real(file, mode, *args, **kwargs)
+        if "w" in mode and isinstance(file, (str, os.PathLike)) and Path(file).parent == out:
+            try:
+                refuse_other_study(out, study)
+                seen.append(None)
+            except StorageError as exc:
+                seen.append(f"{Path(file).name}: {exc}")
+        return handle
+
+    monkeypatch.setattr(builtins, "open", opened)
+    monkeypatch.setattr(io, "open", opened)  # pathlib's
+    join(study, out, url, grace_period=60)  # a second worker joins
+    report(study, optuna_study, out, url)  # and one reports
+    assert seen and not any(seen), [s for s in seen if s]
+
+
 def test_an_empty_study_file_is_said_to_be_empty(tmp_path, cli):
     for text in ("", "# nothing yet\n"):
         (tmp_path / "empty.yaml").write_text(text)

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
+from archlab.files import write_text_whole
 from archlab.study.definition import Study
 from archlab.study.runner import (
     ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, rate_label, refuse_foreign_files, refuse_other_study,
@@ -312,7 +313,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
     refuse_foreign_files(out)
     refuse_other_study(out, study)
     out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
-    (out / OWNER).write_text(f"{study.key}\n")
+    write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
     plots = plot(study, trials, out)
     rows = summarize(study, trials)
     accuracy = ("; accuracy: of the tokens scored (responses or answers) at the last evaluation, the mean over the seeds"

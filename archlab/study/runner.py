@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import written_as
+from archlab.files import write_text_whole, written_as
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
@@ -422,7 +422,7 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         fingerprint = _read_data(study, out, say)
         optuna_study = optuna_study or open_study(study, url, grace_period)
         check_corpus(optuna_study, fingerprint, cfg.data.source, undo)
-        (out / OWNER).write_text(f"{study.key}\n")
+        write_text_whole(out / OWNER, f"{study.key}\n")  # whole: another worker reads it unlocked, as it reports
         recorded = optuna_study.user_attrs.get(STARTS, {})  # kept for the variants and seeds of workers on another definition
         for variant, by_seed in starts.items():
             recorded[variant] = {**recorded.get(variant, {}), **{str(seed): start for seed, start in by_seed.items()}}  # JSON's keys are text

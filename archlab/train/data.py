@@ -186,7 +186,11 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 def stdlib_files() -> list[Path]:
     """The files of the ``stdlib`` corpus, in the order it reads them."""
     skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
-    return sorted(p for p in STDLIB.rglob("*.py") if not skip & set(p.relative_to(STDLIB).parts))
+    found = []
+    for folder, subfolders, _ in os.walk(STDLIB):  # as rglob walks: symbolic links to folders are not followed
+        subfolders[:] = [name for name in subfolders if name not in skip]  # never walked: site-packages can hold 10x the stdlib
+        found += Path(folder).glob("*.py")
+    return sorted(found)
 
 
 def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[str]:

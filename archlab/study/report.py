@@ -116,7 +116,7 @@ def readable(row: dict, maximize: bool) -> dict:
     """A row for people: SI prefixes for counts, four decimals for scores (losses differ in the
     third place), signs on differences, the learning rate (or TPE's range of them) to two digits,
     "-" where there is none."""
-    def shown(value, how):
+    def or_dash(value, how):
         return "-" if value is None else how(value)
 
     score = "accuracy" if maximize else "val loss"
@@ -129,11 +129,11 @@ def readable(row: dict, maximize: bool) -> dict:
     out = {}
     for column, value in row.items():
         if column == "best lr":
-            out[column] = shown(value, lambda low: rate_label(low, row.get("best lr high", low)))
+            out[column] = or_dash(value, lambda low: rate_label(low, row.get("best lr high", low)))
         elif column == "pruned":
             out["pruned/failed"] = f"{value}/{row['failed']}"
         elif column not in ("best lr high", "failed"):
-            out[column] = shown(value, formats[column]) if column in formats else value
+            out[column] = or_dash(value, formats[column]) if column in formats else value
     return out
 
 

@@ -640,3 +640,20 @@ def test_a_prefill_runs_the_cross_decoder_on_the_last_prompt_token_alone_unless_
         assert applications < prefilled[1] < whole[1]  # its iterations before the last projection saw the whole prompt
     else:
         assert prefilled[1] == applications  # the last token alone, once per application
+
+
+def test_prompts_of_different_lengths_are_checked_against_the_longest_and_the_shortest():
+    """A batch of prompts shares one cache: it needs room for the longest of them, and tokens said
+    to be held already must leave at least one token of the shortest to feed. Measured on the wrong
+    prompt, a cache too small would fail inside the model and a ``held`` past a short prompt would
+    feed it nothing; both are refused at the call, naming the prompt they are measured against."""
+    spec, model = tiny_model("yoco")
+    engine = Engine(model.eval())
+    long, short = prompts_for(spec, (30, 10))
+    for prompts in ([long, short], [short, long]):
+        with pytest.raises(CacheFull, match=r"the longest prompt \(30 tokens\) needs 30 positions, past the cache's capacity of 20"):
+            engine.prefill(prompts, engine.new_cache(2, 20))
+        cache = engine.new_cache(2, 40)
+        engine.prefill(prompts, cache)
+        with pytest.raises(ValueError, match=r"one less than the shortest prompt \(10 tokens\), got 10"):
+            engine.prefill(prompts, cache, held=10)

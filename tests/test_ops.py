@@ -481,4 +481,6 @@ def test_float32_chunks_keep_their_precision_after_a_reset(chunked, recurrent, w
     wide = {name: t.double() for name, t in gates.items()}
     o_ref, s_ref = recurrent(q.double(), k.double(), v.double(), initial_state=h0.double(), output_final_state=True, **wide)
     close(o, o_ref, dict(atol=1e-5, rtol=1e-5))
-    close(s, s_ref, dict(atol=1e-5, rtol=1e-5))
+    # the final state sums every key decayed to its chunk's end: within 5e-8 here, where decays
+    # taken as G_C - G_j would put it 1e-5 off (the gated delta rule's state is the smaller)
+    close(s, s_ref, dict(atol=1e-6, rtol=1e-6))

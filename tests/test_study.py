@@ -1405,3 +1405,42 @@ def test_each_seed_of_a_study_trains_with_that_seed(tmp_path, cli):
         config = yaml.safe_load((Path(trial.user_attrs["run"]) / "config.yaml").read_text())
         assert config["seed"] == planned_as(trial)[1]
     assert trials[0].value != trials[1].value
+
+
+def test_a_reports_markdown_table_signs_its_differences_and_rounds_each_column_its_own_way(tmp_path):
+    """The markdown table is read by people comparing variants: a variant worse than the baseline
+    reads "+0.1000" (a sign on every difference, so better and worse are told apart at a glance),
+    the share of the baseline's tokens three decimals, scores four, the cache two, counts with SI
+    prefixes; JSON and CSV keep the numbers whole."""
+    study = load_study(str(mini(tmp_path, "shown", seeds=[0, 1])))
+    trials = [finished("yoco", 0, 0, 2.5, 0.002), finished("yoco", 1, 0, 2.7, 0.002),
+              finished("yoco-u", 0, 0, 2.6, 0.002), finished("yoco-u", 1, 0, 2.8, 0.002)]
+    (_, worse) = summarize(study, trials)
+    assert worse["vs baseline"] == pytest.approx(0.1)
+    kv = next(column for column in worse if column.startswith("KV MiB"))
+    row = {**worse, "params": 1_234_567, "train FLOPs": 2.5e12, kv: 1.23456, "share of baseline tokens": 1.23456,
+           "vs baseline at its FLOPs": 0.05}
+    table = render([readable(row, maximize=False)], Format.md)
+    assert "| yoco-u | 1.23M | 2.50T | 1.23 | 4 | 2.7000 | 0.1414 | 2 | 0.002 | 0/0 | +0.1000 | 1.235 | +0.0500 |" in table, table
+    better = readable({**row, "vs baseline": -0.1, "vs baseline at its FLOPs": -0.05}, maximize=False)
+    assert (better["vs baseline"], better["vs baseline at its FLOPs"]) == ("-0.1000", "-0.0500")
+
+
+def test_an_accuracy_studys_report_shows_its_metric_as_a_score_and_a_variant_with_none_complete_as_zero_seeds(tmp_path):
+    """metric: accuracy is the table's score column, four decimals like a loss, and the baseline
+    line says higher is better without the note on a loss study's extra accuracy column (there is
+    none beside it). A variant none of whose trials completed is still a row: 0 seeds, "-" for
+    every figure it has not got, so the reader sees it ran and failed rather than a gap."""
+    study = load_study(str(mini(tmp_path, "acc", metric="accuracy")), data="mqar")
+    recorded = optuna.create_study(direction="maximize")
+    for trial in (finished("yoco", 0, 0, 0.25, 0.002), finished("yoco", 0, 1, 0.5, 0.004),
+                  finished("yoco-u", 0, 0, None, 0.002, state=TrialState.FAIL)):
+        trial.user_attrs["flops_per_step"] = 1e9  # for the plot against FLOPs
+        recorded.add_trial(trial)
+    markdown = report(study, recorded, tmp_path / "out", "sqlite:///study.db")
+    assert "- baseline: `yoco`; higher accuracy is better\n" in markdown and "of the tokens scored" not in markdown
+    (yoco, none) = summarize(study, recorded.get_trials())
+    assert (yoco["accuracy"], yoco["best lr"], none["seeds"], none["accuracy"]) == (0.5, 0.004, 0, None)
+    shown = readable(none, maximize=True)
+    assert (shown["seeds"], shown["accuracy"], shown["best lr"], shown["pruned/failed"]) == (0, "-", "-", "0/1")
+    assert "| yoco | " in markdown and " | 0.5000 | - | 1 | 0.004 | 0/0 | +0.0000 |" in markdown, markdown

@@ -2769,3 +2769,17 @@ def test_a_run_says_when_it_tokenizes_its_corpus(cli, tmp_path):
     assert code == 0 and f"tokenizing data source '{text}' (10,800 characters, with a BPE of 256 tokens trained on it first)" in said, stderr
     code, _, stderr = cli("train", ROOT / "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "2")
     assert code == 0 and "tokenizing" not in stderr, stderr
+
+
+def test_scoring_a_run_whose_tokenized_corpus_was_removed_says_it_tokenizes_it_again(cli, trained_on_text, tmp_path):
+    """A run's held-out split whose tokens were removed (to free the disk) is tokenized again, with
+    the run's own tokenizer, before it is scored: some 20 s for the default stdlib, said first so
+    the command does not sit silent, and said as the run's tokenizer at work, not a BPE trained
+    afresh (which would give other tokens than the run trained on)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    shutil.rmtree(run / "data")
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2")
+    said = " ".join(stderr.split())
+    assert code in (0, None) and "tokenizing data source 'stdlib' (" in said and f" characters) into {run / 'data'}" in said, stderr
+    assert "BPE" not in said and (run / "data" / "train.npy").is_file()

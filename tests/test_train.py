@@ -1960,7 +1960,7 @@ def test_evaluate_scores_another_corpus_read_with_the_runs_tokenizer(cli, traine
     code, out, stderr = cli("evaluate", trained_on_text, trained_on_mqar, "--seq-len", "32", "--last", "16", "--sequences", "2",
                             "--format", "csv")
     assert code in (0, None) and out.splitlines()[0].endswith(",ppl,acc") and out.splitlines()[1].endswith(","), stderr
-    # text is tokenized after the run's line, which says so first (the default stdlib takes some 20 s); a token file is not
+    # text is tokenized after the run's line, which says so first (the default stdlib takes 6 to 20 s); a token file is not
     said = (f"tokenizing data source {str(corpus)!r} ({len(corpus.read_text()):,} characters) with the run's tokenizer"
             f" {trained_on_text / 'tokenizer.json'}")
     for command in (["evaluate", "--seq-len", "64", "--last", "16", "--sequences", "2"], ["layers", "--seq-len", "64", "--sequences", "2"],
@@ -2758,8 +2758,9 @@ def test_a_length_given_twice_is_a_row_once(cli, trained_on_text):
 
 
 def test_a_run_says_when_it_tokenizes_its_corpus(cli, tmp_path):
-    """Tokenizing the default stdlib took some 20 s before the first line, in silence; the run now
-    says it is tokenizing, and a resume, which reads the tokens back, does not."""
+    """Tokenizing the default stdlib takes 6 to 20 s before the first step's line: the run says it
+    is tokenizing first, so that it does not sit silent, and a resume, which reads the tokens
+    back, says nothing."""
     text = tmp_path / "[bold]corpus.txt"  # a name that reads as markup is shown as it is
     text.write_text("def f(x):\n    return x + 1\n" * 400)
     run = tmp_path / "run"
@@ -2773,7 +2774,7 @@ def test_a_run_says_when_it_tokenizes_its_corpus(cli, tmp_path):
 
 def test_scoring_a_run_whose_tokenized_corpus_was_removed_says_it_tokenizes_it_again(cli, trained_on_text, tmp_path):
     """A run's held-out split whose tokens were removed (to free the disk) is tokenized again, with
-    the run's own tokenizer, before it is scored: some 20 s for the default stdlib, said first so
+    the run's own tokenizer, before it is scored: 6 to 20 s for the default stdlib, said first so
     the command does not sit silent, and said as the run's tokenizer at work, not a BPE trained
     afresh (which would give other tokens than the run trained on)."""
     run = tmp_path / "run"

@@ -782,7 +782,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     the same tokens (where they are gone, it tokenizes again with the run's tokenizer, and the
     trainer compares the tokens with its checkpoint's). A corpus there made from other data is
     replaced if ``replace``, else refused. ``say`` is told, in a line, when a corpus is about to
-    be tokenized: the default ``stdlib`` takes some 20 s on a CPU, which would pass without a word."""
+    be tokenized: the default ``stdlib`` takes 6 to 20 s on two CPU cores, which would pass without a word."""
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
     path = Path(cfg.source)

@@ -103,7 +103,7 @@ class Loaded:
     tokenizer: Path | None
     data: str | None
     corpus: str | None  # the fingerprint of the tokens the checkpoint trained on (None: one from before they recorded it)
-    say: Callable[[str], None] | None = None  # told before text is tokenized (the default stdlib takes some 20 s)
+    say: Callable[[str], None] | None = None  # told before text is tokenized (the default stdlib takes 6 to 20 s)
 
     @classmethod
     def of(cls, run: Path, data: str | None = None, say: Callable[[str], None] | None = None) -> Loaded:

@@ -917,8 +917,8 @@ def apply_overrides(data: dict, overrides: Overrides, origins: dict[str, str] | 
     else:
         source, items = "--set", [_key_value(item) for item in ([overrides] if isinstance(overrides, str) else overrides)]
     data = set_each_dotted(data, items, source)
-    for key, value in items if origins is not None else ():
-        _note(value, source, origins, re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", key))
+    for key, value in items if origins is not None else ():  # under the path errors print: blocks.00 is blocks[0]
+        _note(value, source, origins, re.sub(r"\.([0-9]+)(?=\.|$)", r"[\1]", _canonical(key)))
     return data
 
 

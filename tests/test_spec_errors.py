@@ -226,6 +226,9 @@ def test_a_value_an_override_replaced_is_not_traced_to_the_file(tmp_path):
     with pytest.raises(archlab.SpecError) as caught:  # an inherited value overridden is the override's
         archlab.load_spec(tmp_path / "s.yaml", ["layout.layers.blocks.0.head_dim=7"])
     assert "got 7 (set in --set)" in str(caught.value)
+    with pytest.raises(archlab.SpecError) as caught:  # an index written 00 is item 0: the override's, not base.yaml's
+        archlab.load_spec(tmp_path / "s.yaml", ["layout.layers.blocks.00.head_dim=7"])
+    assert "got 7 (set in --set)" in str(caught.value)
 
 
 def test_an_override_inside_a_shorthand_sets_the_mapping_it_stands_for():

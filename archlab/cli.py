@@ -218,7 +218,7 @@ def build(
         if params <= CPU_CHECK_LIMIT:
             model = _built(spec)
             start = time.perf_counter()
-            with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len or the spec's sizes", None):
+            with _fits_in_memory(f"{spec.name}: a check of 2 x {n:,} tokens", "--seq-len or the spec's sizes"):
                 result = cpu_check(model, n)
             problems += [f"{label}: {problem}" for problem in result.problems]
             ok = result.finite and not result.problems
@@ -270,7 +270,7 @@ def _lengths(values: list[str], least: int = 1) -> list[int]:
 
 
 @contextmanager
-def _fits_in_memory(what: str, options: str, page_size: int | None, kept: Callable[[], str] | None = None):
+def _fits_in_memory(what: str, options: str, page_size: int | None = None, kept: Callable[[], str] | None = None):
     """An allocation larger than the machine (or refused beforehand, ``archlab.memory``), named by
     what asked for it (``what``, in pages of ``page_size`` if paged) and the options that size it,
     rather than by the allocator's internals; ``kept`` says what of the work survives."""
@@ -357,7 +357,7 @@ DtypeOption = Annotated[Dtype, typer.Option(help="the model's dtype; auto: the s
 
 def _built(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None):
     """``build_model``, with a model larger than memory named by its size."""
-    with _fits_in_memory(f"{spec.name} with its {Cost(spec).params_total:,} parameters", "d_model, n_layers or the FFN's size", None):
+    with _fits_in_memory(f"{spec.name} with its {Cost(spec).params_total:,} parameters", "d_model, n_layers or the FFN's size"):
         return build_model(spec, device=device, dtype=dtype)
 
 
@@ -366,7 +366,7 @@ def _runnable(spec: ModelSpec, device: torch.device | str | None = None, dtype: 
     a plugin's forward that gives back another shape is named, not met in the residual add after it."""
     model = _built(spec, device, dtype)
     with _fits_in_memory(f"{spec.name}: a forward pass of {SHAPE_CHECK_LENGTH} tokens (each block's output shape checked)",
-                         "the spec's sizes", None):
+                         "the spec's sizes"):
         first_forward(model)
     return model
 
@@ -524,7 +524,7 @@ def _written(engine: Engine, ids: list[int] | torch.Tensor, max_new_tokens: int,
     fed, chunk = len(ids) - held, engine.prefill_chunk
     passes, lower = (f" in passes of {chunk:,}", "--prefill-chunk") if fed > chunk else ("", "the prompt")
     try:
-        with _fits_in_memory(f"a prefill of {fed:,} tokens{passes}", f"{lower} or the spec's sizes", None), Watched(engine.device, ACTIVATIONS):
+        with _fits_in_memory(f"a prefill of {fed:,} tokens{passes}", f"{lower} or the spec's sizes"), Watched(engine.device, ACTIVATIONS):
             first = next(stream)
         sys.stdout.write(lead)
         for tokens, _, _ in itertools.chain([first], stream):
@@ -941,7 +941,7 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {micro_batch_size(cfg, launched_processes())} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", None, lambda: _kept_of(out, memory=True)), _interruptible():
+                             "micro_batch_size, seq_len or the spec's sizes", kept=lambda: _kept_of(out, memory=True)), _interruptible():
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -1022,7 +1022,7 @@ def evaluate(
 
     def score(run: Path, label: str) -> list[dict]:
         _say(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens")
-        with _fits_in_memory(f"{label}: {batch} windows of {max(lengths):,} tokens", "--seq-len or --batch", None):
+        with _fits_in_memory(f"{label}: {batch} windows of {max(lengths):,} tokens", "--seq-len or --batch"):
             return [result.row(label) for result in scored(run, lengths, last, sequences, on, data, batch, _say)]
 
     rows = [row for found in _each_trained_run(runs, data, plot_path, score, scorable).values() for row in found]
@@ -1094,7 +1094,7 @@ def layers(
 
     def score(run: Path, label: str) -> list:
         windows = f"{batch} windows of {f'{length:,} tokens' if length else 'the length it trained on'}"
-        with _fits_in_memory(f"{label}: {windows}", "--seq-len or --batch", None):
+        with _fits_in_memory(f"{label}: {windows}", "--seq-len or --batch"):
             return measure(run, length, sequences, on, data, batch, _say)
 
     measured = _each_trained_run(runs, data, plot_path, score)
@@ -1140,7 +1140,7 @@ def niah(
 
     def score(run: Path, label: str) -> list:
         _say(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens")
-        with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch", None):
+        with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch"):
             return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed, _say)
 
     found = _each_trained_run(runs, data, plot_path, score, probeable)
@@ -1190,7 +1190,7 @@ def downstream(
     def score(run: Path, label: str) -> list:
         _say(f"{label}: {', '.join(names)}")
         model = ArchlabLM(Loaded.of(run), on, batch, max_length)
-        with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch", None):
+        with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch"):
             try:  # the harness records the commit of the folder it runs in, and outside a repository git says "fatal"
                 with unittest.mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
                     results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,

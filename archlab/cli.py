@@ -119,7 +119,7 @@ def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
     """Load every spec, reporting each bad one; returns the good ones and the count of bad."""
     good, bad, files = [], 0, _expand(paths)
     if not files:
-        err.print(f"[bold red]error[/]: no spec files found in {escape(' '.join(map(str, paths)))}", highlight=False)
+        _error(f"no spec files found in {' '.join(map(str, paths))}")
     for path in files:
         try:
             good.append((path, load_spec(path)))
@@ -286,7 +286,7 @@ def _fits_in_memory(what: str, options: str, page_size: int | None = None, kept:
             size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
         paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
         after = f"; {kept()}" if kept else ""
-        err.print(f"[bold red]error[/]: {escape(what)}{paged} does not fit in memory{size}; lower {options}{after}", highlight=False)
+        _error(f"{what}{paged} does not fit in memory{size}; lower {options}{after}")
         raise typer.Exit(1) from None
 
 
@@ -1328,8 +1328,8 @@ def study_run(
         sys.stdout.write(report(loaded, optuna_study, where, storage_url(where, storage)))
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
-            err.print(f"[bold red]error[/]: no trial succeeded ({planned} of {planned} failed); why each failed is under"
-                      f" Failed trials in {escape(str(where / 'report.md'))}", highlight=False)
+            _error(f"no trial succeeded ({planned} of {planned} failed); why each failed is under Failed trials in"
+                   f" {where / 'report.md'}")
             raise typer.Exit(1)
         _say(f"report and plots in {where}")
 

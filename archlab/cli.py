@@ -58,6 +58,7 @@ err = Console(stderr=True, soft_wrap=True)  # messages whole: a log file is not 
 
 SpecPaths = Annotated[list[Path], typer.Argument(help="spec files, training runs, or folders searched for *.yaml")]
 PageSize = Annotated[int | None, typer.Option(min=1, help="keep the global K,V in pages of this many positions (YOCO layouts; 256 in the paper's serving stack)")]
+FormatOption = Annotated[Format, typer.Option("--format")]
 
 
 PageKernel = Enum("PageKernel", {k: k for k in PAGE_KERNELS}, type=str)
@@ -715,7 +716,7 @@ def bench(
     cuda_graph: Annotated[bool, typer.Option(help="replay each decoding step from a captured CUDA graph")] = False,
     page_size: PageSize = None,
     page_kernel: PageKernelOption = PageKernel("torch"),
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of throughput and memory")] = None,
 ) -> None:
     """Prefill and decode throughput, peak memory and cache MiB per sequence (global, local; the
@@ -766,7 +767,7 @@ def bench(
 def cost(
     paths: SpecPaths,
     seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 16K 64K 256K")] = ["16K", "64K", "256K"],  # noqa: B006
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     doc: Annotated[Path | None, typer.Option(help="write the markdown cost page here instead")] = None,
 ) -> None:
     """Parameters, FLOPs (training per token, prefill, decode) and cache bytes per sequence
@@ -972,7 +973,7 @@ def curves(
     runs: TrainedRuns,
     x: Annotated[Axis, typer.Option(help="what the plot's curves run against")] = Axis.step,
     baseline: Annotated[Path | None, typer.Option(help="a run to compare each with, as the paper's Figure 2: tokens to its loss, loss at its FLOPs")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of training and evaluation loss")] = None,
 ) -> None:
     """Training runs side by side, from their metrics.jsonl (finished or still training): the last
@@ -1008,7 +1009,7 @@ def evaluate(
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="score on all of this corpus instead of the held-out split: a text file or folder, stdlib, hf:NAME (read with each run's tokenizer), a token file, mqar or copy")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of loss against context length")] = None,
 ) -> None:
     """How well trained runs use longer contexts: the held-out loss of the same last tokens given
@@ -1082,7 +1083,7 @@ def layers(
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="measure on this corpus instead of the held-out split (as evaluate's --data)")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG of distance against depth")] = None,
 ) -> None:
     """How far each layer application turns the hidden state, loop iterations unrolled: the angular
@@ -1124,7 +1125,7 @@ def niah(
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="the text haystack: a text file or folder, stdlib or hf:NAME")] = None,
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
     plot_path: Annotated[Path | None, typer.Option("--plot", help="write a PNG heat map of the share found by length and depth")] = None,
 ) -> None:
     """Needle in a haystack (the paper's Table 4, RULER's single-needle tasks) for runs trained on
@@ -1163,7 +1164,7 @@ def downstream(
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     averaged: Annotated[str, typer.Option("--average", help="metrics the average takes, comma-separated: each task's first that it reports")] = "acc_norm,acc",
-    fmt: Annotated[Format, typer.Option("--format")] = Format.md,
+    fmt: FormatOption = Format.md,
 ) -> None:
     """Downstream tasks through lm-evaluation-harness (the paper's Table 2) for runs trained on
     text: each run's scores by task and metric, with their standard errors, and their average

@@ -1378,7 +1378,7 @@ def _expand_list_options(argv: list[str]) -> list[str]:
     (``--seq-len=2048 8K`` too). Where the option takes one value, a second is refused
     (ValueError), rather than taken for a file or put in the first's place."""
     several = next((arg for arg in argv if not arg.startswith("-")), "") in LIST_COMMANDS
-    out, option, seen, named = [], None, 0, set()
+    expanded, option, seen, named = [], None, 0, set()
     for arg in argv:
         name, given, _ = arg.partition("=")
         if name in LENGTH_OPTIONS:
@@ -1391,12 +1391,12 @@ def _expand_list_options(argv: list[str]) -> list[str]:
             if seen and not several:
                 raise ValueError(f"{option} takes one length here; {arg} is a second")
             if seen:
-                out.append(option)
+                expanded.append(option)
             seen += 1
         else:
             option = None
-        out.append(arg)
-    return out
+        expanded.append(arg)
+    return expanded
 
 
 def _first_process() -> bool:

@@ -116,6 +116,11 @@ def _error(text: str) -> None:
     err.print(f"[bold red]error[/]: {escape(text)}", highlight=False)
 
 
+def _notice(text: str) -> None:
+    """One line of something worth knowing that stops nothing (any markup-like text in it shown as it is)."""
+    err.print(f"[yellow]notice[/]: {escape(text)}", highlight=False)
+
+
 def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
     """Load every spec, reporting each bad one; returns the good ones and the count of bad."""
     good, bad, files = [], 0, _expand(paths)
@@ -440,8 +445,8 @@ def generate(
     if source.is_dir():
         spec, model, codec = _trained(source)
         if codec.tokenizer is None:
-            err.print(f"[yellow]notice[/]: {escape(str(source))} has no tokenizer (it trained on token ids or a recall task): text is"
-                      " read and printed as UTF-8 bytes, ids 0 to 255, which its ids need not be", highlight=False)
+            _notice(f"{source} has no tokenizer (it trained on token ids or a recall task): text is read and printed as UTF-8"
+                    " bytes, ids 0 to 255, which its ids need not be")
     else:
         spec, model = _load_one(source), None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
@@ -601,12 +606,10 @@ def chat(
     config = _trained_config(resolve(run)[0])  # a damaged config.yaml is named, as the other commands name it
     source = None if config is None else config.data.source
     if source is not None and not holds_examples(source):
-        err.print(f"[yellow]notice[/]: {escape(str(run))} trained on {escape(source)}, not on conversations: its replies need not end"
-                  " where a message does", highlight=False)
+        _notice(f"{run} trained on {source}, not on conversations: its replies need not end where a message does")
     elif source is not None and holds_pairs(source):
-        err.print(f"[yellow]notice[/]: {escape(str(run))} trained on the prompt/response pairs of {escape(source)}, not on"
-                  " conversations: it learned a response after a bare prompt, ended by a newline, not the turns chat gives it"
-                  " (`generate --prompt` asks as it learned)", highlight=False)
+        _notice(f"{run} trained on the prompt/response pairs of {source}, not on conversations: it learned a response after a"
+                " bare prompt, ended by a newline, not the turns chat gives it (`generate --prompt` asks as it learned)")
     engine = Engine(model.to(_dtype(spec, dtype)).eval())
     messages = [] if system is None else [{"role": "system", "content": system}]
     typed = sys.stdin.isatty()
@@ -834,8 +837,7 @@ def equal_flops(
             stepless.append(label)
     out.print(table)
     if stepless:
-        err.print(f"[yellow]notice[/]: {escape(', '.join(stepless))}: one step costs more FLOPs than the reference's {steps:,}"
-                  " step(s) in all; give more --steps", highlight=False)
+        _notice(f"{', '.join(stepless)}: one step costs more FLOPs than the reference's {steps:,} step(s) in all; give more --steps")
 
 
 def _trained_config(path: Path):
@@ -1408,7 +1410,7 @@ def _show_notice(message, category, filename, lineno, file=None, line=None) -> N
     """Library warnings (a kernel fallback, an ignored option) read as the command's own notices."""
     if not _first_process():  # under torchrun, said once
         return
-    err.print(f"[yellow]notice[/]: {escape(str(message))}", highlight=False)
+    _notice(str(message))
 
 
 def main() -> None:

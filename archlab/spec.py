@@ -377,6 +377,7 @@ class ModelSpec(HoldsBlocks):
         yoco = isinstance(self.layout, YocoLayout)
         for half_index, (path, half) in enumerate(self.halves):
             ctx = self.build_context(half_index)
+            cross = yoco and half_index == 1
             if len(half.blocks) > half.n_layers:
                 root.at(f"{path}.blocks").add(f"{len(half.blocks)} blocks for {half.n_layers} layers: the pattern's blocks"
                                               f" past layer {half.n_layers} would never be built")
@@ -386,11 +387,11 @@ class ModelSpec(HoldsBlocks):
                     block.check(ctx, at)
                 except Exception as exc:  # a plugin's own check: said as a problem of the spec that uses it
                     at.add(raised(block, "check", exc))
-                if block.reads_global_kv and not (yoco and half_index == 1):
+                if block.reads_global_kv and not cross:
                     at.at("type").add(
                         f"{block.type!r} reads the global K,V, which exists only in a YOCO cross-decoder"
                     )
-                if yoco and half_index == 1 and not block.reads_global_kv:
+                if cross and not block.reads_global_kv:
                     at.at("type").add(
                         f"{block.type!r} does not read the global K,V; the cross-decoder needs blocks that do"
                         f" (registered: {sorted(n for n, c in block_specs().items() if c.reads_global_kv)})"
@@ -406,7 +407,7 @@ class ModelSpec(HoldsBlocks):
             )
         if isinstance(self.ffn, MoE) and self.ffn.top_k > self.ffn.n_experts:
             root.at("ffn.top_k").add(f"top_k={self.ffn.top_k} exceeds n_experts={self.ffn.n_experts}")
-        if isinstance(self.layout, YocoLayout) and isinstance(self.layout.cross_decoder.position, RoPE):
+        if yoco and isinstance(self.layout.cross_decoder.position, RoPE):
             if self.layout.global_kv.head_dim % 2:
                 root.at("layout.global_kv.head_dim").add(f"RoPE in the cross-decoder needs an even head_dim, got {self.layout.global_kv.head_dim}")
         self._check_loop(root.at("loop"))

@@ -573,20 +573,18 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
     """Load one file and its ``extends`` ancestors, merged. ``chain`` (the files that extended
     into this one, as given) detects cycles; paths print as the user wrote them. ``origins`` gets
     the file that set each value (``_note``)."""
+    origin = f" (extended from {chain[-1]})" if chain else ""
     try:
         resolved = path.resolve()
     except (RuntimeError, OSError):  # a symbolic link that leads back to itself (RuntimeError before Python 3.13)
-        origin = f" (extended from {chain[-1]})" if chain else ""
         raise SpecError(str(path), [Problem("<file>", f"is a symbolic link that leads back to itself, not a YAML file{origin}")]) from None
     if resolved in {p.resolve() for p in chain}:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
     if path.is_dir():
-        origin = f" (extended from {chain[-1]})" if chain else ""
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
     if not path.is_file():
-        origin = f"extended from {chain[-1]}" if chain else "no such file"
-        found = "is not a regular file (a device, a pipe or a socket)" if path.exists() else f"not found ({origin})"
+        found = "is not a regular file (a device, a pipe or a socket)" if path.exists() else f"not found{origin or ' (no such file)'}"
         raise SpecError(str(path), [Problem("<file>", found)])
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))

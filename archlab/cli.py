@@ -451,7 +451,7 @@ def generate(
         spec, model = _load_one(source), None  # drawn once the prompt is known to be usable
         codec = TextCodec(None, spec.vocab_size)
     if codec.tokenizer is None and spec.vocab_size < 256:
-        err.print(f"[bold red]error[/]: {escape(spec.name)} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
+        _error(f"{spec.name} has a vocabulary of {spec.vocab_size}; byte-level prompts need 256")
         raise typer.Exit(1)
     try:
         ids = torch.tensor(codec.encode(prompt), dtype=torch.long)
@@ -460,11 +460,12 @@ def generate(
         raise typer.Exit(1) from None
     if not len(ids):  # the engine starts from a token: there is no beginning-of-text one to stand in
         raise typer.BadParameter(f"--prompt {prompt!r} encodes to no tokens; give text to start from")
+    runs_in = _dtype(spec, dtype)
     if model is None:
         torch.manual_seed(0 if seed is None else seed)  # the same command draws the same weights
-        model = _runnable(spec, dtype=_dtype(spec, dtype))  # drawn in float32, then cast: the same weights in any dtype
-        err.print(f"[yellow]notice[/]: {escape(spec.name)} has random weights (no checkpoint given); expect noise.")
-    engine = Engine(model.to(_dtype(spec, dtype)).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
+        model = _runnable(spec, dtype=runs_in)  # drawn in float32, then cast: the same weights in any dtype
+        _notice(f"{spec.name} has random weights (no checkpoint given); expect noise.")
+    engine = Engine(model.to(runs_in).eval(), prefill_chunk, page_size=page_size, page_kernel=page_kernel.value)
     written = _written(engine, ids, max_new_tokens, sampling, codec, until=stop, lead=prompt)
     sys.stdout.write(f"{written.stop or ''}\n")
     size = written.cache.bytes_per_sequence()

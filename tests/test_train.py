@@ -1619,6 +1619,36 @@ def test_under_torchrun_a_stopped_run_lets_go_of_its_ddp_wrapper_before_leaving_
     assert diverged.stderr.count("DDP wrappers held at close: 0") == 2, diverged.stderr
 
 
+def test_a_resume_on_three_processes_repeats_the_uninterrupted_run_to_the_bit(tmp_path):
+    """A resume promises the uninterrupted run's numbers to the bit in the same setting, torchrun's
+    included. DDP lays the gradients out in buckets it rebuilds after its first step, in the order
+    they became ready; a resumed run's first step was reduced in the first layout, the uninterrupted
+    run's same step in the rebuilt one. Two processes' sum is a + b either way, but three or more
+    add in an order that follows the layout (gloo's ring; NCCL's too), so every resume of such a run
+    drifted from the run it replays a few steps on (a grad norm, then a loss, an ulp apart)."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m", "archlab", "train",
+                "specs/tiny/yoco-u.yaml"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [*MQAR, "--set", "batch_size=12", "--set", "micro_batch_size=2", "--set", "checkpoint_interval=3",
+              "--set", "eval_interval=1000", "--set", "keep_checkpoints=10", "--steps", "8"]
+    first = subprocess.run([*torchrun, "--out", str(straight), *common], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr
+    shutil.copytree(straight, resumed)
+    for later in ("step-00000006", "step-00000008"):  # as if killed after step 3's checkpoint
+        shutil.rmtree(resumed / "checkpoints" / later)
+    again = subprocess.run([*torchrun, "--out", str(resumed), "--resume", "--steps", "8"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert again.returncode == 0 and "resuming from" in again.stderr, again.stderr
+    records = [[{k: v for k, v in json.loads(line).items() if k not in ("tok_s", "mfu")}
+                for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, resumed)]
+    assert records[1] == records[0]  # loss, grad norm, lr: the same floats
+    final = [run / "checkpoints" / "step-00000008" for run in (straight, resumed)]
+    assert (final[1] / "model.safetensors").read_bytes() == (final[0] / "model.safetensors").read_bytes()
+    moments = [torch.load(folder / "trainer.pt", weights_only=True)["optimizer"]["state"] for folder in final]
+    assert all(torch.equal(moments[1][i][k], moments[0][i][k]) for i in moments[0] for k in moments[0][i])
+
+
 def test_a_process_left_alone_by_a_killed_peer_says_so_and_what_is_kept(cli, monkeypatch, tmp_path):
     """A process of a torchrun job whose peer was killed met gloo's broken connection as a page of
     traceback, naming no checkpoint; another RuntimeError is still a bug, let out."""

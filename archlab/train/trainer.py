@@ -629,6 +629,7 @@ class Trainer:
         model = self.model
         if self.world.size > 1:
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        unsettled = self.world.size > 2  # DDP's buckets, until _settle_buckets lays them out
         last_saved = checkpoint.checkpoints(self.run_dir)[-1] if resume else None
         records: list[dict] = []
         columns = [TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()]
@@ -640,6 +641,9 @@ class Trainer:
             for step in range(start, steps):
                 began = time.perf_counter()
                 with Watched(self.device, "its first step's activations, gradients and AdamW moments") if watched else nullcontext():
+                    if unsettled:
+                        self._settle_buckets(step, data, model)
+                        unsettled = False
                     record = self._step(step, steps, data, model)  # the others take what the first did
                 watched = watched and "loss" not in record
                 bad = next((name for name in ("loss", "grad_norm") if not math.isfinite(record.get(name, 0.0))), None)
@@ -683,6 +687,18 @@ class Trainer:
                         raise TrainError(f"{exc} Training stopped after step {done}; {kept}") from None
                 progress.update(task, completed=done, status=status_line(record))
         return records
+
+    def _settle_buckets(self, step: int, data: DataSource, model: torch.nn.Module) -> None:
+        """DDP lays its gradient buckets out again after its first backward pass, in the order the
+        gradients came. Three or more processes' sums follow the layout (two add a + b either way),
+        so a resumed run's first step, in the first layout, would sum otherwise than the run it
+        replays did at that step. A pass on the step's first micro-batch, its gradients thrown away,
+        lays them out before any step, in a fresh run and a resumed one alike."""
+        part = micro_batches(data.batch("train", step, self.cfg.batch_size, self.world.rank, self.world.size), self.cfg.micro_batch_size)[0]
+        with self.autocast:
+            loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
+            (loss + aux).backward()  # its gradients are thrown away, NaN ones too (a micro-batch that counts no token)
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _token_weights(self, parts: list[Batch]) -> list[float] | None:
         """What each pass's mean loss is weighed by, so that a step's loss is the mean over every

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -1647,6 +1648,44 @@ def test_a_resume_on_three_processes_repeats_the_uninterrupted_run_to_the_bit(tm
     assert (final[1] / "model.safetensors").read_bytes() == (final[0] / "model.safetensors").read_bytes()
     moments = [torch.load(folder / "trainer.pt", weights_only=True)["optimizer"]["state"] for folder in final]
     assert all(torch.equal(moments[1][i][k], moments[0][i][k]) for i in moments[0] for k in moments[0][i])
+
+
+def test_killing_the_torchrun_launcher_outright_stops_its_training_processes(tmp_path):
+    """torchrun starts its processes in a session of their own, so a launcher killed outright
+    (SIGKILL, the out-of-memory killer), which passes nothing on, left them training to the end,
+    holding the run folder and, on a GPU machine, the GPUs. They now stop as Ctrl-C stops them."""
+    run = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "archlab",
+                                 "train", "specs/tiny/yoco-u.yaml", "--out", str(run), *MQAR, "--steps", "100000",
+                                 "--set", "eval_interval=100000"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def state(pid: int) -> tuple[str, int] | None:  # (state, parent) from /proc, None once it is gone
+        try:
+            state, parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            return None
+        return state, int(parent)
+
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.2)
+        workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and (state(int(p.name)) or ("", 0))[1] == launcher.pid]
+        assert len(workers) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any((now := state(pid)) is not None and now[0] != "Z" for pid in workers):  # a zombie has stopped
+            assert time.monotonic() < deadline, "its training processes went on without the launcher"
+            time.sleep(0.2)
+    finally:
+        launcher.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_process_left_alone_by_a_killed_peer_says_so_and_what_is_kept(cli, monkeypatch, tmp_path):

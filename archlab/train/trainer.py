@@ -7,10 +7,13 @@ every global batch and DDP averages the gradients; rank 0 alone writes the run d
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import math
 import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -73,6 +76,17 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process is sent when its parent dies
+
+
+def _stop_with_the_launcher() -> None:
+    """Be sent SIGTERM, which stops training as Ctrl-C does, when torchrun's launcher dies. It
+    starts its processes in a session of their own: a launcher killed outright (SIGKILL, the
+    out-of-memory killer) left them training to the end, holding the run folder and the GPUs."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class World:
     rank: int = 0
@@ -83,6 +97,8 @@ class World:
     def from_env(cls) -> World:
         size = launched_processes()
         world = cls(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
+        if size > 1:
+            _stop_with_the_launcher()
         if size > 1 and not dist.is_initialized():
             if torch.cuda.is_available():  # NCCL's object collectives use the current device: each process its own
                 torch.cuda.set_device(world.local_rank)

@@ -959,6 +959,21 @@ def test_batches_split_across_processes_exactly():
     assert torch.equal(whole.targets[:, :-1], whole.inputs[:, 1:])
 
 
+def test_batches_of_any_size_split_across_processes_exactly():
+    """Every batch_size a run may take (any multiple of the process count, not just the default)
+    must be cut into shares that rebuild the single-process batch row for row: otherwise a run on
+    several processes trains on other sequences than the same run on one."""
+    tokens = np.arange(10_000, dtype=np.uint32)
+    source = TokenSource(tokens[:9000], tokens[9000:], 32, seed=1, describe="t")
+    for data in (source, RecallTask("mqar", 256, 64, seed=1)):
+        for size, world in ((12, 3), (12, 4), (6, 2), (4, 4)):
+            whole = data.batch("train", 3, size)
+            shares = [data.batch("train", 3, size, rank, world) for rank in range(world)]
+            assert [len(share.inputs) for share in shares] == [size // world] * world
+            assert torch.equal(torch.cat([share.inputs for share in shares]), whole.inputs)
+            assert torch.equal(torch.cat([share.targets for share in shares]), whole.targets)
+
+
 def test_a_batch_the_default_micro_batch_does_not_divide_says_so_and_what_would():
     from archlab.spec import SpecError
 

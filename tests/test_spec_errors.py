@@ -193,6 +193,43 @@ def test_a_run_whose_spec_is_a_link_to_itself_is_named_not_a_traceback(cli, tmp_
         assert code == 1 and "spec.yaml" in err and "symbolic link" in err, (command, code, err)
 
 
+def test_a_file_missing_down_an_extends_chain_names_the_file_that_extended_it(tmp_path):
+    """The file to mend is the one whose ``extends`` names the missing file, not the one given on
+    the command line: in a chain a -> b -> nowhere, the message points at b."""
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nname: a\n")
+    (tmp_path / "b.yaml").write_text("extends: nowhere.yaml\nname: b\n")
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / "a.yaml")
+    assert str(caught.value) == f"{tmp_path / 'nowhere.yaml'}: 1 problem(s)\n  <file>: not found (extended from {tmp_path / 'b.yaml'})"
+
+
+def test_a_spec_given_that_does_not_exist_is_said_to_be_no_such_file(tmp_path):
+    """A spec named on the command line that is not there is said so plainly, with nothing about
+    ``extends``, which no file asked for."""
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / "missing.yaml")
+    assert str(caught.value) == f"{tmp_path / 'missing.yaml'}: 1 problem(s)\n  <file>: not found (no such file)"
+
+
+def test_a_link_to_itself_reached_through_extends_names_it_and_the_file_that_extended_it(tmp_path):
+    """A parent spec replaced by a symbolic link that leads back to itself is named as the file at
+    fault, with the spec whose ``extends`` led to it, as a missing parent or a folder is."""
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    (tmp_path / "s.yaml").write_text("extends: loop.yaml\nname: x\n")
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / "s.yaml")
+    assert str(caught.value) == (f"{tmp_path / 'loop.yaml'}: 1 problem(s)\n  <file>: is a symbolic link that leads back to itself,"
+                                 f" not a YAML file (extended from {tmp_path / 's.yaml'})")
+
+
+def test_an_unknown_key_set_with_a_name_beginning_in_digits_is_traced_to_the_override():
+    """Only a whole-number part of a dotted path is a list index: an unknown key such as ``2x``
+    under ``blocks.0`` is still the override's, and the error says it came from ``--set``."""
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", ["layout.layers.blocks.0.2x=1"])
+    assert "layout.layers.blocks[0].2x: unknown key" in str(caught.value) and str(caught.value).endswith("(set in --set)")
+
+
 @pytest.mark.parametrize("name,files,target,fragments", CASES, ids=[c[0] for c in CASES])
 def test_malformed_spec_message(tmp_path, name, files, target, fragments):
     for fname, text in files.items():

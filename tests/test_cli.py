@@ -813,6 +813,34 @@ def test_paths_and_names_that_look_like_markup_are_printed_as_they_are(cli, tmp_
         assert code == 0 and "Traceback" not in out + stderr and said.format(**paths) in out + stderr, out + stderr
 
 
+def test_an_error_naming_a_path_that_looks_like_markup_prints_it_as_written(cli, tmp_path):
+    """An error is read to find the file at fault: a folder named ``[bold]x`` must be named as it is,
+    not as ``x`` with its brackets taken for a style."""
+    missing = tmp_path / "[bold]x" / "nothere"
+    code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--data", missing)
+    assert code == 1 and f"error: data source '{missing}': no such file or folder" in stderr, stderr
+
+
+def test_messages_on_a_colour_terminal_colour_only_their_label(monkeypatch):
+    """On a terminal, an error or notice is coloured in its label alone, and a line of progress not
+    at all: the console's highlighter would colour the numbers, paths and quoted names inside them
+    as though they were of note, and the text people read must stay as plain as in a log file."""
+    import io
+
+    from rich.console import Console
+
+    import archlab.cli as cli_module
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli_module, "err", Console(file=screen, force_terminal=True, color_system="truecolor", width=500))
+    said = "data source '/tmp/runs/12': 3 files, 1.5e3 tokens"
+    for show in (cli_module._error, cli_module._notice, cli_module._say):
+        screen.seek(0), screen.truncate()
+        show(said)
+        assert screen.getvalue().endswith(f"{said}\n") and "\x1b" not in screen.getvalue().split(": ", 1)[-1], repr(screen.getvalue())
+    assert "\x1b" not in screen.getvalue()  # progress: no colour at all
+
+
 # (command, what stderr must say): options out of bounds are refused before any work (exit 2)
 BAD_OPTIONS = [
     (["build", SPEC, "--seq-len", "0"], "'0' is not a token count"),

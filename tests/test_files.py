@@ -32,6 +32,21 @@ def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.json"]
 
 
+def test_a_write_stopped_by_ctrl_c_or_a_bad_value_keeps_the_old_file_and_no_temporary(tmp_path):
+    """Not only a full disk stops a write: Ctrl-C during a long save, or a value the writer cannot
+    encode, must leave the run folder as it was, with no ``.NAME.tmp-NNNN`` beside the file."""
+    path = tmp_path / "config.yaml"
+    path.write_text("old")
+    for stop in (KeyboardInterrupt(), ValueError("cannot encode")):
+        def fail(f, stop=stop):
+            f.write(b"part of it")
+            raise stop
+
+        with pytest.raises(type(stop)):
+            write_whole(path, fail)
+        assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["config.yaml"], stop
+
+
 def test_a_killed_writes_temporary_names_its_file():
     assert written_as(".train.npy.tmp-4242") == "train.npy"
     assert written_as("train.npy") == "train.npy"

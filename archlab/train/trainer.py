@@ -82,7 +82,7 @@ PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process is sent when its parent d
 def _stop_with_the_launcher() -> None:
     """Be sent SIGTERM, which stops training as Ctrl-C does, when torchrun's launcher dies. It
     starts its processes in a session of their own: a launcher killed outright (SIGKILL, the
-    out-of-memory killer) left them training to the end, holding the run folder and the GPUs."""
+    out-of-memory killer) would leave them training to the end, holding the run folder and the GPUs."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 

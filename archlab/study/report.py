@@ -17,7 +17,7 @@ from archlab.environment import describe, setting_lines
 from archlab.files import write_text_whole
 from archlab.study.definition import Study
 from archlab.study.runner import (
-    ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, rate_label, refuse_foreign_files, refuse_other_study,
+    ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study,
     settled, shown,
 )
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
@@ -90,7 +90,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
             **({ACCURACY: None} if scored else {}),
         }
         if complete:
-            _, best = chosen(complete, maximize, definition.sampler)
+            best = chosen(complete, maximize, definition.sampler)
             values, rates = [t.value for t in best], [learning_rate(t) for t in best]
             means[variant] = row[metric] = statistics.mean(values)
             row.update({"spread (sd)": statistics.stdev(values) if len(values) > 1 else None, "seeds": len(values), "best lr": min(rates)})
@@ -112,6 +112,11 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
     return rows
 
 
+def _rate_label(low: float, high: float) -> str:
+    """A learning rate to two digits, or TPE's range of them."""
+    return f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"
+
+
 def readable(row: dict, maximize: bool) -> dict:
     """A row for people: SI prefixes for counts, four decimals for scores (losses differ in the
     third place), signs on differences, the learning rate (or TPE's range of them) to two digits,
@@ -129,7 +134,7 @@ def readable(row: dict, maximize: bool) -> dict:
     out = {}
     for column, value in row.items():
         if column == "best lr":
-            out[column] = or_dash(value, lambda low: rate_label(low, row.get("best lr high", low)))
+            out[column] = or_dash(value, lambda low: _rate_label(low, row.get("best lr high", low)))
         elif column == "pruned":
             out["pruned/failed"] = f"{value}/{row['failed']}"
         elif column not in ("best lr high", "failed"):
@@ -148,7 +153,8 @@ def passed_over(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[st
         complete = _complete(done, variant)
         if not complete:
             continue
-        lr, best = chosen(complete, maximize, "grid")
+        best = chosen(complete, maximize, "grid")
+        lr = f"{learning_rate(best[0]):.2g}"
         score = statistics.mean(t.value for t in best)
         for rate, of_rate in sorted(by_rate(complete).items()):
             mean = statistics.mean(t.value for t in of_rate)
@@ -283,7 +289,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         complete = _complete(done, variant)
         if not complete:
             continue
-        _, best = chosen(complete, maximize, study.definition.sampler)
+        best = chosen(complete, maximize, study.definition.sampler)
         steps, mean = _curve(best)
         per_step = best[0].user_attrs["flops_per_step"]
         figures["curves"][1].plot(steps, mean, marker="o", label=variant)

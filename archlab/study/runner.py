@@ -506,7 +506,7 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
     planned = pretraining.planned()
     complete = [t for key, t in settled(stored.get_trials(deepcopy=False)).items()
                 if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
-    best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler)[1] if complete else []
+    best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler) if complete else []
     by_seed = {planned_as(t)[1]: t for t in best}
     starts = {}
     for seed in seeds:
@@ -723,8 +723,8 @@ def learning_rate(trial: optuna.trial.FrozenTrial) -> float | None:
     return trial.user_attrs.get("lr", trial.params.get("lr"))
 
 
-def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> tuple[str, list[optuna.trial.FrozenTrial]]:
-    """The completed trials a variant's score is the mean of, and their learning rate. On a grid:
+def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str) -> list[optuna.trial.FrozenTrial]:
+    """The completed trials a variant's score is the mean of. On a grid:
     of the learning rates with the most seeds completed (a seed that failed or was pruned counts
     against its rate, not for it), the one whose seeds score best on average. Under TPE, where
     every draw differs: each seed's best draw (the best of as many draws for every variant, so
@@ -734,17 +734,10 @@ def chosen(trials: list[optuna.trial.FrozenTrial], maximize: bool, sampler: str)
         by_seed: dict[int, list] = {}
         for t in trials:
             by_seed.setdefault(planned_as(t)[1], []).append(t)
-        best = [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
-        return rate_label(min(learning_rate(t) for t in best), max(learning_rate(t) for t in best)), best
+        return [choose(draws, key=lambda t: t.value) for draws in by_seed.values()]
     by_lr = by_rate(trials)
     sign = 1 if maximize else -1
-    lr = max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))
-    return f"{lr:.2g}", by_lr[lr]
-
-
-def rate_label(low: float, high: float) -> str:
-    """A learning rate to two digits, or TPE's range of them."""
-    return f"{low:.2g}" if f"{low:.2g}" == f"{high:.2g}" else f"{low:.2g}..{high:.2g}"
+    return by_lr[max(by_lr, key=lambda k: (len(by_lr[k]), sign * statistics.mean(t.value for t in by_lr[k])))]
 
 
 def by_rate(trials: list[optuna.trial.FrozenTrial]) -> dict[float, list[optuna.trial.FrozenTrial]]:

@@ -710,11 +710,18 @@ class Trainer:
         so a resumed run's first step, in the first layout, would sum otherwise than the run it
         replays did at that step. A pass on the step's first micro-batch, its gradients thrown away,
         lays them out before any step, in a fresh run and a resumed one alike."""
-        part = micro_batches(data.batch("train", step, self.cfg.batch_size, self.world.rank, self.world.size), self.cfg.micro_batch_size)[0]
         with self.autocast:
-            loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
+            loss, aux = self._forward(model, self._passes(step, data)[0])
             (loss + aux).backward()  # its gradients are thrown away, NaN ones too (a micro-batch that counts no token)
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _passes(self, step: int, data: DataSource) -> list[Batch]:
+        """This process's share of the step's global batch, in its micro-batches."""
+        return micro_batches(data.batch("train", step, self.cfg.batch_size, self.world.rank, self.world.size), self.cfg.micro_batch_size)
+
+    def _forward(self, model: torch.nn.Module, part: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch's mean loss over its counted targets, and its MoE balance loss."""
+        return model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
 
     def _token_weights(self, parts: list[Batch]) -> list[float] | None:
         """What each pass's mean loss is weighed by, so that a step's loss is the mean over every
@@ -733,8 +740,7 @@ class Trainer:
         lr = cfg.optimizer.lr * lr_factor(step, steps, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        batch = data.batch("train", step, cfg.batch_size, self.world.rank, self.world.size)
-        parts = micro_batches(batch, cfg.micro_batch_size)
+        parts = self._passes(step, data)
         weights = self._token_weights(parts)
         record = {"step": step + 1, "lr": lr, "tokens": (step + 1) * self.tokens_per_step}
         if weights is None:  # every window fell inside prompts: no loss to learn from, and AdamW would only decay the weights
@@ -743,7 +749,7 @@ class Trainer:
         for i, (part, weight) in enumerate(zip(parts, weights, strict=True)):
             sync = nullcontext() if i == self.accumulation - 1 or self.world.size == 1 else model.no_sync()
             with sync, self.autocast:
-                loss, aux = model(part.inputs.to(self.device), return_aux=True, targets=part.counted_targets().to(self.device))
+                loss, aux = self._forward(model, part)
                 ((loss * weight + aux) / self.accumulation).backward()
             total += loss.detach() * weight / self.accumulation
             balance += aux.detach().float() / self.accumulation

@@ -78,15 +78,15 @@ def formula(block: BlockSpec, name: str, *args):
 def _wanted(name: str, value) -> bool:
     """Whether a formula's value is what ``FORMULA_RESULTS`` says it gives back."""
     if name == "flops":
-        return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v, numbers.Integral) for v in value.values())
+        return isinstance(value, Flops) and value.keys() <= FLOP_KINDS.keys() and all(_count(v) for v in value.values())
     if name == "state_bytes" and isinstance(value, CacheBytes):
-        return _count(value.global_, numbers.Integral) and _count(value.local, numbers.Integral)
-    return _count(value, numbers.Integral)
+        return _count(value.global_) and _count(value.local)
+    return _count(value)
 
 
-def _count(value, kind: type) -> bool:
-    """A finite number of ``kind``, 0 or more, and not a yes/no value."""
-    return isinstance(value, kind) and not isinstance(value, bool) and 0 <= value < math.inf
+def _count(value) -> bool:
+    """A whole number, finite, 0 or more, and not a yes/no value."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < math.inf
 
 
 def _times(flops: Flops, count: int) -> Flops:

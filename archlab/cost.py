@@ -196,11 +196,11 @@ class Cost:
     def prefill_flops(self, n: int) -> Flops:
         """Prefill of an n-token prompt: the prefill steps over the first n - 1 tokens (in YOCO
         the self-decoder and the global K,V; the cross-decoder only as far as a K,V per iteration
-        needs), then the last token through
-        the whole model, as the engine runs it. Chunked cores count the prompt as one chunk run."""
+        needs), then the last token through the whole model, as the engine runs it. Chunked cores
+        count the prompt as one chunk run."""
         _tokens("n", n)
-        head = self.flops(self.plan.prefill_steps, n - 1, logits=0) if n > 1 else Flops()
-        return head + self.decode_flops(n)
+        all_but_last = self.flops(self.plan.prefill_steps, n - 1, logits=0) if n > 1 else Flops()
+        return all_but_last + self.decode_flops(n)
 
     def decode_flops(self, context: int) -> Flops:
         """One decoding step whose token is the ``context``-th of the sequence."""

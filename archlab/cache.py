@@ -15,6 +15,7 @@ back (a paged global K,V stays where it is: the subset gets a view of its page t
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 
@@ -38,8 +39,9 @@ def _row_first(state: State, rows: int, block: str) -> State:
     return state
 
 
-def _size(state: State) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+def _size(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a tensor whose size differs between these grows
@@ -96,7 +98,7 @@ class Cache:
         projections, keys = [step for step in model.plan.steps if step.project], model.plan.state_keys()
         shapes = [new_global("meta") for _ in projections]  # the meta device: shapes, no memory
         shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
-        check_room(sum(map(_size, shapes)) + self.table_bytes(), device,
+        check_room(sum(_size(shape.values()) for shape in shapes) + self.table_bytes(), device,
                    f"a cache's states ({sequences:,} sequence{'s' * (sequences != 1)} of up to {capacity:,} positions)")
         if self.pages is not None:  # allocated whole: a small page size's table is as large as the pages it saves
             self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
@@ -117,9 +119,8 @@ class Cache:
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
-        global_ = sum(_size(s) for s in self.global_kv.values())
-        global_ += sum(t.numel() * t.element_size() for t in self._layer_tensors(grown=True))
-        local = sum(t.numel() * t.element_size() for t in self._layer_tensors(grown=False))
+        global_ = sum(_size(s.values()) for s in self.global_kv.values()) + _size(self._layer_tensors(grown=True))
+        local = _size(self.local_tensors())
         return CacheBytes(global_ // self.sequences, local // self.sequences)
 
     def _layer_tensors(self, grown: bool) -> list[torch.Tensor]:

@@ -57,9 +57,9 @@ def growing(mixer: torch.nn.Module, dtype: torch.dtype) -> dict[str, bool]:
 
 def _grown(model, layer: int, state: State, dtype: torch.dtype) -> set[str]:
     """The tensors of a layer's state that grow: none in a block whose flag says its state does
-    not grow (``build`` checks the flag), and in one whose flag says it does, those ``growing``
-    finds, or all where its new_state cannot be made that large (a block with a context limit of
-    its own)."""
+    not grow (``archlab build`` checks the flag, in ``archlab.checks.growth_problems``), and in
+    one whose flag says it does, those ``growing`` finds, or all where its new_state cannot be
+    made that large (a block with a context limit of its own)."""
     if not model.spec.block_at(layer).grows_kv_cache:
         return set()
     try:
@@ -150,7 +150,7 @@ class Cache:
         for key, state in self.layers.items():
             initial = self._initial_fixed[key] if self._grows[key] else self._initial(key, self.sequences * self.streams)
             for name, tensor in initial.items():
-                state[name].copy_(tensor)  # a first row of one broadcast over the rows
+                state[name].copy_(tensor)  # _initial_fixed's one row is broadcast over all of them
         self.overrun.zero_()  # the rows an overrun wrote are rewritten before they are read
         self.fresh = True
 

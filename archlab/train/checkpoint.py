@@ -216,8 +216,10 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     """(run folder, checkpoint folder) of a run directory (its latest checkpoint) or of one of its
     checkpoint folders."""
     path = Path(path)
-    run_dir = path.parents[1] if path.parent.name == "checkpoints" else path
-    found = [path] if path.parent.name == "checkpoints" else checkpoints(run_dir)
+    if path.parent.name == "checkpoints":
+        run_dir, found = path.parents[1], [path]
+    else:
+        run_dir, found = path, checkpoints(path)
     if not (run_dir / RUN_SPEC).is_file() or not found or not found[-1].is_dir():
         raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
     return run_dir, found[-1]

@@ -40,8 +40,8 @@ class Strict(BaseModel):
         build one head. (A field validator cannot do this: pydantic allows none on a ``type`` tag.)"""
         if isinstance(data, dict):
             for key, value in data.items():
-                field = cls.model_fields.get(key)
-                if isinstance(value, bool) and field and _wants_a_number(field.annotation):
+                info = cls.model_fields.get(key)
+                if isinstance(value, bool) and info and _wants_a_number(info.annotation):
                     raise PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted",
                                               {"key": key, "value": str(value).lower()})
         return data

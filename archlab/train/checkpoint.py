@@ -283,16 +283,16 @@ def tokenizer_of(run_dir: Path) -> Path | None:
     is a SpecError."""
     from archlab.train.config import load_config, tokenized
 
-    file = run_dir / "config.yaml"
     if (run_dir / "tokenizer.json").is_file():
         return run_dir / "tokenizer.json"
-    if not file.is_file():  # a run without its config or tokenizer
+    config = run_dir / "config.yaml"
+    if not config.is_file():  # a run without its config or tokenizer
         return None
-    data = load_config(str(file)).data
+    data = load_config(str(config)).data
     tokenizer = Path(data.cache or run_dir) / "tokenizer.json"
     if tokenizer.is_file():
         return tokenizer
     if not tokenized(data.source):
         return None  # a run on token ids or a recall task has none
-    where = f", where data.cache in {file} points (a relative folder is read from the current one)" if data.cache else ""
+    where = f", where data.cache in {config} points (a relative folder is read from the current one)" if data.cache else ""
     raise CheckpointError(f"the run's tokenizer is not at {tokenizer}{where}")

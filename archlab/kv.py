@@ -182,6 +182,14 @@ class PagedKV:
 
     def _split_by_page(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         rows, n, heads, dim = q.shape
+        out = self._combine_pages(*self._page_partials(q, q_pos), rows)  # [Hkv, rows, group, n, Dh]
+        return out.permute(1, 3, 0, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
+
+    def _page_partials(self, q: torch.Tensor, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each pool page's attention of its sequence's queries over its keys, before the softmax's
+        division: the weighted values [Hkv, pages, group, n, Dh], and the scores' maximum and the
+        weights' sum [Hkv, pages, group, n]."""
+        rows, n, heads, dim = q.shape
         kv_heads, pages, size, _ = self.k.shape
         group = heads // kv_heads
         local = torch.full((self.pages.table.shape[0] + 1,), -1, device=q.device)  # row of the table -> row of q
@@ -199,10 +207,16 @@ class PagedKV:
         weights = torch.exp(scores - torch.where(top.isfinite(), top, 0)[..., None])
         values = self.v.view(kv_heads * pages, size, dim)
         out = matmul_fp32(weights.flatten(2, 3).flatten(0, 1).to(values.dtype), values).view(kv_heads, pages, group, n, dim)
+        return out, top, weights.sum(-1)
+
+    def _combine_pages(self, out: torch.Tensor, top: torch.Tensor, total: torch.Tensor, rows: int) -> torch.Tensor:
+        """Each sequence's attention [Hkv, rows, group, n, Dh] from its pages' partial results
+        (``_page_partials``), each rescaled to the sequence's highest score."""
+        pages = self.k.shape[1]
         # each sequence's pages, in position order (unheld columns point at the spare page: all masked), gathered a
         # few columns at a time: all at once, the partials took rows x columns x H x Dh, however few pages were held
         table = self.pages.table[self.pages.rows]
-        top, total = top[:, table], weights.sum(-1)  # the scores' maxima alone: no Dh
+        top = top[:, table]  # the scores' maxima alone: no Dh
         peak = top.amax(2, keepdim=True)
         step = ceil_div(pages, rows)  # columns at once: their copy of the partials stays within the pool's size (a full pool: all)
         summed = weighed = 0
@@ -211,8 +225,7 @@ class PagedKV:
             scale = torch.exp(top[:, :, first : first + step] - peak).nan_to_num(0.0)  # exp(-inf - -inf): nothing visible
             summed = summed + (out[:, columns] * scale[..., None]).sum(2)
             weighed = weighed + (total[:, columns] * scale).sum(2)
-        out = summed / weighed[..., None]  # [Hkv, rows, group, n, Dh]
-        return out.permute(1, 3, 0, 2, 4).reshape(rows, n, heads, dim).to(q.dtype)
+        return summed / weighed[..., None]
 
     def _flex(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """FlexAttention over each head's pool as one sequence whose blocks are pages (its

@@ -22,10 +22,13 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except OSError as exc:  # a folder that cannot be written to
         raise _named(exc, path) from None
     try:
-        with opened as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with opened as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:  # a full disk: said of the file meant, which a bare "No space left on device" did not name
+            raise _named(exc, path) from None
         try:
             os.replace(tmp, path)
         except OSError as exc:  # its place taken (a folder where the file goes)
@@ -35,7 +38,10 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
 
 
 def _named(exc: OSError, path: Path) -> OSError:
-    """The error as of the file meant, not of its temporary, which the user never made."""
+    """The error as of the file meant, not of its temporary, which the user never made. A write cut
+    short that numpy reports with no errno ("190000 requested and 114656 written") says so."""
+    if exc.errno is None:
+        return OSError(None, f"written in part ({exc}); is the disk full?", str(path))
     return type(exc)(exc.errno, exc.strerror, str(path))
 
 

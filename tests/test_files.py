@@ -102,3 +102,37 @@ def test_a_file_written_whole_has_the_permissions_a_plain_write_gives(tmp_path):
     finally:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "train.npy").stat().st_mode) == 0o644
+
+
+def test_a_full_disk_names_the_file_it_stopped(tmp_path):
+    """A write that runs out of room says which file: a bare "No space left on device" (the
+    write's own error, which names no file) left a user of a run folder to guess what filled."""
+    import errno
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text("old")
+
+    def full(f):
+        f.write(b"part of it")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as raised:
+        write_whole(path, full)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path), raised.value
+    assert path.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]
+
+
+def test_a_short_write_numpy_reports_without_an_errno_names_the_file_and_a_full_disk(tmp_path):
+    """``np.save`` onto a full disk raises a bare ``OSError("190000 requested and 114656 written")``,
+    no errno, no file: the error names the file and asks whether the disk is full."""
+    path = tmp_path / "train.npy"
+
+    def short(f):
+        f.write(b"\x93NUMPY")
+        raise OSError("190000 requested and 114656 written")  # as numpy's tofile says it
+
+    with pytest.raises(OSError) as raised:
+        write_whole(path, short)
+    assert raised.value.filename == str(path), raised.value
+    assert "114656 written" in raised.value.strerror and "disk full" in raised.value.strerror, raised.value
+    assert list(tmp_path.iterdir()) == []

@@ -329,7 +329,7 @@ class Trainer:
     def _write_start(self, steps: int) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_settings(self.run_dir, [{"from step": 0, **self.environment}])  # first: it marks the files after it as a run's
-        (self.run_dir / checkpoint.RUN_SPEC).write_text(spec_to_yaml(self.spec))
+        write_text_whole(self.run_dir / checkpoint.RUN_SPEC, spec_to_yaml(self.spec))
         self._write_config(steps)
 
     def _resume(self, steps: int) -> int:

@@ -20,6 +20,7 @@ import torch
 
 from archlab.cache import Cache
 from archlab.engine import Engine
+from archlab.files import save_figure_whole
 from archlab.memory import check_room
 from archlab.model import Model
 from archlab.table import MIB
@@ -208,6 +209,6 @@ def plot(rows: list[BenchRow], path: str) -> None:
     batch, gen = rows[0].batch, rows[0].gen
     fig.suptitle(f"archlab bench: batch {batch}, {gen} new tokens, {rows[0].device}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_whole(fig, path, dpi=120)
     plt.close(fig)
 

@@ -35,6 +35,7 @@ from archlab.cache import Cache
 from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import COST_PAGE_TITLE, TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
+from archlab.files import write_text_whole
 from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
@@ -793,7 +794,7 @@ def cost(
             _error(f"--doc writes a markdown page; --format {fmt.value} goes with a table on stdout")
             raise typer.Exit(2)
         command = "archlab cost " + " ".join(str(p) for p in paths) + " --seq-len " + " ".join(seq_len) + f" --doc {doc}"
-        doc.write_text(cost_doc(labelled, lengths, command))
+        write_text_whole(doc, cost_doc(labelled, lengths, command))  # a full disk leaves the page that was there
         err.print(f"wrote {doc}", markup=False)
         return
     rows = []

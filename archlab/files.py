@@ -49,6 +49,12 @@ def write_text_whole(path: Path, text: str) -> None:
     write_whole(path, lambda f: f.write(text.encode("utf-8")))
 
 
+def save_figure_whole(fig, path: Path, dpi: int) -> None:
+    """A matplotlib figure saved as a PNG, whole: a full disk leaves the plot that was there, not
+    the first blocks of a new one."""
+    write_whole(Path(path), lambda f: fig.savefig(f, format="png", dpi=dpi))
+
+
 def written_as(name: str) -> str:
     """The file a name stands for: itself, or the file a killed ``write_whole`` was writing."""
     return name[1:].partition(TEMPORARY)[0] if name.startswith(".") and TEMPORARY in name else name

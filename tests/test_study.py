@@ -675,6 +675,43 @@ def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, cur
                                      intermediate_values=curve or {2: value, 4: value})
 
 
+@contextmanager
+def files_no_bigger_than(size):
+    """Writes past ``size`` bytes in a file fail (EFBIG), as on a disk that fills midway: a
+    file-size limit on this process, its hard limit left as it was, so that it can be lifted."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))  # CPython ignores SIGXFSZ: the write fails instead
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path, monkeypatch):
+    """report.md and the plots were written in place: a disk that filled as a report was rewritten
+    left the first blocks of a PNG, or of the markdown, where the last whole ones had been."""
+    study = load_study(str(mini(tmp_path, "full")))
+    recorded = optuna.create_study()
+    for trial in (finished("yoco", 0, 0, 3.0, 0.002), finished("yoco-u", 0, 0, 2.5, 0.002)):
+        trial.user_attrs["flops_per_step"] = 1e9
+        recorded.add_trial(trial)
+    out = tmp_path / "out"
+    report(study, recorded, out, "sqlite:///study.db")
+    saved = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"report.md", "curves.png", "loss_vs_flops.png"} <= set(saved)
+    for name in ("curves.png", "report.md"):  # each as a reporting past its size; the plots go first
+        (out / name).write_bytes(b"an earlier " + name.encode())
+        saved[name] = (out / name).read_bytes()
+        if name == "report.md":
+            monkeypatch.setattr("archlab.study.report.plot", lambda *args: [])  # only the markdown, then
+        with files_no_bigger_than(200), pytest.raises(OSError) as raised:
+            report(study, recorded, out, "sqlite:///study.db")
+        assert raised.value.filename == str(out / name), raised.value
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == saved, name  # as they were, and no temporary beside them
+
+
 def test_a_median_pruner_weighs_a_trial_against_its_own_variant_and_seed():
     """yoco-u's curves lie far above yoco's here: against the median of all trials, every yoco-u
     trial would be cut; against yoco-u's own, one near their median goes on. Seed 1 is a worse

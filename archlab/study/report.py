@@ -14,7 +14,7 @@ from optuna.trial import TrialState
 
 from archlab.cost import Cost
 from archlab.environment import describe, setting_lines
-from archlab.files import write_text_whole
+from archlab.files import save_figure_whole, write_text_whole
 from archlab.study.definition import Study
 from archlab.study.runner import (
     ACCURACY, OWNER, PLOTS, STOPPED, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study,
@@ -305,7 +305,7 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
             ax.legend()
         fig.tight_layout()
         paths.append(out / f"{name}.png")
-        fig.savefig(paths[-1], dpi=110)
+        save_figure_whole(fig, paths[-1], dpi=110)
         plt.close(fig)
     return paths
 
@@ -344,5 +344,5 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
         "",
     ]
     markdown = "\n".join(text)
-    (out / "report.md").write_text(markdown)
+    write_text_whole(out / "report.md", markdown)  # whole: a full disk leaves the last report, not part of this one
     return markdown if fmt is Format.md else render(rows, fmt)

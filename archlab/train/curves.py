@@ -14,6 +14,7 @@ from pathlib import Path
 
 from archlab.cost import Cost
 from archlab.environment import SettingsError, describe, read_settings, setting_lines, setting_of
+from archlab.files import save_figure_whole
 from archlab.table import Decimals
 from archlab.train.checkpoint import RUN_SPEC
 
@@ -302,5 +303,5 @@ def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -
         if ax.lines:  # no run logged one yet: an empty panel, without matplotlib's warning of an empty legend
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_whole(fig, path, dpi=110)
     plt.close(fig)

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from archlab.files import save_figure_whole
 from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
@@ -242,5 +243,5 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_whole(fig, path, dpi=110)
     plt.close(fig)

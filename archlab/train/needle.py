@@ -31,6 +31,7 @@ from statistics import fmean
 import torch
 
 from archlab.engine import Engine
+from archlab.files import save_figure_whole
 from archlab.memory import Watched
 from archlab.table import Decimals
 from archlab.train.data import encode, load_tokenizer
@@ -303,5 +304,5 @@ def plot(runs: dict[str, list[Found]], path: Path) -> None:
     for ax in panels[:, 0]:
         ax.set_ylabel("needle depth")
     fig.colorbar(image, ax=panels.flat[: len(runs)], label="share of probes found")
-    fig.savefig(path, dpi=110)
+    save_figure_whole(fig, path, dpi=110)
     plt.close(fig)

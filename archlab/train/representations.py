@@ -20,6 +20,7 @@ from statistics import fmean
 import torch
 import torch.nn.functional as F
 
+from archlab.files import save_figure_whole
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
@@ -160,5 +161,5 @@ def plot(runs: dict[str, list[Measured]], path: Path) -> None:
     ax.set_title("how far each layer turns the hidden state", pad=16)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure_whole(fig, path, dpi=110)
     plt.close(fig)

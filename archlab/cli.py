@@ -36,6 +36,7 @@ from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import COST_PAGE_TITLE, TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.files import write_text_whole
+from archlab.interrupts import held_signals
 from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
@@ -305,15 +306,8 @@ def _import_whole(module: str) -> None:
     """Import ``module`` with SIGINT and SIGTERM held until it is done, then delivered: one landing
     inside an extension module's import (torch._dynamo's of triton) ended the process from C++, with
     "terminate called after throwing an instance of 'nanobind::python_error'"."""
-    came = []
-    handlers = {signum: signal.signal(signum, lambda signum, frame: came.append(signum)) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with held_signals():
         importlib.import_module(module)
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        for signum in came[:1]:
-            signal.raise_signal(signum)
 
 
 @contextmanager

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from archlab.table import Format, render, si
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, passed_over, progress, readable, report, settings, summarize
 from archlab.study.runner import (
-    SameVariantAndSeed, StorageError, StudyChanged, check_unchanged, claim, join, learning_rate, open_study, planned_as, run_trial, settled, shown, storage_url,
+    SameVariantAndSeed, StorageError, StudyChanged, WholeCallsStorage, check_unchanged, claim, join, learning_rate, open_study, planned_as, run_trial, settled, shown, storage_url,
     work,
 )
 from archlab.train.trainer import Trainer
@@ -535,6 +536,48 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
             " heartbeat for --grace-period (60 s): taken by a worker still running, or by the next `study run`") in " ".join(stderr.split())
     (trial,) = [t for t in trials_of(f"sqlite:///{out / 'optuna.db'}", "interrupted") if t.state.name == "RUNNING"]
     assert trial.user_attrs["stopped_worker"] == trial.user_attrs["worker"]  # the report counts it as stopped, not running
+
+
+def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
+    """A SIGINT that comes while optuna writes to the study's storage is raised when the write is
+    done: cut inside SQLAlchemy's session, a write could leave SQLite locked, and the worker's last
+    write, marking its trial as stopped, waited a minute for it."""
+    database = tmp_path / "optuna.db"
+    storage = WholeCallsStorage(f"sqlite:///{database}", engine_kwargs={"connect_args": {"timeout": 1}})
+    trial_id = optuna.create_study(storage=storage).ask()._trial_id
+    libraries = tuple(str(Path(library.__file__).parent) for library in (optuna, sqlalchemy))
+    lines = []
+
+    def count(frame, event, arg):
+        lines.append(event == "line" and frame.f_code.co_filename.startswith(libraries))
+        return count
+
+    storage.set_trial_user_attr(trial_id, "cut at", 0)
+    sys.settrace(count)
+    storage.set_trial_user_attr(trial_id, "cut at", 0)  # as each below: its statements cached, its row there
+    sys.settrace(None)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored, as in a shell's background job
+    try:
+        for cut in range(1, sum(lines), sum(lines) // 30):  # lines of optuna's storage and SQLAlchemy's session
+            seen = iter(range(cut))
+
+            def interrupt(frame, event, arg):
+                if event == "line" and frame.f_code.co_filename.startswith(libraries) and next(seen, None) is None:
+                    sys.settrace(None)
+                    signal.raise_signal(signal.SIGINT)
+                return interrupt
+
+            with pytest.raises(KeyboardInterrupt):
+                sys.settrace(interrupt)
+                storage.set_trial_user_attr(trial_id, "cut at", cut)
+            sys.settrace(None)
+            other = sqlite3.connect(database, timeout=0)
+            other.execute("BEGIN IMMEDIATE")  # no lock left held: "database is locked" if there were
+            other.close()
+            assert storage.get_trial_user_attrs(trial_id)["cut at"] == cut  # written whole
+    finally:
+        sys.settrace(None)
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_two_workers_share_a_postgresql_study(tmp_path):
@@ -1087,7 +1130,7 @@ def test_a_storage_lost_while_a_trial_trains_is_said_and_fails_no_trial(tmp_path
     def report(self, *args, **kwargs):
         raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from cause
 
-    monkeypatch.setattr(optuna.storages.RDBStorage, "set_trial_intermediate_value", report)
+    monkeypatch.setattr(WholeCallsStorage, "set_trial_intermediate_value", report)
     code, _, stderr = cli("study", "run", definition, "--data", "mqar", "--out", tmp_path / "out")
     said = " ".join(stderr.split())
     assert code == 1 and "Traceback" not in stderr, stderr

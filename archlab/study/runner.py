@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import inspect
 import os
 import re
 import socket
@@ -39,6 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from archlab.block import Problem
 from archlab.files import write_text_whole, written_as
+from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
@@ -207,6 +210,26 @@ def _unopenable(url: str, exc: Exception) -> StorageError:
     return StorageError(f"cannot open the study storage {shown(url)}: {_in_words(exc)}")
 
 
+class WholeCallsStorage(RDBStorage):
+    """optuna's storage, each of whose calls runs to its end before a Ctrl-C or SIGTERM is raised.
+    One raised inside a call can leave its SQLAlchemy session open (optuna closes it on an Exception,
+    which a KeyboardInterrupt is not), its connection holding SQLite's lock: the worker's last write,
+    marking its trial as stopped, then waited out the busy timeout, a minute, before it could exit."""
+
+
+def _whole(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def whole(*args, **kwargs):
+        with held_signals():
+            return method(*args, **kwargs)
+    return whole
+
+
+for _name, _method in vars(RDBStorage).items():  # the private ones too: optuna's cache in front calls some
+    if inspect.isfunction(_method) and not _name.startswith("__"):
+        setattr(WholeCallsStorage, _name, _whole(_method))
+
+
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
@@ -217,7 +240,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
     try:
-        storage = RDBStorage(
+        storage = WholeCallsStorage(
             url,
             heartbeat_interval=heartbeat_interval(grace_period),
             grace_period=grace_period,

@@ -6,12 +6,15 @@ old file or the new one, never part of one, and a reader that has the old one ma
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
 TEMPORARY = ".tmp-"
+FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: on the disk, in a quota, under a file size limit
+REFUSED = (*FULL, errno.EROFS)  # writes the machine refuses, whatever is written
 
 
 def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:

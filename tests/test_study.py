@@ -1,6 +1,7 @@
 """Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
 import csv
+import errno
 import functools
 import io
 import json
@@ -25,6 +26,7 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution
 from optuna.storages import RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
 from rich.console import Console
+from safetensors import SafetensorError
 from sqlalchemy.engine import make_url
 
 from archlab.cost import Cost
@@ -1139,6 +1141,30 @@ def test_a_storage_lost_while_a_trial_trains_is_said_and_fails_no_trial(tmp_path
     url = storage_url(tmp_path / "out", None)
     (trial,) = optuna.load_study(study_name=load_study(str(definition)).key, storage=url).get_trials()
     assert trial.state == TrialState.RUNNING and "failure" not in trial.user_attrs
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+@pytest.mark.parametrize(("write", "error", "said"), [
+    ("torch.save", OSError(errno.ENOSPC, "No space left on device"), "No space left on device); is the disk full?"),
+    ("archlab.train.checkpoint.save_model", SafetensorError("No space left on device (os error 28)"), "(os error 28)); is the disk full?"),
+    ("archlab.train.trainer.open", OSError(errno.EROFS, "Read-only file system"), "(Read-only file system); training stopped"),
+], ids=["checkpoint", "checkpoint-weights", "metrics"])
+def test_a_disk_that_refuses_a_trial_s_files_stops_the_worker_and_fails_no_trial(tmp_path, cli, monkeypatch, write, error, said):
+    """A full disk failed the trial and then, in seconds, every trial after it, each recorded as
+    failed and never run again; the worker now stops, and the trial goes stale to run again."""
+
+    def refused(*args, **kwargs):
+        raise error
+
+    definition = mini(tmp_path, "full", steps=4)
+    monkeypatch.setattr(write, refused, raising=False)  # trainer.py's open is the builtin, for its metrics lines alone
+    code, _, stderr = cli("study", "run", definition, "--data", "mqar", "--out", tmp_path / "out")
+    told = " ".join(stderr.split())
+    assert code == 1 and "Traceback" not in stderr, stderr
+    assert "trial 0 stopped: " in told and said in told and "This worker stops too, rather than fail the trials after it;" in told and "can write its files" in told, told
+    monkeypatch.undo()
+    trials = optuna.load_study(study_name=load_study(str(definition)).key, storage=storage_url(tmp_path / "out", None)).get_trials()
+    assert [t.state.name for t in trials] == ["RUNNING", "WAITING", "WAITING", "WAITING"] and "failure" not in trials[0].user_attrs
 
 
 @pytest.mark.parametrize(("url", "said"), [

@@ -40,14 +40,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import write_text_whole, written_as
+from archlab.files import REFUSED, write_text_whole, written_as
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
 from archlab.train.data import DataError, OtherCorpus, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
-from archlab.train.trainer import Trainer
+from archlab.train.trainer import Trainer, Unwritten
 
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
@@ -667,7 +667,14 @@ def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str)
     except (UpdateFinishedTrialError, *STORAGE_ERRORS):  # not this worker's trial any more, or no storage to record it in (run_trial)
         raise
     except Exception as exc:
+        if refused_by_the_machine(exc):  # every trial after it would fail the same way (run_trial)
+            raise
         return None, TrialState.FAIL, f"{type(exc).__name__}: {exc}"
+
+
+def refused_by_the_machine(exc: Exception) -> bool:
+    """Whether a trial stopped because the disk would not take its files (full, read-only)."""
+    return isinstance(exc, Unwritten) or isinstance(exc, OSError) and exc.errno in REFUSED
 
 
 def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path, url: str) -> bool:
@@ -698,6 +705,9 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
     except STORAGE_ERRORS as exc:  # a trial is not failed for its storage's fault: it goes stale, and runs again
         raise StorageError(f"lost the study storage {shown(url)} while trial {trial.number} trained: {_in_words(exc)}; that trial"
                            " runs again once it has sent no heartbeat for --grace-period and a worker reaches the storage") from None
+    except (Unwritten, OSError) as exc:  # nor for its disk's
+        raise StorageError(f"trial {trial.number} stopped: {exc}. This worker stops too, rather than fail the trials after it;"
+                           " that trial runs again once it has sent no heartbeat for --grace-period and a worker can write its files") from None
 
 
 @contextmanager

@@ -11,7 +11,6 @@ renamed out of the way before their files are deleted.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -25,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
+from archlab.files import FULL, REFUSED
 from archlab.memory import NoRoom
 
 if TYPE_CHECKING:
@@ -37,6 +37,10 @@ NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used, said in words."""
+
+
+class Unsaved(CheckpointError):
+    """A checkpoint the disk would not take (full, over quota, read-only): the machine's fault, not the run's."""
 
 
 class WeightsDoNotFit(CheckpointError):
@@ -81,8 +85,8 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
     except (OSError, RuntimeError, SafetensorError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         # torch.save and safetensors report a short write in their own words ("unexpected pos ...")
-        full = not isinstance(exc, OSError) or exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-        raise CheckpointError(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
+        full = not isinstance(exc, OSError) or exc.errno in FULL
+        raise (Unsaved if full or exc.errno in REFUSED else CheckpointError)(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
                               f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
     for stale in final.parent.glob(f"{REMOVED}*"):  # removals a kill stopped midway
         shutil.rmtree(stale, ignore_errors=True)

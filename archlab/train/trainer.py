@@ -34,7 +34,7 @@ from archlab.checks import first_forward, params_problems
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
-from archlab.files import write_text_whole, written_as
+from archlab.files import REFUSED, write_text_whole, written_as
 from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
@@ -57,6 +57,11 @@ AFTER_SETTINGS = {checkpoint.RUN_SPEC, "config.yaml", "tokenizer.json"}
 
 class TrainError(Exception):
     """Training cannot go on; the message says why and what was kept."""
+
+
+class Unwritten(TrainError):
+    """A checkpoint or metrics line the disk would not take (full, read-only): the machine's fault,
+    not the run's, which a study's worker stops on rather than fail every trial after it."""
 
 
 class Relayed(TrainError):
@@ -503,7 +508,7 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:  # a full disk, say
-            raise TrainError(f"step {record['step']}'s metrics could not be written to {self.run_dir / 'metrics.jsonl'}"
+            raise (Unwritten if exc.errno in REFUSED else TrainError)(f"step {record['step']}'s metrics could not be written to {self.run_dir / 'metrics.jsonl'}"
                              f" ({exc.strerror or exc}); training stopped there, its checkpoints as they were") from None
 
     def _save(self, step: int, data: DataSource) -> Path:
@@ -700,7 +705,7 @@ class Trainer:
                         last_saved = self._save(done, data)
                     except checkpoint.CheckpointError as exc:
                         kept = f"the last one saved, {last_saved}, is intact" if last_saved else "no checkpoint had been written"
-                        raise TrainError(f"{exc} Training stopped after step {done}; {kept}") from None
+                        raise (Unwritten if isinstance(exc, checkpoint.Unsaved) else TrainError)(f"{exc} Training stopped after step {done}; {kept}") from None
                 progress.update(task, completed=done, status=status_line(record))
         return records
 

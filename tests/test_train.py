@@ -2102,6 +2102,39 @@ def test_layers_measure_a_layer_that_leaves_the_hidden_state_as_it_was_as_turnin
     assert all(math.isfinite(d) for d in distances) and distances[1] < 1e-3 < min(distances[:1] + distances[2:]), distances
 
 
+def test_layers_summary_names_a_loops_layers_and_averages_each_iteration_over_them():
+    """Two layers in the looped half: the summary names the loop's first and last layer and gives
+    each iteration's mean over its layers (distances made up, each distinct, so any regrouping shows)."""
+    from archlab.model import build_model
+    from archlab.train.representations import Measured, applications, summary
+
+    for name, half, layers, looped in (("yoco-u", "self_decoder", "0-1", range(0, 6)), ("upper-loop", "cross_decoder", "2-3", range(2, 8))):
+        order = applications(build_model(load_spec(ROOT / "specs" / "tiny" / f"{name}.yaml")))
+        distances = [0.01 * (k + 1) ** 2 for k in range(len(order))]
+        assert len(order) == 8 and [order[k].layer for k in looped] == [int(layers[0]), int(layers[-1])] * 3
+        means = [(distances[k] + distances[k + 1]) / 2 for k in looped[::2]]
+        entering = [a.half for a in order].index("cross_decoder")
+        assert summary("run", [Measured(a, d) for a, d in zip(order, distances)]) == [
+            f"run: {half} layers {layers} looped, mean distance by iteration: " + ", ".join(f"{m:.4f}" for m in means),
+            f"run: entering the cross_decoder, the distance goes from {distances[entering - 1]:.4f} to {distances[entering]:.4f}"]
+
+
+def test_layers_refuse_a_forward_pass_that_applies_other_layers_than_its_plan(monkeypatch):
+    """More applications than the plan has, or fewer, is said, and the measure's hooks come off."""
+    import archlab.train.representations as representations
+    from archlab.model import build_model
+
+    spec = load_spec(ROOT / "specs" / "tiny" / "yoco.yaml")
+    model = build_model(spec).eval()
+    planned = representations.applications(model)
+    inputs = torch.randint(0, spec.vocab_size, (1, 8))
+    for plan in (planned[:-1], planned + planned[:1]):
+        monkeypatch.setattr(representations, "applications", lambda model, plan=plan: plan)
+        with pytest.raises(RuntimeError, match=f"the forward pass applied {len(planned)} layers where its plan has {len(plan)}$"):
+            representations.angular_distances(model, inputs)
+        assert not any(layer._forward_hooks for layer in model.layers)
+
+
 def test_layers_measure_trained_runs_on_their_held_out_split(cli, trained_on_text, trained_on_mqar, tmp_path):
     from archlab.train.checkpoint import load_trained
     from archlab.train.evaluate import windows

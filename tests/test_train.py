@@ -2272,6 +2272,92 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")
 
 
+def test_niah_takes_a_length_the_question_and_needle_just_fit_and_new_tokens_that_just_hold_the_answer(trained_on_text):
+    """The same seed draws the same key and number: at the length of the question and the needle
+    alone, with the tokens to generate, the probe has no line of haystack; a token less is refused.
+    New tokens as many as the answer's hold it; one fewer is refused."""
+    from tokenizers import Tokenizer
+
+    from archlab.train.evaluate import EvaluationError
+    from archlab.train.needle import NEEDLE, PROMPT, Haystack, Probes
+
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    first = Probes(Haystack.noise(), tokenizer, 12, seed=5).draw(512, 50.0)
+    bare = tokenizer.encode(PROMPT.format(context=NEEDLE.format(key=first.key, value=first.value), key=first.key)).ids
+    probe = Probes(Haystack.noise(), tokenizer, 12, seed=5).draw(len(bare) + 12, 50.0)
+    assert (probe.key, probe.value, probe.prompt, probe.placed) == (first.key, first.value, bare, 0.0)
+    with pytest.raises(EvaluationError, match=f"--seq-len {len(bare) + 11:,}: the question and the needle alone take {len(bare):,} tokens"):
+        Probes(Haystack.noise(), tokenizer, 12, seed=5).draw(len(bare) + 11, 50.0)
+    held = len(first.answer)
+    assert Probes(Haystack.noise(), tokenizer, held, seed=5).draw(512, 50.0).answer == first.answer
+    with pytest.raises(EvaluationError, match=f"--new-tokens {held - 1}: the answer"):
+        Probes(Haystack.noise(), tokenizer, held - 1, seed=5).draw(512, 50.0)
+
+
+def test_niah_says_once_that_a_text_haystack_runs_out_and_not_where_its_lines_just_fit(trained_on_text):
+    """A haystack of three lines, at every length from none of them to five: the warning comes
+    with a fourth line (the first read again), not with all three just fitting; and once a draw."""
+    from tokenizers import Tokenizer
+
+    from archlab.train.needle import NEEDLE, PROMPT, Haystack, Probes
+
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    haystack = Haystack.text("the red fox runs far\na slow green river\nseven tall trees stand", "three lines")
+    head, _, question = PROMPT.partition("{context}")
+    drawn = Probes(haystack, tokenizer, 12, seed=1)
+    with pytest.warns(UserWarning, match=r"the haystack \(three lines\) runs out of lines within 512 tokens: its 3 lines are read again"):
+        first = drawn.draw(512, 50.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drawn.draw(512, 25.0)  # said for the first probe only
+    bare = len(tokenizer.encode(PROMPT.format(context=NEEDLE.format(key=first.key, value=first.value), key=first.key)).ids)
+    counts, length = set(), bare + 12
+    while max(counts, default=0) < 5:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            probe = Probes(haystack, tokenizer, 12, seed=1).draw(length, 50.0)
+        count = len(tokenizer.decode(probe.prompt)[len(head) : -len(question.format(key=probe.key))].split("\n")) - 1  # less the needle
+        assert len(said) == (count > 3), (length, count, [str(w.message) for w in said])
+        counts.add(count)
+        length += 1
+    assert counts == {0, 1, 2, 3, 4, 5}
+
+
+def test_niah_probes_begin_their_haystack_at_a_line_drawn_at_random(trained_on_text):
+    from tokenizers import Tokenizer
+
+    from archlab.train.needle import PROMPT, Haystack, Probes
+
+    tokenizer = Tokenizer.from_file(str(trained_on_text / "tokenizer.json"))
+    lines = [f"line {i} of the haystack" for i in range(40)]  # more than fit: none read again
+    drawn = Probes(Haystack.text("\n".join(lines), "forty lines"), tokenizer, 12, seed=0)
+    head = PROMPT.partition("{context}")[0]
+    firsts = {tokenizer.decode(drawn.draw(600, 90.0).prompt)[len(head) :].split("\n")[0] for _ in range(12)}
+    assert firsts <= set(lines) and len(firsts) > 2, firsts
+
+
+def test_niah_text_haystack_leaves_out_lines_of_whitespace_alone():
+    from archlab.train.evaluate import EvaluationError
+    from archlab.train.needle import Haystack
+
+    assert Haystack.text("first\n  \n\t\nsecond\n\n", "text").lines == ["first", "second"]
+    with pytest.raises(EvaluationError, match="blank has no text to hide a needle in"):
+        Haystack.text(" \n\t\n", "blank")
+
+
+def test_niah_rows_and_summary_average_the_loss_and_gain_a_digit_over_probes():
+    """Hand-made results: a probe found and one not, losses summed over the value's 7 digits."""
+    from archlab.train.needle import Found, Probe, rows, summary
+
+    probes = [Probe(512, 50.0, "calm-donkey", value, [], [], [], placed) for value, placed in (("1234567", 48.0), ("7654321", 51.0))]
+    found = [Found(probes[0], " 1234567", 7.0, 21.0), Found(probes[1], " 7654320", 14.0, 10.5)]
+    # loss a digit: 1 and 2; gain a digit: (21 - 7) / 7 = 2 and (10.5 - 14) / 7 = -0.5
+    assert summary("run", found) == ("run: 1 of 2 probes found; the answer's loss 1.5000 a digit (a uniform guess at each is 2.3026);"
+                                     " reading the needle gains +0.7500 a digit")
+    assert rows("run", found) == [{"run": "run", "length": 512, "depth %": 50.0, "placed %": 49.5, "probes": 2, "found": 0.5,
+                                   "loss/digit": 1.5, "gain/digit": 0.75}]
+
+
 def test_curves_compare_runs_with_a_baseline_at_its_loss_and_at_its_flops(cli, trained_on_text, tmp_path):
     """Hand-written logs of two specs, so that equal FLOPs are unequal tokens."""
     from archlab.cost import Cost

@@ -80,6 +80,18 @@ def test_simple_gla_chunk_matches_recurrent(T, init, chunk_size):
     close(s, s_ref, F64)
 
 
+def test_simple_gla_and_retention_give_no_final_state_unless_asked_as_fla():
+    """fla's ops return None for the state unless output_final_state: a caller that did not ask
+    keeps nothing alive, and the output is the same either way."""
+    q, k, v, g, _, h0 = linear_inputs(20, init=True)
+    for op, gates in ((chunk_simple_gla, dict(g=g, chunk_size=8)), (fused_recurrent_simple_gla, dict(g=g)),
+                      (chunk_retention, dict(chunk_size=8)), (fused_recurrent_retention, {})):
+        o, state = op(q, k, v, initial_state=h0, **gates)
+        asked, final = op(q, k, v, initial_state=h0, output_final_state=True, **gates)
+        assert state is None and final.shape == (2, 3, 8, 5)
+        torch.testing.assert_close(o, asked, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("chunked, recurrent, with_beta", [
     (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, True),
     (chunk_simple_gla, fused_recurrent_simple_gla, False),
@@ -266,6 +278,22 @@ def test_ssd_step_through_simple_gla_equals_selective_state_update(ngroups, init
         close(y, ref_y, F64)
         close(new, ref_new, F64)
         state = new
+
+
+def test_ssd_step_through_simple_gla_leaves_a_negative_dt_unclamped_as_mamba_step():
+    """Without softplus or bias, a raw dt below zero reaches the step as it is (mamba_ssm's step
+    clamps nothing, unlike the chunked scan's default dt_limit of 0 and up): the state and output
+    as the recurrence written out give them."""
+    i = ssd_inputs(1, 2, True, (4,))
+    state, x, dt, A, B, C, D, z = i["initial_states"], i["x"][:, 0], i["dt"][:, 0] + 1, i["A"], i["B"][:, 0], i["C"][:, 0], i["D"], i["z"][:, 0]
+    assert (dt < 0).any() and (dt > 0).any()
+    Bh, Ch = (t.repeat_interleave(2, dim=1) for t in (B, C))  # 4 heads in 2 groups
+    new_ref = state * (dt * A)[..., None, None].exp() + dt[..., None, None] * x[..., None] * Bh[:, :, None, :]
+    y_ref = ((new_ref * Ch[:, :, None, :]).sum(-1) + x * D[:, None]) * F.silu(z)
+    for step in (state_update_from_gla(fused_recurrent_simple_gla), selective_state_update):
+        y, new = step(state, x, dt, A, B, C, D=D, z=z)
+        close(new, new_ref, F64)
+        close(y, y_ref, F64)
 
 
 def test_ssd_through_simple_gla_passes_the_chunk_size():

@@ -93,6 +93,39 @@ def test_under_bfloat16_autocast_is_close_to_float32():
         assert (g - e).norm() / e.norm() < 2e-2
 
 
+def test_a_vocabulary_wider_than_a_chunk_is_taken_a_row_at_a_time(monkeypatch):
+    """A chunk of fewer logits than one row has (a vocabulary past CHUNK_ELEMENTS) still holds a
+    row: loss, gradients and scores as over the whole logits."""
+    monkeypatch.setattr(archlab.loss, "CHUNK_ELEMENTS", 20)  # a row has 50
+    hidden = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 50, (9,))
+    targets[2] = IGNORE
+    got = []
+    for loss_of in (linear_cross_entropy, reference):
+        loss = loss_of(hidden, weight, targets)
+        loss.backward()
+        got.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+        hidden.grad = weight.grad = None
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert scores(hidden.detach(), weight.detach(), targets)[0].item() == pytest.approx(got[1][0].item() * 8, rel=1e-12)
+
+
+def test_under_bfloat16_autocast_the_head_product_is_bfloat16s():
+    """The loss is that of the logits autocast makes (a bfloat16 product), not of float32 ones."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(64, 32, generator=gen), torch.randn(300, 32, generator=gen)
+    targets = torch.randint(0, 300, (64,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets)
+        summed = scores(hidden, weight, targets)[0]
+    expected = F.cross_entropy((hidden.bfloat16() @ weight.bfloat16().T).float(), targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(summed, expected * 64, rtol=1e-6, atol=1e-5)
+    assert abs(loss - reference(hidden, weight, targets)) > 1e-3  # float32's differs
+
+
 @pytest.mark.parametrize("name", ["yoco-u", "parscale", "yoco-u-moe"])
 def test_the_model_gives_the_loss_of_its_logits(name):
     """Every parameter's gradient, through the head (and ParScale's stream mixing, MoE's aux loss)."""

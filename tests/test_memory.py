@@ -196,6 +196,21 @@ def test_the_watch_leaves_room_for_another_op_as_large_as_the_largest_yet(monkey
     assert str(stopped.value) == "its pass had taken 50.0 MiB of the 100.0 MiB free when they were stopped"
 
 
+def test_the_watch_keeps_room_for_the_largest_op_yet_after_smaller_ones(monkeypatch):
+    """A 48 MiB op read with nothing grown yet; grown by 50 MiB of 100 MiB free, ops of 4 MiB are
+    stopped at the next read: another as large as that earlier one would pass nine tenths."""
+    monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 100 * 2**20)
+    grown = [0]
+    monkeypatch.setattr(archlab.memory, "resident_bytes", lambda: grown[0])
+    with Watched("cpu", "its pass"):
+        torch.ones(12 * 2**20)  # 48 MiB
+        grown[0] = 50 * 2**20
+        with pytest.raises(NoRoom) as stopped:
+            for _ in range(8):
+                torch.ones(2**20)  # 4 MiB each: 54 MiB, with room for another
+    assert str(stopped.value) == "its pass had taken 50.0 MiB of the 100.0 MiB free when they were stopped"
+
+
 def test_flex_attention_runs_watched(cli, tmp_path):
     """FlexAttention is a higher-order op, traced by torch.compile even in eager mode: the watch
     passes it on, and its tracing on."""

@@ -290,6 +290,29 @@ def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
     assert moe.router.weight.grad.abs().max() > 1e-3
 
 
+def test_moe_adds_its_shared_experts_swiglu_to_every_token():
+    """n_shared experts every token uses, one SwiGLU of n_shared times the expert width: its
+    output added to the routed experts' (the first half of gate_up is the gate, through SiLU)."""
+    from archlab.ffn import MoEFFN
+    from archlab.spec import MoE
+
+    torch.manual_seed(0)
+    spec = MoE(type="moe", n_experts=4, top_k=2, expert_hidden=8, n_shared=2, aux_loss_weight=0.0)
+    moe = MoEFFN(16, spec, 0.5).double()
+    tokens = torch.randn(2, 5, 16, dtype=torch.float64)
+    out = moe(tokens, aux_losses=[])
+    assert moe.shared.down.weight.shape == (16, 16)
+    for token, got in zip(tokens.reshape(-1, 16), out.reshape(-1, 16)):
+        top = (moe.router.weight @ token).softmax(-1).topk(2)
+        expected = 0
+        for weight, expert in zip(top.values / top.values.sum(), top.indices):
+            gate, up = (token @ moe.gate_up[expert]).chunk(2)
+            expected = expected + weight * ((F.silu(gate) * up) @ moe.down[expert])
+        gate, up = (moe.shared.gate_up.weight @ token).chunk(2)
+        expected = expected + moe.shared.down.weight @ (F.silu(gate) * up)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 # --- Whole block modules against the published layers (fla's, with its Triton pieces swapped for
 # PyTorch ones: its kernels for archlab's recurrent ops, which tests/test_ops.py holds equal to fla's
 # naive references, and which compute in float64 where those cast to float32): projections, short

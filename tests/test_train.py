@@ -2231,6 +2231,16 @@ def test_niah_finds_the_longest_haystack_as_a_scan_of_every_count_does():
         assert len(asked) <= 4 * np.log2(len(sizes)) + 8, asked  # no scan: about as many as doubling and halving (fewer on real text)
 
 
+def test_niah_finds_the_longest_haystack_past_lines_that_take_no_tokens():
+    """Sizes flat for a stretch (lines the prompt's encoding takes nothing more for): the guess on
+    the line through two equal sizes is not a division by zero, and the answer is the scan's."""
+    from archlab.train.needle import longest
+
+    for flat, budget in ((40, 120), (10, 100), (200, 230)):
+        size = lambda count: 100 + max(0, count - flat)  # noqa: E731
+        assert longest(size, budget) == max(count for count in range(flat + budget) if size(count) <= budget)
+
+
 def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli, trained_on_text, trained_on_mqar, tmp_path):
     from tokenizers import Tokenizer
 

@@ -1825,6 +1825,75 @@ def test_a_run_without_its_config_still_generates_with_its_tokenizer(trained_on_
     assert load_trained(run)[3] == run / "tokenizer.json"
 
 
+def rotating(trained, tmp_path):
+    """A copy of ``trained`` holding its step 2 alone, and a rotation to do: what a run training in it
+    does as it saves step 4 with keep_checkpoints=1 (in place under its name, then step 2 removed)."""
+    from archlab.train import checkpoint
+
+    run, aside = tmp_path / "run", tmp_path / "step-00000004"
+    shutil.copytree(trained, run)
+    os.replace(run / "checkpoints" / "step-00000004", aside)
+
+    def rotate():
+        os.replace(aside, run / "checkpoints" / aside.name)
+        checkpoint._remove(run / "checkpoints" / "step-00000002")
+
+    return run, rotate
+
+
+def rotated_as(module, name, rotate, monkeypatch):
+    """``module.name`` (a function reading a checkpoint) patched to find it rotated away on its first call."""
+    original, calls = getattr(module, name), []
+
+    def patched(*args, **kwargs):
+        if not calls:
+            calls.append(rotate())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, patched)
+
+
+def test_a_checkpoint_removed_by_its_training_run_as_it_is_read_gives_way_to_the_one_that_replaced_it(
+        cli, trained_on_text, tmp_path, monkeypatch):
+    from archlab.train import checkpoint, evaluate
+
+    run, rotate = rotating(trained_on_text, tmp_path)
+    rotated_as(checkpoint, "_load_weights", rotate, monkeypatch)  # listed, then gone before its weights are opened
+    _, model, used, _ = checkpoint.load_trained(run)
+    assert used == run / "checkpoints" / "step-00000004"
+    weights = load_file(used / "model.safetensors")
+    assert all(torch.equal(t, weights[name]) for name, t in model.state_dict().items() if name in weights)
+
+    run, rotate = rotating(trained_on_text, tmp_path / "generate")
+    rotated_as(checkpoint, "_load_weights", rotate, monkeypatch)
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "1")
+    assert code in (0, None) and f"weights from {run / 'checkpoints' / 'step-00000004'}" in " ".join(stderr.split()), stderr
+
+    run, rotate = rotating(trained_on_text, tmp_path / "evaluate")
+    rotated_as(evaluate, "info_of", rotate, monkeypatch)  # its weights read, then gone before its state.json is
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "2")
+    assert code in (0, None) and "damaged" not in stderr and "its metrics go on" not in stderr, stderr
+
+    run, rotate = rotating(trained_on_text, tmp_path / "named")  # a checkpoint named as a folder has none after it
+    rotated_as(checkpoint, "_load_weights", rotate, monkeypatch)
+    named = run / "checkpoints" / "step-00000002"
+    refused(cli("generate", named, "--max-new-tokens", "1"), f"checkpoint {named} was removed as it was read", "give the run's folder")
+
+
+def test_a_listing_of_checkpoints_that_meets_one_removed_as_it_is_read_looks_again(trained_on_text, tmp_path, monkeypatch):
+    run, rotate = rotating(trained_on_text, tmp_path)
+    listed, iterdir = [], Path.iterdir
+
+    def stale(folder):  # a listing read as the rotation happens: the old name, not yet the new one
+        found = list(iterdir(folder))
+        if folder == run / "checkpoints" and not listed:
+            listed.append(rotate())
+        yield from found
+
+    monkeypatch.setattr(Path, "iterdir", stale)
+    assert checkpoints(run) == [run / "checkpoints" / "step-00000004"]
+
+
 def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_on_text, trained_on_mqar, tmp_path):
     code, out, stderr = cli("curves", trained_on_text, trained_on_mqar, "--format", "json", "--plot", tmp_path / "steps.png")
     assert code in (0, None), stderr

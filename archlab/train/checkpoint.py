@@ -17,8 +17,9 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -30,6 +31,8 @@ from archlab.memory import NoRoom
 if TYPE_CHECKING:
     from archlab.spec import ModelSpec
 
+
+T = TypeVar("T")
 
 RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
 NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else there is left alone
@@ -49,10 +52,41 @@ class WeightsDoNotFit(CheckpointError):
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first: folders named as ``save`` names them, and nothing else
-    (a copy a user put beside them is neither resumed from nor removed)."""
+    (a copy a user put beside them is neither resumed from nor removed). A listing that met one
+    removed as it was read (a training run writing the folder replaced it) is read again: it may
+    have missed the checkpoint that replaced it."""
     root = run_dir / "checkpoints"
-    found = [p for p in root.iterdir() if NAME.fullmatch(p.name) and p.is_dir()] if root.is_dir() else []
+    for _ in range(LISTINGS):
+        named = [p for p in root.iterdir() if NAME.fullmatch(p.name)] if root.is_dir() else []
+        found = [p for p in named if p.is_dir()]
+        if all(p in found or os.path.lexists(p) for p in named):
+            break
     return sorted(found, key=step_of)
+
+
+LISTINGS = 10  # listings of a run's checkpoints, and reads of its latest, that a training run writing it may cut short
+
+
+def latest_read(path: str | Path, read: Callable[[Path, Path], T]) -> T:
+    """``read(run folder, checkpoint)`` of the checkpoint ``path`` names (``resolve``). A run that
+    trains as it is read removes older checkpoints as it saves (``keep_checkpoints``): a latest one
+    removed while it was read is followed by the one that replaced it, and one named as a folder is
+    said to be removed, not damaged."""
+    named = Path(path).parent.name == "checkpoints"
+    for _ in range(LISTINGS):
+        run_dir, used = resolve(path)
+        try:
+            return read(run_dir, used)
+        except (CheckpointError, OSError):
+            if used.exists():  # the checkpoint itself, unreadable
+                raise
+        if named:
+            raise CheckpointError(f"checkpoint {used} was removed as it was read (a training run writing {run_dir} keeps"
+                                  f" its latest checkpoints only, keep_checkpoints); give the run's folder, {run_dir}, to read"
+                                  " its latest") from None
+    raise CheckpointError(f"the latest checkpoint of {run_dir} was removed as it was read, {LISTINGS} times: a training run"
+                          " writing it saves faster than it can be read; read it once that run ends, or give it a larger"
+                          " checkpoint_interval") from None
 
 
 def step_of(path: Path) -> int | None:
@@ -220,11 +254,12 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     """(run folder, checkpoint folder) of a run directory (its latest checkpoint) or of one of its
     checkpoint folders."""
     path = Path(path)
-    if path.parent.name == "checkpoints":
+    named = path.parent.name == "checkpoints"
+    if named:
         run_dir, found = path.parents[1], [path]
     else:
-        run_dir, found = path, checkpoints(path)
-    if not (run_dir / RUN_SPEC).is_file() or not found or not found[-1].is_dir():
+        run_dir, found = path, checkpoints(path)  # whole folders; one removed since is found so as it is read
+    if not (run_dir / RUN_SPEC).is_file() or not found or named and not path.is_dir():
         raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
     return run_dir, found[-1]
 
@@ -247,10 +282,14 @@ def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -
 def load_trained(path: str | Path):
     """(spec, model with the latest weights in eval mode, the checkpoint used, tokenizer.json or
     None) of a run directory or one of its checkpoint folders."""
+    return latest_read(path, _trained)
+
+
+def _trained(run_dir: Path, used: Path):
+    """``load_trained`` of checkpoint ``used`` of the run ``run_dir``."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 
-    run_dir, used = resolve(path)
     spec = load_spec(run_dir / RUN_SPEC)
     try:
         model = build_model(spec)

@@ -24,7 +24,7 @@ from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
-from archlab.train.checkpoint import info_of, load_trained, resolve, step_of
+from archlab.train.checkpoint import info_of, latest_read, load_trained, resolve, step_of
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
@@ -109,9 +109,13 @@ class Loaded:
     @classmethod
     def of(cls, run: Path, data: str | None = None, say: Callable[[str], None] | None = None) -> Loaded:
         scorable(run)
-        _, model, used, tokenizer = load_trained(run)
+
+        def read(_, used: Path) -> tuple:  # the weights and the corpus they trained on, of one checkpoint
+            _, model, used, tokenizer = load_trained(used)
+            return model, used, tokenizer, info_of(used, "score").get("corpus")
+
+        model, used, tokenizer, corpus = latest_read(run, read)
         _say_an_earlier_step(run, used)
-        corpus = info_of(used, "score").get("corpus")
         return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus, say)
 
     @property

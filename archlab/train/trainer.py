@@ -305,9 +305,14 @@ class Trainer:
         spec's model must fit; the optimizer and schedule start afresh. The config records the
         checkpoint folder itself, and text is read with that run's tokenizer, the one its
         embeddings learned."""
-        run_dir, used = checkpoint.resolve(init)
-        try:
+        run_dir, _ = checkpoint.resolve(init)
+
+        def read(_, used: Path) -> Path:
             checkpoint.load_weights(used, self.model, check_hash=True)
+            return used
+
+        try:
+            used = checkpoint.latest_read(init, read)  # of a run still training, its latest checkpoint whole
         except checkpoint.WeightsDoNotFit as exc:
             raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
                                              f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None

@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 RUN_SPEC = "spec.yaml"  # a run's copy of the spec it trains, beside its checkpoints
 NAME = re.compile(r"step-(\d{8,})")  # a checkpoint folder's name; anything else there is left alone
+LISTINGS = 10  # listings of a run's checkpoints, and reads of its latest, that a training run writing it may cut short
 
 
 class CheckpointError(Exception):
@@ -62,9 +63,6 @@ def checkpoints(run_dir: Path) -> list[Path]:
         if all(p in found or os.path.lexists(p) for p in named):
             break
     return sorted(found, key=step_of)
-
-
-LISTINGS = 10  # listings of a run's checkpoints, and reads of its latest, that a training run writing it may cut short
 
 
 def latest_read(path: str | Path, read: Callable[[Path, Path], T]) -> T:

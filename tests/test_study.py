@@ -1204,17 +1204,28 @@ def test_a_storage_error_is_said_as_the_driver_said_it():
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
-    """A worker with a shorter one failed live workers' trials as stale, and each ran twice. With
-    no trial running, a new run may set another."""
+    """A worker with a shorter one failed live workers' trials as stale, and each ran twice; one
+    that joined as another had just joined, before either took a trial, was let in. With no trial
+    running and no worker joined for the grace period, a new run may set another."""
     study, out = load_study(str(mini(tmp_path, "grace"))), tmp_path / "out"
     url = storage_url(out, None)
+    refused = "this study's workers use --grace-period 60; .* give --grace-period 60 .*no worker has joined for 60 s"
     optuna_study = join(study, out, url, grace_period=60)
+    with pytest.raises(StorageError, match=refused):  # the first worker has yet to take a trial
+        join(study, out, url, grace_period=2)
+    optuna_study.set_user_attr("joined", time.time() - 61)
     claim(optuna_study, url, out)  # a worker is training
-    with pytest.raises(StorageError, match="this study's workers use --grace-period 60; .* give --grace-period 60"):
+    with pytest.raises(StorageError, match=refused):
         join(study, out, url, grace_period=2)
     join(study, out, url, grace_period=60)
     optuna_study._storage.set_trial_state_values(optuna_study.get_trials(states=(TrialState.RUNNING,))[0]._trial_id, TrialState.COMPLETE, [1.0])
+    with pytest.raises(StorageError, match=refused):  # that worker joined just now
+        join(study, out, url, grace_period=2)
+    optuna_study.set_user_attr("joined", time.time() - 61)
     assert join(study, out, url, grace_period=2).user_attrs["grace_period"] == 2
+    for trial in optuna_study.get_trials(states=(TrialState.WAITING,)):
+        optuna_study._storage.set_trial_state_values(trial._trial_id, TrialState.COMPLETE, [1.0])
+    assert join(study, out, url, grace_period=60).user_attrs["grace_period"] == 60  # nothing left to run: no worker to judge
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

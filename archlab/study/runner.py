@@ -59,6 +59,7 @@ OWNER = ".study"  # in a study's folder: the study (NAME-SCALE) whose report, pl
 # trials, a shared tokenized corpus, the report with its plots, and whose they are
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
                "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
+JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
 STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
@@ -426,11 +427,11 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
             optuna_study = None
             refuse_earlier_trials(out, study.key, url)
         agreed = optuna_study and optuna_study.user_attrs.get("grace_period")  # the running workers'
-        if agreed not in (None, grace_period) and optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if agreed not in (None, grace_period) and _workers_alive(optuna_study, agreed):
             raise StorageError(f"this study's workers use --grace-period {agreed}; a worker judging their heartbeats by"
                                f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period"
-                               f" {agreed} (another may be given once no trial is running; a worker given {agreed} takes over a"
-                               " stopped worker's trial once it has been silent that long)")
+                               f" {agreed} (another may be given once no trial is running and no worker has joined for {agreed} s;"
+                               f" a worker given {agreed} takes over a stopped worker's trial once it has been silent that long)")
         # a trial whose starting run is missing would fail; the study stops now instead
         starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
         if optuna_study:
@@ -459,7 +460,16 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
             elif _lost_for_good(earlier):  # a new run tries again, as a retry, so that the report follows it
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
+        optuna_study.set_user_attr(JOINED, time.time())
     return optuna_study
+
+
+def _workers_alive(optuna_study: optuna.Study, grace_period: int) -> bool:
+    """Whether a worker may be alive: one trains a trial, or one joined within the grace period and
+    may not have taken its first trial yet (as a trial is alive for that long after its last beat)."""
+    trials = optuna_study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+    joined = optuna_study.user_attrs.get(JOINED, 0)
+    return any(t.state == TrialState.RUNNING for t in trials) or bool(trials) and time.time() - joined < grace_period
 
 
 def refuse_earlier_trials(out: Path, key: str, url: str) -> None:

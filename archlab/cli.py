@@ -48,7 +48,41 @@ from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, loa
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels, tokens_apart
 
+
+def _takes_paths(param) -> bool:
+    """Whether a command's argument or option is a path, or a list of them."""
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    return annotation is Path or getattr(annotation, "__args__", None) == (Path,)
+
+
+def _refusing_empty(param) -> None:
+    """``param`` refuses an empty path: pathlib reads "" as ".", the current folder, which a run
+    would be trained into, or read from, unasked."""
+    process = param.process_value
+
+    def process_value(ctx, value):
+        given = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(each, str) and each == "" for each in given):
+            raise typer.BadParameter("an empty path names no file or folder", ctx=ctx, param=param)
+        return process(ctx, value)
+
+    param.process_value = process_value
+    param.refuses_empty = True
+
+
+class PathsGroup(TyperGroup):
+    """A group whose commands each refuse an empty path argument or option, the one place this is said."""
+
+    def get_command(self, ctx, cmd_name):
+        command = super().get_command(ctx, cmd_name)
+        for param in getattr(command, "params", ()):
+            if _takes_paths(param) and not getattr(param, "refuses_empty", False):
+                _refusing_empty(param)
+        return command
+
+
 app = typer.Typer(
+    cls=PathsGroup,
     help="archlab: declarative exploration of efficient decoder architectures.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -1245,7 +1279,7 @@ def _shipped_studies() -> list[str]:
     return sorted(p.stem for p in STUDIES.glob("*.yaml"))
 
 
-class StudyGroup(TyperGroup):
+class StudyGroup(PathsGroup):
     """``archlab study NAME ...`` is ``archlab study run NAME ...`` for a shipped study or a study
     file; another word is neither, and is answered with both the commands and the shipped studies."""
 
@@ -1269,7 +1303,15 @@ study_app = typer.Typer(
 )
 app.add_typer(study_app, name="study")
 
-StudyName = Annotated[str, typer.Argument(help="a study file, or the name of a shipped one")]
+
+def _study_given(study: str) -> str:
+    """A study's file or name: an empty one is neither (as a path it reads as the current folder)."""
+    if not study:
+        raise typer.BadParameter("an empty name; give a study file, or the name of a shipped one")
+    return study
+
+
+StudyName = Annotated[str, typer.Argument(help="a study file, or the name of a shipped one", callback=_study_given)]
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", file_okay=False, help="study directory; default runs/studies/NAME-SCALE")]

@@ -1185,3 +1185,45 @@ def test_a_spec_too_deep_or_long_to_read_is_reported_by_every_command_that_loads
     (tmp_path / "s.yaml").write_text(text)
     code, out, stderr = cli(command, tmp_path / "s.yaml")
     assert code == 1 and said in stderr and "Traceback" not in out + stderr, out + stderr
+
+
+# (name, command, the argument or option named); {tmp}: an empty folder, {run}: a training run
+EMPTY_PATHS = [
+    ("generate", ["generate", ""], "'SPEC_OR_RUN'"),
+    ("chat", ["chat", ""], "'run'"),
+    ("show", ["show", ""], "'path'"),
+    ("validate", ["validate", SPEC, ""], "'paths'"),
+    ("build", ["build", ""], "'paths'"),
+    ("cost --doc", ["cost", SPEC, "--doc", ""], "'--doc'"),
+    ("bench --plot", ["bench", SPEC, "--plot", ""], "'--plot'"),
+    ("equal-flops", ["equal-flops", SPEC, ""], "'others'"),
+    ("train spec", ["train", "", "--out", "{tmp}/run"], "'SPEC'"),
+    ("train --out", ["train", SPEC, "--out", "", "--steps", "1"], "'--out'"),
+    ("train --config", ["train", SPEC, "--out", "{tmp}/run", "--config", ""], "'--config'"),
+    ("train --init", ["train", SPEC, "--out", "{tmp}/run", "--init", ""], "'--init'"),
+    ("curves --baseline", ["curves", "{run}", "--baseline", ""], "'--baseline'"),
+    ("evaluate", ["evaluate", ""], "'RUN'"),
+    ("layers --plot", ["layers", "{run}", "--plot", ""], "'--plot'"),
+    ("niah", ["niah", "", "{run}"], "'RUN'"),
+    ("downstream --include-path", ["downstream", "{run}", "--include-path", ""], "'--include-path'"),
+    ("study run --out", ["study", "run", "loop-position", "--out", ""], "'--out'"),
+    ("study report --out", ["study", "report", "loop-position", "--out", ""], "'--out'"),
+]
+
+
+@pytest.mark.parametrize("args,named", [c[1:] for c in EMPTY_PATHS], ids=[c[0] for c in EMPTY_PATHS])
+def test_an_empty_path_is_refused_by_name_not_read_as_the_current_folder(cli, tmp_path, args, named):
+    """pathlib reads "" as "."; generate said ". is not a training run", and train --out "" trained into the current folder."""
+    run = fake_run(tmp_path / "run")
+    (tmp_path / "tmp").mkdir()
+    before = sorted(p.name for p in ROOT.iterdir())
+    code, out, stderr = cli(*expand(args, tmp=tmp_path / "tmp", run=run))
+    assert code == 2 and f"Invalid value for {named}: an empty path names no file or folder" in stderr and out == "", stderr
+    assert sorted(p.name for p in ROOT.iterdir()) == before and not any((tmp_path / "tmp").iterdir())
+
+
+@pytest.mark.parametrize("command", [["study", "run"], ["study", "report"]])
+def test_an_empty_study_name_is_refused_not_read_as_the_current_folder(cli, command):
+    code, _, stderr = cli(*command, "")
+    assert code == 2 and "Invalid value for 'study': an empty name; give a study file, or the name of a shipped one" in stderr, stderr
+

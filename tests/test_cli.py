@@ -1227,3 +1227,17 @@ def test_an_empty_study_name_is_refused_not_read_as_the_current_folder(cli, comm
     code, _, stderr = cli(*command, "")
     assert code == 2 and "Invalid value for 'study': an empty name; give a study file, or the name of a shipped one" in stderr, stderr
 
+
+@pytest.mark.parametrize("replaced", ["folder", "device"])
+def test_weights_that_are_no_file_are_named_not_said_as_no_such_device(cli, tmp_path, replaced):
+    """A model.safetensors that is a folder, or a link to /dev/null, said "OSError: No such device"
+    (and a FIFO, refused the same way, kept generate waiting for a writer)."""
+    run = fake_run(tmp_path / "run")
+    weights = run / "checkpoints/step-00000001/model.safetensors"
+    weights.unlink()
+    weights.mkdir() if replaced == "folder" else weights.symlink_to(os.devnull)
+    code, out, stderr = cli("generate", run, "--max-new-tokens", "2")
+    said = "is a folder, not a file" if replaced == "folder" else "is not a regular file"
+    assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr and out == "", stderr
+    code, _, stderr = cli("train", SPEC, "--out", run, "--resume", "--steps", "2")
+    assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr, stderr

@@ -11,6 +11,7 @@ renamed out of the way before their files are deleted.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -154,9 +155,19 @@ def _some(names: list[str], sep: str = ", ") -> str:
     return (sep.join(listed[:3]) or "none") + (f" and {len(listed) - 3:,} more" if len(listed) > 3 else "")
 
 
+def _regular(file: Path) -> Path:
+    """``file``, refused as Python's open would where it is a folder or no regular file (a FIFO, a
+    device): safetensors maps a folder as "No such device", and waits on a FIFO for a writer."""
+    if file.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(file))
+    if file.exists() and not file.is_file():
+        raise OSError(errno.EINVAL, "is not a regular file", str(file))
+    return file
+
+
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
     expected = {name: (t.dtype, list(t.shape)) for name, t in model.state_dict().items()}
-    with safe_open(path / "model.safetensors", "pt") as f:  # loading would convert another dtype silently
+    with safe_open(_regular(path / "model.safetensors"), "pt") as f:  # loading would convert another dtype silently
         saved = {name: _stored_form(f, name) for name in f.keys() if name in expected}
     for index, kind in enumerate(("dtype", "shape")):
         wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]

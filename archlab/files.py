@@ -19,6 +19,8 @@ REFUSED = (*FULL, errno.EROFS)  # writes the machine refuses, whatever is writte
 
 def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(f)`` into a temporary file, made durable, then renamed to ``path``."""
+    if path.name in ("", ".."):  # ".", "..", "/": a folder, with no name to put a temporary beside
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     tmp = path.with_name(f".{path.name}{TEMPORARY}{os.getpid()}")
     try:
         opened = open(tmp, "wb")

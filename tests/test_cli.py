@@ -751,6 +751,8 @@ BAD_PATHS = [
      "error: /proc/archlab: No such file or directory"),
     ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 1, "error: {dir}/absent/cost.md: No such file or directory"),
     ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 1, "error: {dir}: Is a directory"),
+    ("cost --doc the current folder", ["cost", SPEC, "--doc", "."], 1, "error: .: Is a directory"),  # a ValueError's traceback
+    ("cost --doc the folder above", ["cost", SPEC, "--doc", "{dir}/.."], 1, "error: {dir}/..: Is a directory"),
     ("cost --doc not md", ["cost", SPEC, "--doc", "{file}"], 2, "--doc {file}: the cost page is markdown; give a file name ending in .md"),  # a run's config.yaml was overwritten
     ("cost --doc as csv", ["cost", SPEC, "--doc", "{dir}/cost.md", "--format", "csv"], 2,
      "--doc writes a markdown page; --format csv goes with a table on stdout"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import _thread
 import importlib
 import itertools
+import json
 import math
 import os
 import re
@@ -965,7 +966,8 @@ def train(
                 if path is not None and Path(path).resolve() == (out / written).resolve():
                     raise TrainError(f"{option} {path} is where the run writes its resolved {written}, over what it holds; keep it"
                                      " outside --out")
-            given = [*([f"data.source={data}"] if data else []), *([f"init={init}"] if init else [])]
+            # quoted: the path or source as given, not read as YAML ("-" a list, "null" none, "1e3" a number) and said to be --set's
+            given = [*([f"data.source={json.dumps(data)}"] if data else []), *([f"init={json.dumps(str(init))}"] if init else [])]
             for option, key, value, what in (("--data", "data.source", data, "sources"), ("--init", "init", init, "starts")):
                 clash = next((item for item in set_ or [] if item.partition("=")[0] == key), None)
                 if value and clash:  # else the option would win without a word

@@ -1243,3 +1243,10 @@ def test_weights_that_are_no_file_are_named_not_said_as_no_such_device(cli, tmp_
     assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr and out == "", stderr
     code, _, stderr = cli("train", SPEC, "--out", run, "--resume", "--steps", "2")
     assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr, stderr
+
+
+@pytest.mark.parametrize("option,given", [("--init", "-"), ("--init", "null"), ("--data", "-"), ("--data", "[x]")])
+def test_init_and_data_are_taken_as_given_not_read_as_yaml_for_set(cli, tmp_path, option, given):
+    """--init - said "error in --set: init: Input should be a valid string", an option not given; --init null trained afresh."""
+    code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", option, given)
+    assert code == 1 and "error in --set" not in stderr and f"/{given}" in stderr, stderr

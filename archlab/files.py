@@ -17,6 +17,16 @@ FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no room: on the disk, in a q
 REFUSED = (*FULL, errno.EROFS)  # writes the machine refuses, whatever is written
 
 
+def make_folder(path: Path) -> None:
+    """``path`` made a folder, with its parents. One that cannot be is named for what it is (mkdir
+    says "File exists" of a link to nowhere, a FIFO or a device)."""
+    if path.is_symlink() and not path.exists():
+        raise NotADirectoryError(errno.ENOTDIR, f"a link to {os.readlink(path)}, which is not there", str(path))
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+
+
 def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """``write(f)`` into a temporary file, made durable, then renamed to ``path``."""
     if path.name in ("", ".."):  # ".", "..", "/": a folder, with no name to put a temporary beside

@@ -746,6 +746,9 @@ def expand(args, **paths):
 BAD_PATHS = [
     ("train --out a file", ["train", SPEC, "--out", "{file}", "--steps", "1"], 1, "--out {file} is a file; a run is a folder"),
     ("study --out a file", ["study", "run", "loop-position", "--out", "{file}"], 2, "Invalid value for '--out': dir '{file}' is a file"),
+    ("train --out a link to nowhere", ["train", SPEC, "--out", "{nowhere}", "--steps", "1"], 1, "{nowhere}: a link to {gone}, which is not there"),
+    ("study --out a link to nowhere", ["study", "run", "loop-position", "--out", "{nowhere}"], 1, "{nowhere}: a link to {gone}, which is not there"),
+    ("study --out a device", ["study", "run", "loop-position", "--out", "/dev/null"], 1, "error: /dev/null: not a folder"),  # "File exists"
     ("train --out under a file", ["train", SPEC, "--out", "{file}/run", "--steps", "1"], 1, "error: {file}/run: Not a directory"),
     ("train data.cache unwritable", ["train", SPEC, "--out", "{run}", "--steps", "1", "--data", "{text}", "--set", "data.cache=/proc/archlab"], 1,
      "error: /proc/archlab: No such file or directory"),
@@ -781,8 +784,10 @@ def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
 
 @pytest.mark.parametrize("args,code,message", [c[1:] for c in BAD_PATHS], ids=[c[0] for c in BAD_PATHS])
 def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message):
-    paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt"}
+    paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt",
+             "nowhere": tmp_path / "nowhere", "gone": tmp_path / "gone"}
     paths["dir"].mkdir()
+    paths["nowhere"].symlink_to(paths["gone"])
     paths["file"].write_text("kept\n")
     paths["text"].write_text("a small corpus\n" * 100)
     code_, _, stderr = cli(*expand(args, **paths))

@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import REFUSED, write_text_whole, written_as
+from archlab.files import REFUSED, make_folder, write_text_whole, written_as
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
@@ -372,7 +372,7 @@ def planning_lock(url: str, out: Path, key: str):
 def storage_lock(url: str, out: Path):
     """One process at a time among the workers of a SQLite storage, however many study folders
     they write to (a lock file beside the database), or of a study folder for other storages."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     beside_database = _beside_sqlite(url)
     lock = beside_database or out / ".plan.lock"
     try:
@@ -807,7 +807,7 @@ def work(study: Study, out: Path, url: str | None, console: Console, grace_perio
         raise StorageError(f"--out {out} is inside the text folder {study.config.data.source} the study trains on: its trials' files"
                            " would be read as training text; put it outside")
     url = storage_url(out, url)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _once(warnings.showwarning)

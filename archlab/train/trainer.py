@@ -34,7 +34,7 @@ from archlab.checks import first_forward, params_problems
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
-from archlab.files import REFUSED, write_text_whole, written_as
+from archlab.files import REFUSED, make_folder, write_text_whole, written_as
 from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
@@ -337,7 +337,7 @@ class Trainer:
                   f" learning-rate schedule start afresh{spec}")
 
     def _write_start(self, steps: int) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(self.run_dir)
         write_settings(self.run_dir, [{"from step": 0, **self.environment}])  # first: it marks the files after it as a run's
         write_text_whole(self.run_dir / checkpoint.RUN_SPEC, spec_to_yaml(self.spec))
         self._write_config(steps)
@@ -630,7 +630,7 @@ class Trainer:
             if folder.exists():
                 break
             made.append(folder)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(self.run_dir)
         folder = os.open(self.run_dir, os.O_RDONLY)
         try:
             fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go by the system when the process ends

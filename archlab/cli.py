@@ -46,7 +46,7 @@ from archlab.registry import RegistryError, block_specs, plugin
 from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
-from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, holds_examples, kept_on_resume, load_config
+from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels, tokens_apart
 
 
@@ -957,7 +957,9 @@ def train(
             try:
                 cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
             except SpecError:  # set beside what the run keeps (batch_size=3 against its micro-batches): name that first
-                refusal = kept_on_resume([item.partition("=")[0] for item in set_ or []], moe=isinstance(spec.ffn, MoE))
+                keys = [item.partition("=")[0] for item in set_ or []]
+                fields = [key for key in keys if key.split(".")[0] in TrainConfig.model_fields]  # a stray (lr for optimizer.lr): its own error
+                refusal = kept_on_resume(fields, moe=isinstance(spec.ffn, MoE))
                 if refusal:
                     raise TrainError(refusal) from None
                 raise

@@ -747,6 +747,9 @@ def test_a_resume_may_change_the_optimizer_but_not_what_a_step_reads(cli, tmp_pa
     for key in ("seq_len=32", "seed=1", "data.max_bytes=300000", "batch_size=6"):  # 6 does not split into micro-batches of 4
         refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--set", key),
                 f"a resumed run keeps its {key.partition('=')[0]}", "a resume may --set steps, optimizer")
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--set", "lr=1e-3")  # not a field
+    refused((code, _, stderr), "lr: not a training config field: did you mean optimizer.lr?")
+    assert "a resumed run keeps" not in stderr, stderr
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
     # the optimizer state a checkpoint holds carries the settings it was saved with; the --set ones win

@@ -180,7 +180,8 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"CPU ({threads} thread{'s' * (threads != 1)})"
 
 
 def plot(rows: list[BenchRow], path: str) -> None:

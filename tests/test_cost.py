@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import archlab
 import archlab.kv
 import blocks.attention
+from archlab.bench import device_name
 from archlab.block import FLOP_KINDS, MixerInput
 from archlab.cost import Cost, equal_flops_steps, peak_flops
 from archlab.engine import Engine
@@ -211,6 +212,12 @@ def test_equal_flops_steps():
     steps = equal_flops_steps(looped, 123_457, shared, 129)  # per-token figures, each rounded down, gave one step more
     per_looped, per_shared = (sum(Cost(spec).forward_flops(129).values()) for spec in (looped, shared))
     assert steps * per_shared <= 123_457 * per_looped < (steps + 1) * per_shared
+
+
+@pytest.mark.parametrize(("threads", "named"), [(1, "CPU (1 thread)"), (2, "CPU (2 threads)")])
+def test_a_cpu_is_named_with_its_threads(monkeypatch, threads, named):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert device_name(torch.device("cpu")) == named
 
 
 def test_peak_flops_by_device_name():

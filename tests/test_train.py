@@ -28,6 +28,7 @@ import yaml
 from rich.console import Console
 from safetensors.torch import load_file
 
+from archlab.bench import device_name
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
 from archlab.train.checkpoint import checkpoints, file_hash
@@ -1286,7 +1287,7 @@ def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, t
 def test_a_run_keeps_the_code_and_the_libraries_it_trains_with():
     kept = environment(torch.device("cpu"))
     assert kept["torch"] == torch.__version__ and kept["python"] == platform.python_version()
-    assert kept["device"] == f"CPU ({torch.get_num_threads()} threads)" and kept["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
+    assert kept["device"] == device_name(torch.device("cpu")) and kept["cpu kernels"] == torch.backends.cpu.get_cpu_capability()
     if (ROOT / ".git").exists():  # a checkout: its commit, as git names it
         head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout
         assert kept["archlab"].startswith(f"{importlib.metadata.version('archlab')} at {head[:10]}")

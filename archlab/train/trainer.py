@@ -513,8 +513,9 @@ class Trainer:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:  # a full disk, say
-            raise (Unwritten if exc.errno in REFUSED else TrainError)(f"step {record['step']}'s metrics could not be written to {self.run_dir / 'metrics.jsonl'}"
-                             f" ({exc.strerror or exc}); training stopped there, its checkpoints as they were") from None
+            stop = Unwritten if exc.errno in REFUSED else TrainError
+            raise stop(f"step {record['step']}'s metrics could not be written to {self.run_dir / 'metrics.jsonl'}"
+                       f" ({exc.strerror or exc}); training stopped there, its checkpoints as they were") from None
 
     def _save(self, step: int, data: DataSource) -> Path:
         """The checkpoint of ``step``, with the fingerprint of the tokens it trained on; its folder, on every process."""
@@ -710,7 +711,8 @@ class Trainer:
                         last_saved = self._save(done, data)
                     except checkpoint.CheckpointError as exc:
                         kept = f"the last one saved, {last_saved}, is intact" if last_saved else "no checkpoint had been written"
-                        raise (Unwritten if isinstance(exc, checkpoint.Unsaved) else TrainError)(f"{exc} Training stopped after step {done}; {kept}") from None
+                        stop = Unwritten if isinstance(exc, checkpoint.Unsaved) else TrainError
+                        raise stop(f"{exc} Training stopped after step {done}; {kept}") from None
                 progress.update(task, completed=done, status=status_line(record))
         return records
 

@@ -1573,6 +1573,48 @@ def test_a_ctrl_c_during_an_import_is_held_until_the_import_is_whole(tmp_path, m
     assert sys.modules.pop("interrupted_midway").WHOLE
 
 
+def test_signals_held_during_a_call_are_delivered_after_it_the_first_alone_by_the_handler_from_before():
+    """A SIGTERM and then a SIGINT inside the call: neither lands inside it; after it, the handlers
+    from before are back, and the SIGTERM alone is delivered (the SIGINT, a second asking, is not)."""
+    from archlab.interrupts import held_signals
+
+    delivered = []
+    record = lambda signum, frame: delivered.append(signum)  # noqa: E731
+    previous = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with held_signals():
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGINT)
+            assert delivered == []
+        assert delivered == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGINT) is record and signal.getsignal(signal.SIGTERM) is record
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def test_signals_are_held_only_in_the_main_thread_and_a_call_in_another_runs_as_it_is():
+    """Python sets signal handlers in the main thread alone: in another (a study trial's heartbeat,
+    which calls the storage) the call runs, rather than fail on setting them."""
+    import threading
+
+    from archlab.interrupts import held_signals
+
+    ran, failed = [], []
+
+    def call():
+        try:
+            with held_signals():
+                ran.append(True)
+        except Exception as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert ran == [True] and failed == []
+
+
 def test_under_torchrun_what_stops_the_first_process_stops_the_others_in_words(tmp_path):
     """The first process prepares the data while the others wait; its error left them a traceback
     from the broken connection, and they named no checkpoint in a divergence message."""
@@ -1896,6 +1938,108 @@ def test_a_listing_of_checkpoints_that_meets_one_removed_as_it_is_read_looks_aga
 
     monkeypatch.setattr(Path, "iterdir", stale)
     assert checkpoints(run) == [run / "checkpoints" / "step-00000004"]
+
+
+def test_a_listing_of_checkpoints_that_meets_nothing_removed_reads_the_folder_once(tmp_path, monkeypatch):
+    """Beside the checkpoints, a file under a checkpoint's name and a link to nothing: neither is a
+    checkpoint, and neither is one removed as it was listed, to list the folder again for."""
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step-0000000{step}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-00000009").write_text("a user's copy")
+    (tmp_path / "checkpoints" / "step-00000010").symlink_to(tmp_path / "nowhere")
+    listed, iterdir = [], Path.iterdir
+
+    def counted(folder):
+        listed.append(folder)
+        return iterdir(folder)
+
+    monkeypatch.setattr(Path, "iterdir", counted)
+    assert checkpoints(tmp_path) == [tmp_path / "checkpoints" / "step-00000002", tmp_path / "checkpoints" / "step-00000004"]
+    assert listed == [tmp_path / "checkpoints"]
+
+
+def run_with_checkpoints(folder, *steps):
+    """A run folder as ``resolve`` reads it: spec.yaml, and an empty folder for each checkpoint."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "spec.yaml").write_text("name: x\n")
+    for step in steps:
+        (folder / "checkpoints" / f"step-{step:08d}").mkdir()
+    return folder
+
+
+def test_a_latest_checkpoint_removed_at_every_read_is_read_a_set_number_of_times_then_said(tmp_path):
+    from archlab.train import checkpoint
+
+    run, reads = run_with_checkpoints(tmp_path, 1), []
+
+    def read(run_dir, used):  # each read outrun by the training run: its checkpoint replaced as it is read
+        reads.append(used)
+        os.replace(used, checkpoint.folder(run_dir, checkpoint.step_of(used) + 1))
+        raise checkpoint.CheckpointError(f"checkpoint {used} is damaged")
+
+    with pytest.raises(checkpoint.CheckpointError, match=f"the latest checkpoint of {run} was removed as it was read, "
+                                                         f"{checkpoint.LISTINGS} times"):
+        checkpoint.latest_read(run, read)
+    assert reads == [checkpoint.folder(run, step) for step in range(1, checkpoint.LISTINGS + 1)]
+
+
+def test_a_latest_checkpoint_listed_then_removed_before_resolve_returns_it_is_read_in_its_successor(tmp_path, monkeypatch):
+    """The listing names step 2, which the training run removes before it is read (its files,
+    read, not found): the read goes on to step 4, where resolve's check of the listing would
+    have called the run one without a checkpoint."""
+    from archlab.train import checkpoint
+
+    run = run_with_checkpoints(tmp_path, 4)
+    (run / "checkpoints" / "step-00000004" / "state.json").write_text("{}")
+    listings, listed = [], checkpoint.checkpoints
+
+    def stale(run_dir):  # the first listing, from before step 2 was removed
+        listings.append(run_dir)
+        return [checkpoint.folder(run_dir, 2)] if len(listings) == 1 else listed(run_dir)
+
+    monkeypatch.setattr(checkpoint, "checkpoints", stale)
+    assert checkpoint.latest_read(run, lambda run_dir, used: (used / "state.json").read_text()) == "{}"
+    assert len(listings) == 2
+
+
+def test_a_checkpoint_named_that_is_not_there_is_no_checkpoint_rather_than_one_removed_as_it_was_read(tmp_path):
+    from archlab.train import checkpoint
+
+    run = run_with_checkpoints(tmp_path, 2)
+    missing = run / "checkpoints" / "step-00000099"
+    for read in (checkpoint.resolve, lambda path: checkpoint.latest_read(path, lambda run_dir, used: None)):
+        with pytest.raises(checkpoint.CheckpointError, match=f"^{re.escape(str(missing))} is not a training run with a checkpoint"):
+            read(missing)
+
+
+@pytest.mark.parametrize(("code", "unsaved", "full"), [("ENOSPC", True, True), ("EDQUOT", True, True), ("EFBIG", True, True),
+                                                       ("EROFS", True, False), ("EACCES", False, False)])
+def test_a_checkpoint_the_disk_refuses_is_unsaved_and_a_full_one_asks_whether_the_disk_is_full(tmp_path, monkeypatch, code, unsaved, full):
+    """Full, over quota, past a file size limit or read-only: the machine's fault (Unsaved), on
+    which a study's worker stops; a folder one may not write to is the run's own."""
+    import errno
+
+    from archlab.train import checkpoint
+
+    def refused(*args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(torch, "save", refused)
+    with pytest.raises(checkpoint.CheckpointError) as raised:
+        checkpoint.save(tmp_path, 2, torch.nn.Linear(2, 2), {}, {}, keep=1)
+    assert isinstance(raised.value, checkpoint.Unsaved) == unsaved and str(raised.value).endswith("; is the disk full?") == full, raised.value
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_fine_tuning_start_from_a_run_whose_checkpoint_is_removed_as_it_is_read_starts_from_its_successor(
+        cli, trained_on_text, tmp_path, monkeypatch):
+    from archlab.train import checkpoint
+
+    run, rotate = rotating(trained_on_text, tmp_path)
+    rotated_as(checkpoint, "_load_weights", rotate, monkeypatch)  # listed, then gone before its weights are opened
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "tuned", "--init", run, "--steps", "1", *SMALL)
+    assert code in (0, None) and "damaged" not in stderr, stderr
+    assert load_config(str(tmp_path / "tuned" / "config.yaml")).init == str(run / "checkpoints" / "step-00000004")
 
 
 def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_on_text, trained_on_mqar, tmp_path):

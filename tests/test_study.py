@@ -3,6 +3,7 @@
 import csv
 import errno
 import functools
+import inspect
 import io
 import json
 import os
@@ -36,10 +37,10 @@ from archlab.table import Format, render, si
 from archlab.study.definition import STUDIES, load_study
 from archlab.study.report import failures, passed_over, progress, readable, report, settings, summarize
 from archlab.study.runner import (
-    SameVariantAndSeed, StorageError, StudyChanged, WholeCallsStorage, check_unchanged, claim, join, learning_rate, open_study, planned_as, run_trial, settled, shown, storage_url,
+    SameVariantAndSeed, StorageError, StudyChanged, WholeCallsStorage, check_unchanged, claim, join, learning_rate, open_study, planned_as, refused_by_the_machine, run_trial, settled, shown, storage_url,
     work,
 )
-from archlab.train.trainer import Trainer
+from archlab.train.trainer import Trainer, Unwritten
 from conftest import ROOT, interruptible
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
@@ -1148,7 +1149,8 @@ def test_a_storage_lost_while_a_trial_trains_is_said_and_fails_no_trial(tmp_path
     ("torch.save", OSError(errno.ENOSPC, "No space left on device"), "No space left on device); is the disk full?"),
     ("archlab.train.checkpoint.save_model", SafetensorError("No space left on device (os error 28)"), "(os error 28)); is the disk full?"),
     ("archlab.train.trainer.open", OSError(errno.EROFS, "Read-only file system"), "(Read-only file system); training stopped"),
-], ids=["checkpoint", "checkpoint-weights", "metrics"])
+    ("archlab.train.trainer.write_text_whole", OSError(errno.EDQUOT, "Disk quota exceeded", "spec.yaml"), "Disk quota exceeded: 'spec.yaml'."),
+], ids=["checkpoint", "checkpoint-weights", "metrics", "run-files"])
 def test_a_disk_that_refuses_a_trial_s_files_stops_the_worker_and_fails_no_trial(tmp_path, cli, monkeypatch, write, error, said):
     """A full disk failed the trial and then, in seconds, every trial after it, each recorded as
     failed and never run again; the worker now stops, and the trial goes stale to run again."""
@@ -1165,6 +1167,28 @@ def test_a_disk_that_refuses_a_trial_s_files_stops_the_worker_and_fails_no_trial
     monkeypatch.undo()
     trials = optuna.load_study(study_name=load_study(str(definition)).key, storage=storage_url(tmp_path / "out", None)).get_trials()
     assert [t.state.name for t in trials] == ["RUNNING", "WAITING", "WAITING", "WAITING"] and "failure" not in trials[0].user_attrs
+
+
+@pytest.mark.parametrize(("error", "stops"), [
+    (OSError(errno.ENOSPC, "No space left on device"), True), (OSError(errno.EDQUOT, "Disk quota exceeded"), True),
+    (OSError(errno.EFBIG, "File too large"), True), (OSError(errno.EROFS, "Read-only file system"), True),
+    (Unwritten("step 2's metrics could not be written"), True), (OSError(errno.ENOENT, "No such file or directory"), False),
+    (OSError("190000 requested and 114656 written"), False), (ValueError("a trial's own mistake"), False),
+], ids=["full", "quota", "file-size", "read-only", "unwritten", "missing", "no-errno", "other"])
+def test_a_worker_stops_on_what_the_disk_refuses_and_fails_a_trial_for_anything_else(error, stops):
+    """A disk full or read-only would fail every trial after this one: the worker stops on it. A
+    file that is not there, or any other error, is the trial's own: it fails, and the next runs."""
+    assert refused_by_the_machine(error) == stops
+
+
+def test_every_call_of_the_study_storage_holds_signals_the_private_ones_optunas_cache_makes_too():
+    """optuna's cache in front of the storage calls its private methods (_get_trials,
+    _create_new_trial...): a Ctrl-C inside one of those left SQLite locked as inside a public one."""
+    methods = {name: method for name, method in vars(optuna.storages.RDBStorage).items()
+               if inspect.isfunction(method) and not name.startswith("__")}
+    assert "_get_trials" in methods and "_create_new_trial" in methods
+    for name, method in methods.items():
+        assert getattr(WholeCallsStorage, name).__wrapped__ is method, name
 
 
 @pytest.mark.parametrize(("url", "said"), [

@@ -782,6 +782,24 @@ def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
     assert "| 2,048 |" in page.read_text() and "| 1,024 |" not in page.read_text()
 
 
+def test_a_cost_page_the_disk_cannot_hold_leaves_the_page_that_was_there(cli, tmp_path):
+    """Written in place, a disk that filled midway left the first blocks of the new page where the
+    whole last one had been: a file size limit below the page's size stands for the full disk."""
+    import resource
+
+    page = tmp_path / "costs.md"
+    assert cli("cost", SPEC, "--seq-len", "1K", "--doc", page)[0] in (0, None)
+    before = page.read_text()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # CPython ignores SIGXFSZ: the write fails instead
+    try:
+        code, _, stderr = cli("cost", SPEC, "--seq-len", "2K", "--doc", page)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert code == 1 and f"{page}: File too large" in stderr and "Traceback" not in stderr, stderr
+    assert page.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["costs.md"]
+
+
 @pytest.mark.parametrize("args,code,message", [c[1:] for c in BAD_PATHS], ids=[c[0] for c in BAD_PATHS])
 def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message):
     paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt",

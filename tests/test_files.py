@@ -6,7 +6,7 @@ import stat
 import numpy as np
 import pytest
 
-from archlab.files import TEMPORARY, write_whole, written_as
+from archlab.files import TEMPORARY, save_figure_whole, write_whole, written_as
 
 
 def test_a_file_written_whole_leaves_its_readers_the_old_one(tmp_path):
@@ -136,3 +136,31 @@ def test_a_short_write_numpy_reports_without_an_errno_names_the_file_and_a_full_
     assert raised.value.filename == str(path), raised.value
     assert "114656 written" in raised.value.strerror and "disk full" in raised.value.strerror, raised.value
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_figure_saved_whole_is_a_png_at_the_dpi_given_and_a_failed_save_keeps_the_last_one(tmp_path):
+    import errno
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "curves.png"
+    fig = plt.figure(figsize=(2, 1))
+    try:
+        save_figure_whole(fig, path, dpi=50)
+        saved = path.read_bytes()
+        assert saved[:8] == b"\x89PNG\r\n\x1a\n"
+        assert (int.from_bytes(saved[16:20], "big"), int.from_bytes(saved[20:24], "big")) == (100, 50)  # IHDR: width, height
+
+        def cut_short(f, **kwargs):  # a disk that fills midway
+            f.write(b"\x89PNG part of it")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        fig.savefig = cut_short
+        with pytest.raises(OSError) as raised:
+            save_figure_whole(fig, path, dpi=50)
+    finally:
+        plt.close(fig)
+    assert raised.value.filename == str(path) and path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["curves.png"]

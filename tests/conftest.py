@@ -73,6 +73,20 @@ def cli(monkeypatch):
     return in_process_cli(monkeypatch)
 
 
+@contextlib.contextmanager
+def files_no_bigger_than(size):
+    """Writes past ``size`` bytes in a file fail (EFBIG), as on a disk that fills midway: a
+    file-size limit on this process, its hard limit left as it was, so that it can be lifted."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))  # CPython ignores SIGXFSZ: the write fails instead
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
 def interruptible() -> None:
     """``preexec_fn`` of a child a test sends SIGINT: one started from a shell's background job
     inherits SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""

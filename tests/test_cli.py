@@ -25,7 +25,7 @@ from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import Decimals, Format, parse_budget, parse_length, render, tokens_label
 from archlab.train.checkpoint import CheckpointError, load
-from conftest import ROOT, parsed, tiny_model
+from conftest import ROOT, files_no_bigger_than, parsed, tiny_model
 
 SPEC = "specs/tiny/transformer.yaml"
 
@@ -785,17 +785,11 @@ def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
 def test_a_cost_page_the_disk_cannot_hold_leaves_the_page_that_was_there(cli, tmp_path):
     """Written in place, a disk that filled midway left the first blocks of the new page where the
     whole last one had been: a file size limit below the page's size stands for the full disk."""
-    import resource
-
     page = tmp_path / "costs.md"
     assert cli("cost", SPEC, "--seq-len", "1K", "--doc", page)[0] in (0, None)
     before = page.read_text()
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200, hard))  # CPython ignores SIGXFSZ: the write fails instead
-    try:
+    with files_no_bigger_than(200):
         code, _, stderr = cli("cost", SPEC, "--seq-len", "2K", "--doc", page)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     assert code == 1 and f"{page}: File too large" in stderr and "Traceback" not in stderr, stderr
     assert page.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["costs.md"]
 

@@ -41,7 +41,7 @@ from archlab.study.runner import (
     work,
 )
 from archlab.train.trainer import Trainer, Unwritten
-from conftest import ROOT, interruptible
+from conftest import ROOT, files_no_bigger_than, interruptible
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
 DIVERGED = r"TrainError: (loss|gradient norm) became"  # the trainer's reason for stopping a run that blew up
@@ -719,20 +719,6 @@ def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, cur
     return optuna.trial.create_trial(state=state, value=value if state == TrialState.COMPLETE else None, params=params,
                                      distributions={k: distributions[k] for k in params},
                                      intermediate_values=curve or {2: value, 4: value})
-
-
-@contextmanager
-def files_no_bigger_than(size):
-    """Writes past ``size`` bytes in a file fail (EFBIG), as on a disk that fills midway: a
-    file-size limit on this process, its hard limit left as it was, so that it can be lifted."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (size, hard))  # CPython ignores SIGXFSZ: the write fails instead
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path, monkeypatch):

@@ -35,7 +35,7 @@ from archlab.train.checkpoint import checkpoints, file_hash
 from archlab.train.config import RESUMABLE, TrainConfig, kept_on_resume, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
-from conftest import ROOT, in_process_cli, interruptible
+from conftest import ROOT, files_no_bigger_than, in_process_cli, interruptible
 
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
          "--set", "eval_batches=2", "--set", "log_interval=1"]
@@ -1783,6 +1783,19 @@ def test_metrics_the_disk_cannot_hold_stop_the_run_in_words(trained_on_mqar, tmp
     clean_failure(full, f"step 4's metrics could not be written to {run / 'metrics.jsonl'}", "training stopped there, its checkpoints as they were")
 
 
+def test_a_spec_the_disk_cannot_hold_is_not_left_in_part_and_the_run_starts_again(cli, tmp_path):
+    """spec.yaml was written in place: a disk that filled as a run began left the first blocks of
+    the spec, where a run's other files are written whole or not at all."""
+    import resource
+
+    run, args = tmp_path / "run", ["train", "specs/tiny/transformer.yaml", "--out", str(tmp_path / "run"), "--steps", "1", *MQAR]
+    full = subprocess.run([sys.executable, "-m", "archlab", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "COLUMNS": "500"}, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300)))
+    clean_failure(full, f"{run / 'spec.yaml'}: File too large")
+    assert sorted(p.name for p in run.iterdir()) == ["environment.yaml"]  # no part of a spec, no temporary
+    assert cli(*args)[0] in (0, None)
+
+
 def test_a_resume_refuses_data_other_than_what_its_checkpoint_trained_on(cli, tmp_path):
     """A token file cut short, or a text corpus tokenized again from a changed source, was trained
     on without a word. Tokenized again from the same source, with the run's tokenizer, it is the same."""
@@ -2085,6 +2098,16 @@ def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_
     assert run.x(run.records, Axis.flops) == [r["tokens"] * trainer.flops_per_step / trainer.tokens_per_step for r in run.records]
     assert cli("curves", trained_on_text, "--x", "flops", "--plot", tmp_path / "flops.png")[0] in (0, None)
     assert (tmp_path / "flops.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_plot_the_disk_cannot_hold_leaves_the_one_that_was_there(cli, trained_on_text, tmp_path):
+    """Saved in place, a disk that filled midway left the first blocks of a PNG where the last whole plot had been."""
+    plot = tmp_path / "curves.png"
+    plot.write_bytes(b"the last plot")
+    with files_no_bigger_than(200):
+        code, _, stderr = cli("curves", trained_on_text, "--plot", plot)
+    assert code == 1 and f"{plot}: File too large" in stderr and "Traceback" not in stderr, stderr
+    assert plot.read_bytes() == b"the last plot" and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
 
 
 def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, trained_on_text, tmp_path):

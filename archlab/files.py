@@ -52,11 +52,15 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+class ShortWrite(OSError):
+    """A write the disk cut short, that numpy reports with no errno: a full disk, most likely."""
+
+
 def _named(exc: OSError, path: Path) -> OSError:
     """The error as of the file meant, not of its temporary, which the user never made. A write cut
     short that numpy reports with no errno ("190000 requested and 114656 written") says so."""
     if exc.errno is None:
-        return OSError(None, f"written in part ({exc}); is the disk full?", str(path))
+        return ShortWrite(None, f"written in part ({exc}); is the disk full?", str(path))
     return type(exc)(exc.errno, exc.strerror, str(path))
 
 

@@ -1571,3 +1571,16 @@ def test_an_accuracy_studys_report_shows_its_metric_as_a_score_and_a_variant_wit
     shown = readable(none, maximize=True)
     assert (shown["seeds"], shown["accuracy"], shown["best lr"], shown["pruned/failed"]) == (0, "-", "-", "0/1")
     assert "| yoco | " in markdown and " | 0.5000 | - | 1 | 0.004 | 0/0 | +0.0000 |" in markdown, markdown
+
+
+def test_a_write_the_disk_cut_short_stops_the_worker_as_a_full_disk_does(tmp_path, monkeypatch):
+    """numpy says a short write (a corpus a trial tokenizes into its own folder) with no errno: the
+    trial failed, and so, in turn, did every trial after it on the same full disk."""
+    from archlab.files import write_whole
+
+    def cut_short(f):
+        raise OSError("190000 requested and 114656 written")
+
+    with pytest.raises(OSError) as raised:
+        write_whole(tmp_path / "train.npy", cut_short)
+    assert "is the disk full?" in str(raised.value) and refused_by_the_machine(raised.value)

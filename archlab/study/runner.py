@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import REFUSED, make_folder, write_text_whole, written_as
+from archlab.files import REFUSED, ShortWrite, make_folder, write_text_whole, written_as
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
@@ -684,7 +684,7 @@ def _outcome(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str)
 
 def refused_by_the_machine(exc: Exception) -> bool:
     """Whether a trial stopped because the disk would not take its files (full, read-only)."""
-    return isinstance(exc, Unwritten) or isinstance(exc, OSError) and exc.errno in REFUSED
+    return isinstance(exc, (Unwritten, ShortWrite)) or isinstance(exc, OSError) and exc.errno in REFUSED
 
 
 def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path, url: str) -> bool:

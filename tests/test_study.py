@@ -539,6 +539,7 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
             " heartbeat for --grace-period (60 s): taken by a worker still running, or by the next `study run`") in " ".join(stderr.split())
     (trial,) = [t for t in trials_of(f"sqlite:///{out / 'optuna.db'}", "interrupted") if t.state.name == "RUNNING"]
     assert trial.user_attrs["stopped_worker"] == trial.user_attrs["worker"]  # the report counts it as stopped, not running
+    assert trial.user_attrs["stopped_by"] == "Ctrl-C or SIGTERM"
 
 
 def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
@@ -1153,6 +1154,8 @@ def test_a_disk_that_refuses_a_trial_s_files_stops_the_worker_and_fails_no_trial
     monkeypatch.undo()
     trials = optuna.load_study(study_name=load_study(str(definition)).key, storage=storage_url(tmp_path / "out", None)).get_trials()
     assert [t.state.name for t in trials] == ["RUNNING", "WAITING", "WAITING", "WAITING"] and "failure" not in trials[0].user_attrs
+    assert trials[0].user_attrs["stopped_by"] == "its disk would not take the trial's files"  # what the report says of it
+    assert trials[0].user_attrs["stopped_worker"] == trials[0].user_attrs["worker"]
 
 
 @pytest.mark.parametrize(("error", "stops"), [
@@ -1488,18 +1491,23 @@ def test_a_report_does_not_count_a_killed_workers_trial_as_running(tmp_path):
 
 
 def test_a_trial_whose_worker_was_stopped_is_listed_as_stopped_not_silent(tmp_path):
-    """A worker stopped by Ctrl-C or SIGTERM marks its trial; once failed as stale, Failed trials
-    said of it only that its worker stopped sending heartbeats, as of a worker killed."""
+    """A worker stopped by Ctrl-C, SIGTERM or its disk marks its trial; once failed as stale, Failed
+    trials said of it only that its worker stopped sending heartbeats, as of a worker killed. A mark
+    recorded without what stopped the worker is of Ctrl-C or SIGTERM, as when no other stopped it."""
     study = load_study(str(mini(tmp_path, "stopped")))
     recorded = optuna.create_study()
-    stopped = finished("yoco", 0, 0, None, state=TrialState.FAIL, curve={2: 3.0})
-    stopped.user_attrs.update({"worker": "host:1", "stopped_worker": "host:1"})
-    killed = finished("yoco", 0, 1, None, state=TrialState.FAIL, curve={2: 3.0})
+    stopped, full, unsaid, killed = (finished(variant, 0, slot, None, state=TrialState.FAIL, curve={2: 3.0})
+                                     for variant in ("yoco", "yoco-u") for slot in (0, 1))
+    stopped.user_attrs.update({"worker": "host:1", "stopped_worker": "host:1", "stopped_by": "Ctrl-C or SIGTERM"})
+    full.user_attrs.update({"worker": "host:3", "stopped_worker": "host:3", "stopped_by": "its disk would not take the trial's files"})
+    unsaid.user_attrs.update({"worker": "host:4", "stopped_worker": "host:4"})
     killed.user_attrs.update({"worker": "host:2"})
-    for trial in (stopped, killed):
+    for trial in (stopped, full, unsaid, killed):
         recorded.add_trial(trial)
     rows = failures(study, recorded.trials)
     assert [row["why"] for row in rows] == ["its worker host:1 was stopped (Ctrl-C or SIGTERM) after step 2",
+                                             "its worker host:3 was stopped (its disk would not take the trial's files) after step 2",
+                                             "its worker host:4 was stopped (Ctrl-C or SIGTERM) after step 2",
                                              "its worker host:2 stopped sending heartbeats after step 2"]
 
 

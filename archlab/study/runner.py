@@ -61,6 +61,7 @@ STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wa
                "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
 JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
 STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
+STOPPED_BY = "stopped_by"  # and what stopped it
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
@@ -699,6 +700,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
         trial.set_user_attr("worker", worker)  # named even if it dies before training
         if claimed.user_attrs.get(STOPPED):  # a retry's copy of the mark: a worker of the same name and pid is not stopped
             trial.set_user_attr(STOPPED, None)
+            trial.set_user_attr(STOPPED_BY, None)
         with heartbeat(trial_id, optuna_study._storage):
             try:
                 value, state, failure = _outcome(study, trial, key, out, url)
@@ -708,16 +710,25 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
             except UpdateFinishedTrialError:
                 return False
             except KeyboardInterrupt:  # its worker stops: the report counts the trial as that, not as running
-                with contextlib.suppress(*STORAGE_ERRORS):  # the interrupt is what to say
-                    trial.set_user_attr(STOPPED, worker)  # a retry copies it, but is another worker's
+                _mark_stopped(trial, worker, "Ctrl-C or SIGTERM")
                 raise
+            except (Unwritten, OSError) as exc:  # nor is it failed for its disk's
+                _mark_stopped(trial, worker, "its disk would not take the trial's files")
+                raise StorageError(f"trial {trial.number} stopped: {exc}. This worker stops too, rather than fail the trials after it;"
+                                   " that trial runs again once it has sent no heartbeat for --grace-period and a worker can write its"
+                                   " files") from None
         return optuna_study._storage.get_trial(trial_id).state == state
     except STORAGE_ERRORS as exc:  # a trial is not failed for its storage's fault: it goes stale, and runs again
         raise StorageError(f"lost the study storage {shown(url)} while trial {trial.number} trained: {_in_words(exc)}; that trial"
                            " runs again once it has sent no heartbeat for --grace-period and a worker reaches the storage") from None
-    except (Unwritten, OSError) as exc:  # nor for its disk's
-        raise StorageError(f"trial {trial.number} stopped: {exc}. This worker stops too, rather than fail the trials after it;"
-                           " that trial runs again once it has sent no heartbeat for --grace-period and a worker can write its files") from None
+
+
+def _mark_stopped(trial: optuna.Trial, worker: str, why: str) -> None:
+    """Mark the trial as its worker's, stopped by ``why``: the report counts it as that, not as running.
+    A retry copies the mark, but is another worker's. The stop is what to say, not a storage error."""
+    with contextlib.suppress(*STORAGE_ERRORS):
+        trial.set_user_attr(STOPPED_BY, why)
+        trial.set_user_attr(STOPPED, worker)
 
 
 @contextmanager

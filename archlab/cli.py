@@ -1363,14 +1363,15 @@ def study_run(
         loaded = load_study(study, scale, data)
         where = out or default_dir(loaded)
         try:
-            with _interruptible():
+            with _interruptible():  # the report too: a signal there ended the worker without a word, or was dropped in a finalizer
                 optuna_study = work(loaded, where, storage, err, grace_period)
+                written = report(loaded, optuna_study, where, storage_url(where, storage))
         except KeyboardInterrupt as exc:
             err.print("interrupted; finished trials are kept, and a trial this worker was training runs again once it has sent"
                       f" no heartbeat for --grace-period ({grace_period} s): taken by a worker still running, or by the next"
                       " `study run`", highlight=False)
             raise typer.Exit(_interrupted_code(exc)) from None
-        sys.stdout.write(report(loaded, optuna_study, where, storage_url(where, storage)))
+        sys.stdout.write(written)
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
             _error(f"no trial succeeded ({planned} of {planned} failed); why each failed is under Failed trials in"

@@ -542,6 +542,27 @@ def test_an_interrupted_worker_says_what_becomes_of_its_trial(tmp_path):
     assert trial.user_attrs["stopped_by"] == "Ctrl-C or SIGTERM"
 
 
+def test_a_worker_interrupted_as_it_writes_the_report_says_so(tmp_path, cli, monkeypatch):
+    """A Ctrl-C that comes once the trials are done, while the report and plots are written, stops
+    the worker as one during a trial does, saying so: it ended the worker with no word."""
+    import archlab.study.report
+
+    path, out = mini(tmp_path, "late", steps=2), tmp_path / "out"
+    assert cli("study", "run", path, "--out", out)[0] in OK
+
+    def interrupted(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(archlab.study.report, "report", interrupted)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored, as in a shell's background job
+    try:
+        code, _, stderr = cli("study", "run", path, "--out", out)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and "Traceback" not in stderr, stderr
+    assert "interrupted; finished trials are kept" in " ".join(stderr.split())
+
+
 def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
     """A SIGINT that comes while optuna writes to the study's storage is raised when the write is
     done: cut inside SQLAlchemy's session, a write could leave SQLite locked, and the worker's last

@@ -291,11 +291,11 @@ def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -
 def load_trained(path: str | Path):
     """(spec, model with the latest weights in eval mode, the checkpoint used, tokenizer.json or
     None) of a run directory or one of its checkpoint folders."""
-    return latest_read(path, _trained)
+    return latest_read(path, load_checkpoint)
 
 
-def _trained(run_dir: Path, used: Path):
-    """``load_trained`` of checkpoint ``used`` of the run ``run_dir``."""
+def load_checkpoint(run_dir: Path, used: Path):
+    """``load_trained`` of checkpoint ``used`` of the run ``run_dir``, as ``latest_read`` reads it."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 

@@ -24,7 +24,7 @@ from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
-from archlab.train.checkpoint import info_of, latest_read, load_trained, resolve, step_of
+from archlab.train.checkpoint import info_of, latest_read, load_checkpoint, resolve, step_of
 from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
@@ -110,8 +110,8 @@ class Loaded:
     def of(cls, run: Path, data: str | None = None, say: Callable[[str], None] | None = None) -> Loaded:
         scorable(run)
 
-        def read(_, used: Path) -> tuple:  # the weights and the corpus they trained on, of one checkpoint
-            _, model, used, tokenizer = load_trained(used)
+        def read(run_dir: Path, used: Path) -> tuple:  # the weights and the corpus they trained on, of one checkpoint
+            _, model, used, tokenizer = load_checkpoint(run_dir, used)
             return model, used, tokenizer, info_of(used, "score").get("corpus")
 
         model, used, tokenizer, corpus = latest_read(run, read)

@@ -305,17 +305,15 @@ class Trainer:
         spec's model must fit; the optimizer and schedule start afresh. The config records the
         checkpoint folder itself, and text is read with that run's tokenizer, the one its
         embeddings learned."""
-        run_dir, _ = checkpoint.resolve(init)
+        def read(run_dir: Path, used: Path) -> tuple[Path, Path]:
+            try:
+                checkpoint.load_weights(used, self.model, check_hash=True)
+            except checkpoint.WeightsDoNotFit as exc:
+                raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
+                                                 f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None
+            return run_dir, used
 
-        def read(_, used: Path) -> Path:
-            checkpoint.load_weights(used, self.model, check_hash=True)
-            return used
-
-        try:
-            used = checkpoint.latest_read(init, read)  # of a run still training, its latest checkpoint whole
-        except checkpoint.WeightsDoNotFit as exc:
-            raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
-                                             f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None
+        run_dir, used = checkpoint.latest_read(init, read)  # of a run still training, its latest checkpoint whole
         data = self.cfg.data
         if tokenized(data.source):
             theirs = checkpoint.tokenizer_of(run_dir)

@@ -119,8 +119,9 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, trainer_state: dict, 
         shutil.rmtree(tmp, ignore_errors=True)
         # torch.save and safetensors report a short write in their own words ("unexpected pos ...")
         full = not isinstance(exc, OSError) or exc.errno in FULL
-        raise (Unsaved if full or exc.errno in REFUSED else CheckpointError)(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
-                              f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
+        error = Unsaved if full or exc.errno in REFUSED else CheckpointError
+        raise error(f"the checkpoint of step {step} could not be written in {final.parent} ({type(exc).__name__}:"
+                    f" {str(exc).strip()[:200]}){'; is the disk full?' if full else ''}") from None
     for stale in final.parent.glob(f"{REMOVED}*"):  # removals a kill stopped midway
         shutil.rmtree(stale, ignore_errors=True)
     if final.exists():  # the step saved again, by a resume from before it

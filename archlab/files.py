@@ -37,17 +37,13 @@ def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:
     except OSError as exc:  # a folder that cannot be written to
         raise _named(exc, path) from None
     try:
-        try:
-            with opened as f:
-                write(f)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:  # a full disk: said of the file meant, which a bare "No space left on device" did not name
-            raise _named(exc, path) from None
-        try:
-            os.replace(tmp, path)
-        except OSError as exc:  # its place taken (a folder where the file goes)
-            raise _named(exc, path) from None
+        with opened as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # a full disk, or its place taken (a folder where the file goes): said of the file meant
+        raise _named(exc, path) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -268,7 +268,7 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     if named:
         run_dir, found = path.parents[1], [path]
     else:
-        run_dir, found = path, checkpoints(path)  # whole folders; one removed since is found so as it is read
+        run_dir, found = path, checkpoints(path)  # whole folders; one removed since it was listed is met as it is read (latest_read)
     if not (run_dir / RUN_SPEC).is_file() or not found or named and not path.is_dir():
         raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
     return run_dir, found[-1]

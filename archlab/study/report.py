@@ -17,7 +17,7 @@ from archlab.environment import describe, setting_lines
 from archlab.files import save_figure_whole, write_text_whole
 from archlab.study.definition import Study
 from archlab.study.runner import (
-    ACCURACY, OWNER, PLOTS, STOPPED, STOPPED_BY, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study,
+    ACCURACY, INTERRUPTED, OWNER, PLOTS, STOPPED, STOPPED_BY, by_rate, chosen, latest, learning_rate, planned_as, refuse_foreign_files, refuse_other_study,
     settled, shown,
 )
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
@@ -266,7 +266,7 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
         else:  # failed by the heartbeat check, which records no reason
             last = f" after step {max(t.intermediate_values)}" if t.intermediate_values else " before its first evaluation"
             worker = f" {t.user_attrs['worker']}" if "worker" in t.user_attrs else ""
-            stopped = f"was stopped ({t.user_attrs.get(STOPPED_BY) or 'Ctrl-C or SIGTERM'})"  # none recorded before archlab said what
+            stopped = f"was stopped ({t.user_attrs.get(STOPPED_BY) or INTERRUPTED})"
             why = f"its worker{worker} {stopped if stopped_by_its_worker(t) else 'stopped sending heartbeats'}{last}"
         grid = study.definition.sampler == "grid"  # a grid trial's lr is planned, though it died before recording it
         lr, retry = learning_rate(t) or (study.setup(variant, slot)["lr"] if grid else None), retry_of.get(t.number)

@@ -62,6 +62,7 @@ STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wa
 JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
 STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
 STOPPED_BY = "stopped_by"  # and what stopped it
+INTERRUPTED = "Ctrl-C or SIGTERM"  # what stopped it, where a mark recorded before STOPPED_BY was says nothing
 NOT_PLANNED = "NotPlanned"  # how earlier versions failed a queued trial the study had stopped planning; queued again once planned
 
 
@@ -710,7 +711,7 @@ def run_trial(study: Study, optuna_study: optuna.Study, trial_id: int, out: Path
             except UpdateFinishedTrialError:
                 return False
             except KeyboardInterrupt:  # its worker stops: the report counts the trial as that, not as running
-                _mark_stopped(trial, worker, "Ctrl-C or SIGTERM")
+                _mark_stopped(trial, worker, INTERRUPTED)
                 raise
             except (Unwritten, OSError) as exc:  # nor is it failed for its disk's
                 _mark_stopped(trial, worker, "its disk would not take the trial's files")

@@ -563,6 +563,29 @@ def test_a_worker_interrupted_as_it_writes_the_report_says_so(tmp_path, cli, mon
     assert "interrupted; finished trials are kept" in " ".join(stderr.split())
 
 
+def test_a_worker_sent_sigterm_as_it_writes_the_report_says_so_and_exits_143(tmp_path, cli, monkeypatch):
+    """SIGTERM, as docker stop sends it, once the trials are done: the report is written within the
+    worker's handling of it, as the trials are, not under whatever handler the process had."""
+    import archlab.study.report
+
+    path, out = mini(tmp_path, "late-term", steps=2), tmp_path / "out"
+    assert cli("study", "run", path, "--out", out)[0] in OK
+
+    def terminated(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)
+        return ""
+
+    monkeypatch.setattr(archlab.study.report, "report", terminated)
+    unhandled = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: unhandled.append(signum))  # not the test process's end
+    try:
+        code, _, stderr = cli("study", "run", path, "--out", out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and not unhandled and "Traceback" not in stderr, (code, stderr)
+    assert "interrupted; finished trials are kept" in " ".join(stderr.split())
+
+
 def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
     """A SIGINT that comes while optuna writes to the study's storage is raised when the write is
     done: cut inside SQLAlchemy's session, a write could leave SQLite locked, and the worker's last
@@ -1263,6 +1286,34 @@ def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_worker_that_joined_within_the_running_workers_grace_period_keeps_it_from_another(tmp_path):
+    """The worker that joined 30 s ago, within its workers' 60 s, may yet take a trial: a worker
+    given 2 s, by which that worker is long gone, is refused; one given 120 s once they agreed on 2 s
+    (by which it is gone) is let in."""
+    study, out = load_study(str(mini(tmp_path, "recent"))), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    optuna_study.set_user_attr("joined", time.time() - 30)
+    with pytest.raises(StorageError, match="this study's workers use --grace-period 60"):
+        join(study, out, url, grace_period=2)
+    optuna_study.set_user_attr("grace_period", 2)
+    assert join(study, out, url, grace_period=120).user_attrs["grace_period"] == 120
+
+
+def test_a_study_that_recorded_no_join_has_no_worker_alive_but_one_training():
+    """A study joined before workers recorded when they joined: its waiting trials wait on no live
+    worker, and a running one is trained by one."""
+    from archlab.study.runner import _workers_alive
+
+    optuna_study = optuna.create_study()
+    optuna_study.enqueue_trial({"x": 1.0})
+    optuna_study.enqueue_trial({"x": 2.0})
+    assert not _workers_alive(optuna_study, 60)
+    optuna_study.ask()
+    assert _workers_alive(optuna_study, 60)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_trial_an_earlier_version_failed_as_not_planned_is_queued_again(tmp_path):
     study, out = load_study(str(mini(tmp_path, "legacy"))), tmp_path / "out"
     url = storage_url(out, None)
@@ -1406,6 +1457,31 @@ def test_a_retry_claimed_by_a_worker_of_the_stopped_ones_name_is_not_counted_sto
     monkeypatch.setattr(Trainer, "fit", watched)
     assert run_trial(study, optuna_study, claim(optuna_study, url, out), out, url)
     assert seen and "1 running" in seen[0] and "stopped" not in seen[0], seen
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_retry_claimed_keeps_neither_its_trials_stopped_mark_nor_what_stopped_it(tmp_path, monkeypatch):
+    """A retry copies its trial's user attributes: claimed, it is another worker's, not one stopped
+    by its disk, as optuna-dashboard showed it while it trained."""
+    import archlab.study.runner as runner
+    from archlab.study.runner import STOPPED, STOPPED_BY
+
+    study, out = load_study(str(mini(tmp_path, "marks"))), tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(study, out, url, grace_period=60)
+    waiting = optuna_study.get_trials(states=(TrialState.WAITING,))[0]
+    optuna_study._storage.set_trial_user_attr(waiting._trial_id, STOPPED, "host:1")
+    optuna_study._storage.set_trial_user_attr(waiting._trial_id, STOPPED_BY, "its disk would not take the trial's files")
+    seen = []
+
+    def outcome(study, trial, key, out, url):
+        seen.append(optuna_study._storage.get_trial(trial._trial_id).user_attrs)
+        return 1.0, TrialState.COMPLETE, None
+
+    monkeypatch.setattr(runner, "_outcome", outcome)
+    taken = claim(optuna_study, url, out)
+    assert taken == waiting._trial_id and run_trial(study, optuna_study, taken, out, url)
+    assert seen[0].get(STOPPED) is None and seen[0].get(STOPPED_BY) is None, seen
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")

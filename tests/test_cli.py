@@ -1262,6 +1262,13 @@ def test_weights_that_are_no_file_are_named_not_said_as_no_such_device(cli, tmp_
     assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr, stderr
 
 
+def test_a_resume_setting_a_kept_dotted_key_to_a_bad_value_is_told_the_run_keeps_it(cli, tmp_path):
+    """A resume may not change data.max_bytes at all: that is said first, not that the value given is no number."""
+    run = fake_run(tmp_path / "run")
+    code, _, stderr = cli("train", SPEC, "--out", run, "--resume", "--set", "data.max_bytes=lots")
+    assert code == 1 and "a resumed run keeps its data.max_bytes" in " ".join(stderr.split()), stderr
+
+
 @pytest.mark.parametrize("option,given", [("--init", "-"), ("--init", "null"), ("--data", "-"), ("--data", "[x]")])
 def test_init_and_data_are_taken_as_given_not_read_as_yaml_for_set(cli, tmp_path, option, given):
     """--init - said "error in --set: init: Input should be a valid string", an option not given; --init null trained afresh."""

@@ -1,3 +1,3 @@
-from archlab.cli import main
+from archlab.launch import main
 
 main()

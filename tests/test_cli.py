@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,34 @@ def test_validate_reports_bad_spec_without_traceback(tmp_path):
     assert "5 heads do not divide d_model=64" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert "ok" in result.stdout and "yoco-u" in result.stdout
+
+
+# The installed command's start, with SIGNAL sent to itself as Python first looks for torch: a
+# Ctrl-C or SIGTERM landing while the command's modules load.
+SIGNAL_AT_STARTUP = """
+import os, signal, sys
+
+signum = getattr(signal, sys.argv[1])
+
+class SignalAtTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signum)
+
+sys.meta_path.insert(0, SignalAtTorch())
+sys.argv = ["archlab", "cost", "specs/tiny/transformer.yaml"]
+from archlab.launch import main
+main()
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_command_starts_ends_it_with_the_shells_status_and_no_traceback(name):
+    """Python's handler raised KeyboardInterrupt inside torch's import and printed a traceback through
+    it, for a Ctrl-C in the command's first second or so."""
+    result = subprocess.run([sys.executable, "-c", SIGNAL_AT_STARTUP, name], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (128 + getattr(signal, name), "", "")
 
 
 def test_blocks_lists_every_plugin_whole_on_a_narrow_terminal():

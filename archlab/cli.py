@@ -1361,17 +1361,20 @@ def study_run(
 
     def action():
         loaded = load_study(study, scale, data)
-        where = out or default_dir(loaded)
+        where, optuna_study = out or default_dir(loaded), None
         try:
             with _interruptible():  # the report too: a signal there ended the worker without a word, or was dropped in a finalizer
                 optuna_study = work(loaded, where, storage, err, grace_period)
-                written = report(loaded, optuna_study, where, storage_url(where, storage))
+                report(loaded, optuna_study, where, storage_url(where, storage), show=sys.stdout.write)
         except KeyboardInterrupt as exc:
-            err.print("interrupted; finished trials are kept, and a trial this worker was training runs again once it has sent"
-                      f" no heartbeat for --grace-period ({grace_period} s): taken by a worker still running, or by the next"
-                      " `study run`", highlight=False)
+            if optuna_study is None:
+                err.print("interrupted; finished trials are kept, and a trial this worker was training runs again once it has"
+                          f" sent no heartbeat for --grace-period ({grace_period} s): taken by a worker still running, or by"
+                          " the next `study run`", highlight=False)
+            else:
+                err.print("interrupted as the report was written; every trial is kept, and `archlab study report` writes"
+                          " the report", highlight=False)
             raise typer.Exit(_interrupted_code(exc)) from None
-        sys.stdout.write(written)
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
             _error(f"no trial succeeded ({planned} of {planned} failed); why each failed is under Failed trials in"
@@ -1409,7 +1412,7 @@ def study_report(
                                                             " the --out (or --storage) it ran with")])
         optuna_study = open_study(loaded, url, create=False)
         check_unchanged(loaded, optuna_study)
-        sys.stdout.write(report(loaded, optuna_study, where, url, fmt))
+        report(loaded, optuna_study, where, url, fmt, show=sys.stdout.write)
 
     _study_errors(action)
 

@@ -560,7 +560,8 @@ def test_a_worker_interrupted_as_it_writes_the_report_says_so(tmp_path, cli, mon
     finally:
         signal.signal(signal.SIGINT, previous)
     assert code == 130 and "Traceback" not in stderr, stderr
-    assert "interrupted; finished trials are kept" in " ".join(stderr.split())
+    assert ("interrupted as the report was written; every trial is kept, and `archlab study report` writes the report"
+            in " ".join(stderr.split()))
 
 
 def test_a_worker_sent_sigterm_as_it_writes_the_report_says_so_and_exits_143(tmp_path, cli, monkeypatch):
@@ -583,7 +584,7 @@ def test_a_worker_sent_sigterm_as_it_writes_the_report_says_so_and_exits_143(tmp
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 143 and not unhandled and "Traceback" not in stderr, (code, stderr)
-    assert "interrupted; finished trials are kept" in " ".join(stderr.split())
+    assert "interrupted as the report was written; every trial is kept" in " ".join(stderr.split())
 
 
 def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
@@ -768,7 +769,8 @@ def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, cur
 
 def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path, monkeypatch):
     """report.md and the plots were written in place: a disk that filled as a report was rewritten
-    left the first blocks of a PNG, or of the markdown, where the last whole ones had been."""
+    left the first blocks of a PNG, or of the markdown, where the last whole ones had been. The
+    report is shown before they are written: a full disk printed none."""
     study = load_study(str(mini(tmp_path, "full")))
     recorded = optuna.create_study()
     for trial in (finished("yoco", 0, 0, 3.0, 0.002), finished("yoco-u", 0, 0, 2.5, 0.002)):
@@ -782,10 +784,12 @@ def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path,
         (out / name).write_bytes(b"an earlier " + name.encode())
         saved[name] = (out / name).read_bytes()
         if name == "report.md":
-            monkeypatch.setattr("archlab.study.report.plot", lambda *args: [])  # only the markdown, then
+            monkeypatch.setattr("archlab.study.report.draw", lambda *args: {})  # only the markdown, then
+        shown = []
         with files_no_bigger_than(200), pytest.raises(OSError) as raised:
-            report(study, recorded, out, "sqlite:///study.db")
+            report(study, recorded, out, "sqlite:///study.db", show=shown.append)
         assert raised.value.filename == str(out / name), raised.value
+        assert len(shown) == 1 and shown[0].startswith("# Study `full`") and "| yoco-u |" in shown[0], shown  # on screen all the same
         assert {p.name: p.read_bytes() for p in out.iterdir()} == saved, name  # as they were, and no temporary beside them
 
 

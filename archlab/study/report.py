@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import optuna
 from optuna.storages import RDBStorage
@@ -22,6 +23,9 @@ from archlab.study.runner import (
 )
 from archlab.table import MIB, Decimals, Format, render, si, tokens_label
 from archlab.train.curves import compared
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def _reported(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[tuple, optuna.trial.FrozenTrial]:
@@ -275,9 +279,9 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
     return rows
 
 
-def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> list[Path]:
+def draw(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[str, Figure]:
     """Validation curves of each variant's best learning rate (mean over seeds): against steps,
-    and against training FLOPs."""
+    and against training FLOPs; by the name of the PNG each is saved as."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -296,7 +300,6 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         figures["curves"][1].plot(steps, mean, marker="o", label=variant)
         figures["loss_vs_flops"][1].plot([s * per_step for s in steps], mean, marker="o", label=variant)
     label = "validation accuracy" if maximize else "validation loss"
-    paths = []
     for name, (fig, ax) in figures.items():
         ax.set_xlabel("training FLOPs" if name == "loss_vs_flops" else "step")
         ax.set_ylabel(label)
@@ -305,24 +308,39 @@ def plot(study: Study, trials: list[optuna.trial.FrozenTrial], out: Path) -> lis
         if ax.lines:  # nothing completed yet: an empty plot, without matplotlib's warning of an empty legend
             ax.legend()
         fig.tight_layout()
-        paths.append(out / f"{name}.png")
-        save_figure_whole(fig, paths[-1], dpi=110)
-        plt.close(fig)
-    return paths
+    return {f"{name}.png": fig for name, (fig, _) in figures.items()}
 
 
-def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fmt: Format = Format.md) -> str:
+def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fmt: Format = Format.md,
+           show: Callable[[str], object] = lambda text: None) -> str:
     """Write report.md and the plots into ``out``; return the markdown, or in CSV or JSON the
-    variants' table alone, its figures as numbers."""
-    definition = study.definition
+    variants' table alone, its figures as numbers. ``show`` is given that text before any file is
+    written: a disk that refuses them leaves the report on screen."""
+    import matplotlib.pyplot as plt
+
     trials = optuna_study.get_trials(deepcopy=False)
-    failed = failures(study, trials)
     refuse_foreign_files(out)
     refuse_other_study(out, study)
-    out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
-    write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
-    plots = plot(study, trials, out)
-    rows = summarize(study, trials)
+    plots = draw(study, trials)
+    try:
+        markdown, rows = _markdown(study, optuna_study, trials, plots, storage)
+        show(markdown if fmt is Format.md else render(rows, fmt))
+        out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
+        write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
+        for name, figure in plots.items():
+            save_figure_whole(figure, out / name, dpi=110)
+        write_text_whole(out / "report.md", markdown)  # whole: a full disk leaves the last report, not part of this one
+    finally:
+        for figure in plots.values():
+            plt.close(figure)
+    return markdown if fmt is Format.md else render(rows, fmt)
+
+
+def _markdown(study: Study, optuna_study: optuna.Study, trials: list[optuna.trial.FrozenTrial], plots: Collection[str],
+              storage: str) -> tuple[str, list[dict]]:
+    """The report's markdown, and its table's rows."""
+    definition = study.definition
+    rows, failed = summarize(study, trials), failures(study, trials)
     accuracy = ("; accuracy: of the tokens scored (responses or answers) at the last evaluation, the mean over the seeds"
                 if not definition.maximize and any(ACCURACY in row for row in rows) else "")
     text = [
@@ -341,9 +359,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
         render([readable(row, definition.maximize) for row in rows], Format.md),
         *passed_over(study, trials),
         *(["## Failed trials\n", render(failed, Format.md)] if failed else []),
-        *(f"![{p.stem}]({p.name})" for p in plots),
+        *(f"![{Path(name).stem}]({name})" for name in plots),
         "",
     ]
-    markdown = "\n".join(text)
-    write_text_whole(out / "report.md", markdown)  # whole: a full disk leaves the last report, not part of this one
-    return markdown if fmt is Format.md else render(rows, fmt)
+    return "\n".join(text), rows

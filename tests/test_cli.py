@@ -98,32 +98,47 @@ def test_validate_reports_bad_spec_without_traceback(tmp_path):
     assert "ok" in result.stdout and "yoco-u" in result.stdout
 
 
-# The installed command's start, with SIGNAL sent to itself as Python first looks for torch: a
-# Ctrl-C or SIGTERM landing while the command's modules load.
-SIGNAL_AT_STARTUP = """
-import os, signal, sys
+# The installed command's start, with what argv[1] names happening as Python first looks for torch:
+# a Ctrl-C or SIGTERM landing while the command's modules load, or a disk with no room for the
+# temporary file that torch's imports (dill's, where it is installed) make.
+AT_STARTUP = """
+import errno, os, signal, sys
 
-signum = getattr(signal, sys.argv[1])
+event = sys.argv[1]
 
-class SignalAtTorch:
+class AtTorch:
     def find_spec(self, name, path=None, target=None):
+        if name == "torch" and event == "full disk":
+            raise FileNotFoundError(errno.ENOENT, "No usable temporary directory found in ['/tmp', '/var/tmp']")
         if name == "torch":
-            os.kill(os.getpid(), signum)
+            os.kill(os.getpid(), getattr(signal, event))
 
-sys.meta_path.insert(0, SignalAtTorch())
+sys.meta_path.insert(0, AtTorch())
 sys.argv = ["archlab", "cost", "specs/tiny/transformer.yaml"]
 from archlab.launch import main
 main()
 """
 
 
+def _started_with(event):
+    return subprocess.run([sys.executable, "-c", AT_STARTUP, event], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_command_starts_ends_it_with_the_shells_status_and_no_traceback(name):
     """Python's handler raised KeyboardInterrupt inside torch's import and printed a traceback through
     it, for a Ctrl-C in the command's first second or so."""
-    result = subprocess.run([sys.executable, "-c", SIGNAL_AT_STARTUP, name], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = _started_with(name)
     assert (result.returncode, result.stdout, result.stderr) == (128 + getattr(signal, name), "", "")
+
+
+def test_a_disk_too_full_for_the_imports_is_said_in_a_line():
+    """A disk full to the last block (temporary folder too) failed torch's import, and every command
+    printed a traceback through it."""
+    result = _started_with("full disk")
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == ("error: archlab could not load its modules: [Errno 2] No usable temporary directory found in"
+                             " ['/tmp', '/var/tmp']\n")
 
 
 def test_blocks_lists_every_plugin_whole_on_a_narrow_terminal():

@@ -793,6 +793,17 @@ def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path,
         assert {p.name: p.read_bytes() for p in out.iterdir()} == saved, name  # as they were, and no temporary beside them
 
 
+def test_a_storage_the_disk_cannot_create_is_said_and_leaves_no_empty_database(tmp_path):
+    """SQLite makes the file before it writes the tables: a full disk left an empty optuna.db, which
+    `study report` then read as a storage that holds no study."""
+    study, database = load_study(str(mini(tmp_path, "full"))), tmp_path / "optuna.db"
+    with files_no_bigger_than(0), pytest.raises(StorageError) as raised:
+        open_study(study, f"sqlite:///{database}")
+    assert str(raised.value).startswith(f"cannot open the study storage sqlite:///{database}: "), raised.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.yaml"]
+    assert open_study(study, f"sqlite:///{database}").study_name == "full-tiny"  # once there is room
+
+
 def test_a_median_pruner_weighs_a_trial_against_its_own_variant_and_seed():
     """yoco-u's curves lie far above yoco's here: against the median of all trials, every yoco-u
     trial would be cut; against yoco-u's own, one near their median goes on. Seed 1 is a worse

@@ -242,6 +242,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     if database in IN_MEMORY:
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
+    made = database not in (None, *IN_MEMORY) and not Path(database).exists()
     try:
         storage = WholeCallsStorage(
             url,
@@ -250,7 +251,9 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRY),
             engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
         )
-    except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials
+    except Exception as exc:  # no driver, unreachable server, bad URL, wrong credentials, a full disk
+        if made and Path(database).exists() and not Path(database).stat().st_size:  # SQLite's empty file, tables never written
+            Path(database).unlink()
         raise _unopenable(url, exc) from None
     name = study.key
     if not create and name not in (held := optuna.get_all_study_names(storage)):

@@ -225,3 +225,11 @@ def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | 
             + (" ..." if len(divisors) > 12 else "")
             + ", or set head_dim explicitly"
         )
+
+
+def check_rope_head_dim(problems: Problems, ctx: BuildContext, n_heads: int, head_dim: int, given: bool) -> None:
+    """RoPE turns a head's channels in pairs: under it, a head's size must be even. One derived from
+    d_model is said to be, as the spec does not give it."""
+    if ctx.rope_theta is not None and head_dim % 2:
+        derived = "" if given else f" (d_model={ctx.d_model} // n_heads={n_heads}); set head_dim, or n_heads that leave it even"
+        problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}{derived}")

@@ -149,8 +149,8 @@ class Cost:
     @cached_property
     def params_active(self) -> int:
         """Parameters one token uses in a pass through the layers: an MoE counts its router, top-k
-        and shared experts. A looped MoE layer may route a token to other experts on each pass,
-        which is decided by the router, not the spec."""
+        and shared experts. A looped MoE layer may route a token to other experts on each pass, and
+        each of ParScale's streams routes it on its own, which the router decides, not the spec."""
         d = self.spec.d_model
         unused = self.spec.ffn.params(d) - self.spec.ffn.active_params(d)
         return self.params_total - self.spec.n_layers * unused

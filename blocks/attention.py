@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, check_rope_head_dim
 from archlab.ops.attention import append_kv, attend, attention_pairs, band_mask, causal_kernels, local_attend, with_prefix, write_rows
 from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
@@ -46,8 +46,7 @@ class AttentionSpec(BlockSpec):
         heads, kv_heads, head_dim = self.shape(ctx.d_model)
         if heads % kv_heads:
             problems.at("n_kv_heads").add(f"n_kv_heads={kv_heads} must divide n_heads={heads}")
-        if ctx.rope_theta is not None and head_dim % 2:
-            problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}")
+        check_rope_head_dim(problems, ctx, heads, head_dim, given=self.head_dim is not None)
 
     def build(self, ctx: BuildContext) -> nn.Module:
         return SelfAttention(ctx, *self.shape(ctx.d_model), window=self.window_size(), kernels=causal_kernels(self.type, self.backend))

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, check_rope_head_dim, gated_head_output, round_up
 from archlab.ops.common import float32_or_wider, linear_recurrence
 from archlab.ops.dispatch import Kernels, check_chunk_size
 from archlab.rope import Rotary
@@ -35,8 +35,7 @@ class RetentionSpec(BlockSpec):
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
         check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
-        if ctx.rope_theta is not None and (head_dim := self.dims(ctx.d_model)[0]) % 2:
-            problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}")
+        check_rope_head_dim(problems, ctx, self.n_heads, self.dims(ctx.d_model)[0], given=self.head_dim is not None)
         check_chunk_size(problems, "chunk_simple_gla" if self.gated else "chunk_retention", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:

@@ -66,7 +66,7 @@ CASES = [
      ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
     ("odd retnet head_dim under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 4, head_dim: 7}")},
      "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 7"]),
-    ("odd head_dim derived under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: attention, n_heads: 32}")},
+    ("odd retnet head_dim derived under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 32}")},
      "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 1 (d_model=32 // n_heads=32); set head_dim,"
                 " or n_heads that leave it even"]),
     ("kv heads vs heads", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 4, n_kv_heads: 3")}, "s.yaml",

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
@@ -160,6 +160,15 @@ class HoldsBlocks(Strict):
 
 # bounds far past any real model, so that a typo is refused here rather than spent in validation,
 # planning and the allocator
+def _no_nul(path: str) -> str:
+    """The system takes no path with a NUL byte in it (Python raises ValueError, not OSError)."""
+    if "\0" in path:
+        raise PydanticCustomError("nul_in_path", "a path cannot hold a NUL byte")
+    return path
+
+
+PathName = Annotated[str, AfterValidator(_no_nul)]  # a file or folder a spec, config or study names
+
 MAX_LAYERS = 1024  # in one half
 MAX_WIDTH = 2**20
 MAX_LOOP_TIMES = 256
@@ -581,10 +590,14 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
     if resolved in {p.resolve() for p in chain}:
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
-    if path.is_dir():
+    try:
+        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+    except OSError as exc:  # a name too long for the system, a folder on the way that cannot be searched
+        raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc.strerror}{origin}")]) from None
+    if kind == "folder":
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
-    if not path.is_file():
-        found = "is not a regular file (a device, a pipe or a socket)" if path.exists() else f"not found{origin or ' (no such file)'}"
+    if kind != "file":
+        found = "is not a regular file (a device, a pipe or a socket)" if kind else f"not found{origin or ' (no such file)'}"
         raise SpecError(str(path), [Problem("<file>", found)])
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))
@@ -609,6 +622,8 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         return data
     if not isinstance(parent, str) or not parent.strip():
         raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
+    if "\0" in parent:
+        raise SpecError(str(path), [Problem("extends", "a path cannot hold a NUL byte")])
     if len(chain) >= MAX_EXTENDS:
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
     merged = _deep_merge(_read_yaml(path.parent / parent, (*chain, path), origins), data)

@@ -66,6 +66,10 @@ CASES = [
      ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
     ("odd retnet head_dim under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 4, head_dim: 7}")},
      "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 7"]),
+    ("extends a path with a NUL byte", {"s.yaml": 'extends: "a\\0b.yaml"\nname: e\n'}, "s.yaml",
+     ["extends: a path cannot hold a NUL byte"]),  # a ValueError traceback
+    ("extends a name too long", {"s.yaml": f"extends: {'a' * 300}.yaml\nname: e\n"}, "s.yaml",
+     ["<file>: cannot read: File name too long (extended from"]),  # an OSError, named by the command but not as the spec's
     ("odd retnet head_dim derived under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 32}")},
      "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 1 (d_model=32 // n_heads=32); set head_dim,"
                 " or n_heads that leave it even"]),
@@ -525,8 +529,9 @@ def test_show_output_is_a_valid_spec(tmp_path):
     ("steps=1" + "0" * 5000, ["the value cannot be read: Exceeds the limit (4300 digits)"]),  # a ValueError traceback
     ("data.source='  '", ["data.source: is empty; give stdlib, a path"]),  # blank is empty, not a file named by spaces
     ("seq_len=1", ["seq_len: Input should be greater than or equal to 2"]),  # costed as a decoding step, not a training pass
+    ('init="runs/a\\0b"', ["init: a path cannot hold a NUL byte"]),  # a ValueError traceback where a run was looked for
 ], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number", "nested past reading",
-        "a number too long to read", "blank source", "one-token sequences"])
+        "a number too long to read", "blank source", "one-token sequences", "NUL in a path"])
 def test_bad_training_config_override_is_named(override, fragments):
     from archlab.train.config import load_config
 

@@ -702,6 +702,9 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         ({"name": "../../outside"}, "name: a study's name is letters, digits"),  # it names the default --out folder
         ({"scales": {**data["scales"], "a/b": data["scales"]["tiny"]}}, "scales.a/b: a scale's name is letters, digits"),
         ({"lr": {"low": 0.001, "high": 0.003, "points": 100_000_000}}, "lr.points: Input should be less than or equal to 1000"),
+        ({"lr": {"low": 1e-200, "high": 1e200, "points": 3}}, "lr: low=1e-200 and high=1e+200 are too far apart"),  # a grid of inf
+        ({"lr": {"low": 1e-300, "high": 1e-200, "points": 1}}, "lr: low=1e-300 and high=1e-200 are too far apart"),  # their mean 0
+        ({"variants": {**data["variants"], "yoco": {"spec": "yo\0co.yaml"}}}, "variants.yoco.spec: a path cannot hold a NUL byte"),
         ({"scales": {"tiny": {**data["scales"]["tiny"], "specs": str(ROOT / "specs/tiny/yoco.yaml")}}},
          f"scales.tiny.specs: {ROOT / 'specs/tiny/yoco.yaml'} is a file; give the folder holding the variants' specs"),
         ({"metric": "accuracy"}, "metric: accuracy is measured on the synthetic tasks ['mqar', 'copy'], but scale tiny trains on 'stdlib'"),

@@ -17,7 +17,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
-from archlab.spec import ModelSpec, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
+from archlab.spec import ModelSpec, PathName, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig, holds_examples, tokenized
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
@@ -31,20 +31,20 @@ class Pretrained(Strict):
     variant at the same scale, each seed from that study's trial of the same seed at the learning
     rate its report chose."""
 
-    run: str | None = None  # a training run (its latest checkpoint) or checkpoint folder, from where the study runs, as runs/ is
-    study: str | None = None  # a study file (relative to this one) or the name of a shipped study
+    run: PathName | None = None  # a training run (its latest checkpoint) or checkpoint folder, from where the study runs, as runs/ is
+    study: PathName | None = None  # a study file (relative to this one) or the name of a shipped study
     variant: str | None = None  # that study's variant; None: the one of this variant's name
 
 
 class Variant(Strict):
-    spec: str  # a file in the scale's spec folder
+    spec: PathName  # a file in the scale's spec folder
     set: dict[str, Any] = {}  # dotted overrides, e.g. {"loop.times": 5, "layout.self_decoder.blocks.0.window": 8}
     scale_set: dict[str, dict[str, Any]] = {}  # overrides for one scale only, applied after ``set``
     init: Pretrained | None = None
 
 
 class Scale(Strict):
-    specs: str  # spec folder, relative to the study file
+    specs: PathName  # spec folder, relative to the study file
     train: dict[str, Any] = {}  # training config fields (validated as a TrainConfig)
 
 
@@ -114,6 +114,8 @@ class StudySpec(Strict):
             root.at("lr").add(f"low={self.lr.low} is above high={self.lr.high}")
         if self.lr.low == self.lr.high and self.lr.points > 1:  # the same trial twice, counted as two seeds
             root.at("lr").add(f"low = high = {self.lr.low} gives {self.lr.points} equal learning rates; widen the range or set points: 1")
+        elif not all(0 < lr < math.inf for lr in self.lr.grid()):  # their ratio, or product, past a float's range
+            root.at("lr").add(f"low={self.lr.low} and high={self.lr.high} are too far apart to space learning rates between")
         for i, seed in enumerate(self.seeds):
             if seed in self.seeds[:i]:
                 root.at("seeds").at(i).add(f"seed {seed} is listed twice")

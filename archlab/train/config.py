@@ -10,7 +10,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import TRAINING_LENGTH
-from archlab.spec import SpecError, apply_overrides, differences, load_yaml, validate_as
+from archlab.spec import PathName, SpecError, apply_overrides, differences, load_yaml, validate_as
 
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
@@ -49,13 +49,13 @@ class Data(Strict):
     tokens are trained on and scored.
     """
 
-    source: str = "stdlib"
-    tokenizer: str | None = None  # a tokenizer.json; None: train a byte-level BPE on the corpus
+    source: PathName = "stdlib"
+    tokenizer: PathName | None = None  # a tokenizer.json; None: train a byte-level BPE on the corpus
     max_bytes: PositiveInt = 16_000_000  # characters of text read from a corpus to tokenize
     val_fraction: float = Field(0.05, gt=0, lt=0.5)
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # of a raw .bin token file
     hf_text_field: str = "text"
-    cache: str | None = None  # folder for the tokenized corpus and tokenizer; None: the run directory
+    cache: PathName | None = None  # folder for the tokenized corpus and tokenizer; None: the run directory
 
     def anchored(self) -> Data:
         """The same data with its paths absolute, as a run records them: resumed, or read by
@@ -113,7 +113,7 @@ class TrainConfig(Strict):
     checkpoint_interval: PositiveInt = 100
     keep_checkpoints: PositiveInt = 3
     data: Data = Data()
-    init: str | None = None  # a training run (its latest checkpoint) or checkpoint folder to start from: fine-tuning
+    init: PathName | None = None  # a training run (its latest checkpoint) or checkpoint folder to start from: fine-tuning
 
     def problems(self) -> list[Problem]:
         root = Problems()

@@ -691,7 +691,10 @@ def _loc(parts: tuple, data: Any) -> str:
 
 
 def _key_path(err: dict) -> tuple:
-    """Where an error is: pydantic's loc, down to the key that a model's own check names."""
+    """Where an error is: pydantic's loc, down to the key that a model's own check names; a key
+    that is not text, at the mapping holding it (pydantic's loc gives it as text, or true as 1)."""
+    if err["type"] == "invalid_key":
+        return err["loc"][:-1]
     return (*err["loc"], err["ctx"]["key"]) if err["type"] == YES_OR_NO else err["loc"]
 
 
@@ -713,12 +716,19 @@ def _describe(err: dict) -> str:
         if key == "layout":  # the one union without a shorthand
             return f"must be a mapping with a {tag} (one of: {kinds}) and its fields, got {_given(err['input'])}"
         return _unknown_kind(err["loc"], tag, err["input"], kinds)
+    if err["type"] == "invalid_key":  # true, null, 3 or a date, unquoted
+        key = err["input"]
+        kind = "null" if key is None else YAML_KINDS.get(type(key).__name__, type(key).__name__)
+        return f"the key {yaml.safe_dump(key).splitlines()[0]} is read by YAML as {kind}, not text: quote it"
     if err["type"] == "union_tag_not_found":
         tag = err["ctx"]["discriminator"].strip(chr(39))
         kinds = _union_tags(err["loc"], tag)
         return f"missing {tag!r}, which says what kind this is" + (f" (one of: {', '.join(kinds)})" if kinds else "")
-    if err["loc"][-1:] == ("blocks",) and isinstance(err.get("input"), str):
-        return f"is a list (a pattern of blocks), not the one block {err['input']!r}: write [{err['input']}]"
+    if err["loc"][-1:] == ("blocks",) and isinstance(given := err.get("input"), str):
+        if re.fullmatch(r"[\w-]+", given):
+            return f"is a list (a pattern of blocks), not the one block {given!r}: write [{given}]"
+        quoted = "; YAML reads a list in quotes as text: write it without them" if given.lstrip().startswith("[") else ""
+        return f"is a list (a pattern of blocks), not the text {given!r}{quoted}"
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
     if "input" in err and not isinstance(err["input"], (dict, list)):
@@ -730,6 +740,9 @@ def _unknown_kind(loc: tuple, tag: str, given: Any, allowed: str) -> str:
     """Every kind given that is none the union has (a tag, null or a number) is said alike."""
     plugins = " (blocks come from installed archlab.blocks plugins; `archlab blocks` lists them)" if "blocks" in loc else ""
     return f"unknown {tag} {_given(given)}; allowed: {allowed}{plugins}"
+
+
+YAML_KINDS = {"bool": "a boolean", "int": "a number", "float": "a number", "date": "a date", "datetime": "a date and time"}
 
 
 def _given(value: Any) -> str:

@@ -104,6 +104,14 @@ CASES = [
      ["loop", "unknown position 'middle'", "'lower'", "'upper'", "'prefix'"]),
     ("one block for a list", {"s.yaml": BASE.replace("blocks: [{type: swa, window: 8, n_heads: 4}]", "blocks: gdn")}, "s.yaml",
      ["layout.self_decoder.blocks: is a list (a pattern of blocks), not the one block 'gdn': write [gdn]"]),
+    ("blocks as a quoted list", {"s.yaml": BASE.replace("blocks: [{type: swa, window: 8, n_heads: 4}]", 'blocks: "[gdn]"')}, "s.yaml",
+     ["layout.self_decoder.blocks: is a list (a pattern of blocks), not the text '[gdn]'; YAML reads a list in quotes as"
+      " text: write it without them"]),  # was told to write [[gdn]]
+    ("keys that are not text", {"s.yaml": BASE + "true: 3\nnull: 4\n"}, "s.yaml",
+     ["<root>: the key true is read by YAML as a boolean, not text: quote it",
+      "<root>: the key null is read by YAML as null, not text: quote it"]),  # at [1] and None
+    ("blocks blank", {"s.yaml": BASE.replace("blocks: [{type: swa, window: 8, n_heads: 4}]", 'blocks: " "')}, "s.yaml",
+     ["layout.self_decoder.blocks: is a list (a pattern of blocks), not the text ' '"]),  # was told to write [ ]
     ("a null kind", {"s.yaml": BASE + "loop: {position: null, times: 2}\nffn: {type: 3}\n"}, "s.yaml",
      ["loop: unknown position null; allowed:", "ffn: unknown type 3; allowed:"]),
     ("null for a kind", {"s.yaml": BASE.replace("n_layers: 2, blocks: [{type: swa, window: 8, n_heads: 4}]",

@@ -12,15 +12,6 @@ on Ctrl-C before torch loads.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from archlab.block import BlockSpec, BuildContext, MixerInput, Problems
-    from archlab.cost import Cost
-    from archlab.engine import Engine, Generation, Sampling, generate
-    from archlab.model import Model, build_model
-    from archlab.spec import ModelSpec, SpecError, load_spec, validate_spec
-    from archlab.train.checkpoint import load_trained
 
 _HOMES = {
     "archlab.block": ("BlockSpec", "BuildContext", "MixerInput", "Problems"),

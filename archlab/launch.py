@@ -1,21 +1,34 @@
-"""The ``archlab`` command, as it starts. A Ctrl-C or SIGTERM while Python loads torch and the
-command's modules (a second or more) ends it then, with the shell's status and no word: nothing has
-begun (Python's own handler raised KeyboardInterrupt inside the imports, and printed its
-traceback). An import the system fails (a full disk) is said in a line."""
+"""The ``archlab`` command, as it starts and as it ends. A Ctrl-C or SIGTERM while Python loads
+torch and the command's modules (a second or more) ends it then, with the shell's status and no
+word: nothing has begun (Python's own handler raised KeyboardInterrupt inside the imports, and
+printed its traceback). One once the command is done ends the process then, with the command's
+own status: its work is whole (Python's shutdown, which it cut, printed a KeyboardInterrupt from
+an atexit callback of torch's, or was ended by SIGTERM as if the command had failed). An import
+the system fails (a full disk) is said in a line."""
 
 import os
 import signal
 import sys
 
-STARTUP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _end_now(signum, frame) -> None:
-    os._exit(128 + signum)
+def _end_now(status: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, RuntimeError):  # closed, or cut in the middle of a write
+            pass
+    os._exit(status)
+
+
+def _status(stop: SystemExit) -> int:
+    """The status Python exits with for ``stop``."""
+    return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
 
 
 def main() -> None:
-    before = {signum: signal.signal(signum, _end_now) for signum in STARTUP_SIGNALS}
+    before = {signum: signal.signal(signum, lambda signum, frame: _end_now(128 + signum)) for signum in SIGNALS}
     try:
         from archlab.cli import main as run_command
     except OSError as exc:  # a disk with no room for the temporary file torch's imports make, among others
@@ -23,4 +36,13 @@ def main() -> None:
         sys.exit(1)
     for signum, handler in before.items():
         signal.signal(signum, handler)
-    run_command()
+    status = 1  # an exception let out: Python prints it and exits with 1
+    try:
+        run_command()
+        status = 0
+    except SystemExit as stop:
+        status = _status(stop)
+        raise
+    finally:
+        for signum in SIGNALS:
+            signal.signal(signum, lambda signum, frame: _end_now(status))

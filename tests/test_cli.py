@@ -132,6 +132,28 @@ def test_a_signal_while_the_command_starts_ends_it_with_the_shells_status_and_no
     assert (result.returncode, result.stdout, result.stderr) == (128 + getattr(signal, name), "", "")
 
 
+# The installed command, with the signal argv[1] names sent to itself as Python shuts down once the
+# command is done: the last atexit callback (the first registered), after torch's.
+AT_EXIT = """
+import atexit, os, signal, sys, time
+
+signum = getattr(signal, sys.argv[1])
+atexit.register(lambda: (os.kill(os.getpid(), signum), time.sleep(5)))
+sys.argv = ["archlab", "cost", "specs/tiny/transformer.yaml"]
+from archlab.launch import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_signal_once_the_command_is_done_ends_it_with_its_own_status_and_all_it_wrote(name):
+    """Python's shutdown printed a KeyboardInterrupt raised in an atexit callback of torch's, or was
+    ended by SIGTERM (-15), after the command had done its work."""
+    result = subprocess.run([sys.executable, "-c", AT_EXIT, name], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert "| transformer |" in result.stdout and result.stdout.endswith("\n")
+
+
 def test_a_disk_too_full_for_the_imports_is_said_in_a_line():
     """A disk full to the last block (temporary folder too) failed torch's import, and every command
     printed a traceback through it."""

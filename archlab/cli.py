@@ -37,7 +37,7 @@ from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import COST_PAGE_TITLE, TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.files import write_text_whole
-from archlab.interrupts import held_signals
+from archlab.interrupts import Terminated, held_signals, interrupted_status
 from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
@@ -333,10 +333,6 @@ def _fits_in_memory(what: str, options: str, page_size: int | None = None, kept:
         raise typer.Exit(1) from None
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, as Ctrl-C."""
-
-
 def _import_whole(module: str) -> None:
     """Import ``module`` with SIGINT and SIGTERM held until it is done, then delivered: one landing
     inside an extension module's import (torch._dynamo's of triton) ended the process from C++, with
@@ -379,11 +375,6 @@ def _interruptible():
             later.cancel()
         signal.signal(signal.SIGTERM, previous_signal)
         sys.unraisablehook = previous_hook
-
-
-def _interrupted_code(exc: KeyboardInterrupt) -> int:
-    """The shell's status for a process ended by the signal: 128 + SIGTERM, or + SIGINT."""
-    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -990,7 +981,7 @@ def train(
         raise typer.Exit(1) from None
     except KeyboardInterrupt as exc:
         say.print(f"interrupted; {_kept_of(out)}", highlight=False)
-        raise typer.Exit(_interrupted_code(exc)) from None
+        raise typer.Exit(interrupted_status(exc)) from None
     except RuntimeError as exc:
         if launched_processes() == 1 or not _lost_peer(exc):
             raise
@@ -1374,7 +1365,7 @@ def study_run(
             else:
                 err.print("interrupted as the report was written; every trial is kept, and `archlab study report` writes"
                           " the report", highlight=False)
-            raise typer.Exit(_interrupted_code(exc)) from None
+            raise typer.Exit(interrupted_status(exc)) from None
         if all_failed(loaded, optuna_study.get_trials(deepcopy=False)):
             planned = len(loaded.planned())
             _error(f"no trial succeeded ({planned} of {planned} failed); why each failed is under Failed trials in"

@@ -9,6 +9,15 @@ from contextlib import ExitStack, contextmanager
 HELD = (signal.SIGINT, signal.SIGTERM)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, as Ctrl-C."""
+
+
+def interrupted_status(exc: KeyboardInterrupt) -> int:
+    """The shell's status for a process ended by the signal: 128 + SIGTERM, or + SIGINT."""
+    return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+
+
 @contextmanager
 def held_signals():
     """SIGINT and SIGTERM held while the body runs, then the first that came delivered, by the

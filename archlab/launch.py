@@ -3,12 +3,15 @@ torch and the command's modules (a second or more) ends it then, with the shell'
 word: nothing has begun (Python's own handler raised KeyboardInterrupt inside the imports, and
 printed its traceback). One once the command is done ends the process then, with the command's
 own status: its work is whole (Python's shutdown, which it cut, printed a KeyboardInterrupt from
-an atexit callback of torch's, or was ended by SIGTERM as if the command had failed). An import
-the system fails (a full disk) is said in a line."""
+an atexit callback of torch's, or was ended by SIGTERM as if the command had failed), as does one
+that lands past the command's own handling of it, as the command returns (a traceback, and a
+process ended by SIGINT). An import the system fails (a full disk) is said in a line."""
 
 import os
 import signal
 import sys
+
+from archlab.interrupts import interrupted_status
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,6 +46,9 @@ def main() -> None:
     except SystemExit as stop:
         status = _status(stop)
         raise
+    except KeyboardInterrupt as exc:  # one that lands past the command's own handling, as it returns
+        status = interrupted_status(exc)
+        sys.exit(status)
     finally:
         for signum in SIGNALS:
             signal.signal(signum, lambda signum, frame: _end_now(status))

@@ -154,6 +154,30 @@ def test_a_signal_once_the_command_is_done_ends_it_with_its_own_status_and_all_i
     assert "| transformer |" in result.stdout and result.stdout.endswith("\n")
 
 
+# The installed command, whose work lets out the interrupt argv[1] names, as one landing once its
+# handling of interrupts is over would.
+LET_OUT = """
+import sys
+import archlab.cli
+from archlab.interrupts import Terminated
+
+def interrupted():
+    raise {"SIGINT": KeyboardInterrupt, "SIGTERM": Terminated}[sys.argv[1]]
+
+archlab.cli.main = interrupted
+from archlab.launch import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_past_the_commands_handling_exits_with_the_shells_status_and_no_traceback(name):
+    """Python printed its traceback and ended the process by SIGINT (-2), once seen after a study
+    worker had said it was interrupted."""
+    result = subprocess.run([sys.executable, "-c", LET_OUT, name], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout, result.stderr) == (128 + getattr(signal, name), "", "")
+
+
 def test_a_disk_too_full_for_the_imports_is_said_in_a_line():
     """A disk full to the last block (temporary folder too) failed torch's import, and every command
     printed a traceback through it."""

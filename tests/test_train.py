@@ -1531,7 +1531,8 @@ def test_an_interrupt_that_lands_in_a_finalizer_is_delivered_again(signum):
     """Python prints an exception raised in a ``__del__`` and drops it: a Ctrl-C landing there let a
     study worker finish its trial and exit 0, as if none had come. Work that ends before it comes
     again has done what it would have stopped: the interrupt is not left to land in what follows."""
-    from archlab.cli import Terminated, _interruptible
+    from archlab.cli import _interruptible
+    from archlab.interrupts import Terminated
 
     class FinalizedAsTheSignalLands:
         def __del__(self):

@@ -498,11 +498,17 @@ def generate(
 
 
 def _sampling(temperature: float, top_k: int | None, top_p: float | None, seed: int | None) -> Sampling:
-    """The sampling options, refused as the command line's where they do not make one."""
+    """The sampling options, refused as the command line's where they do not make one, and said
+    where they do nothing."""
     try:
-        return Sampling(temperature, top_k, top_p, seed)
+        sampling = Sampling(temperature, top_k, top_p, seed)
     except ValueError as exc:  # "top_p must be ...": said of --top-p
         raise typer.BadParameter(str(exc), param_hint=f"'--{str(exc).split()[0].replace('_', '-')}'") from None
+    if temperature == 0 and (given := [f"--{name}" for name, value in (("top-k", top_k), ("top-p", top_p)) if value is not None]):
+        one = len(given) == 1
+        _notice(f"{' and '.join(given)} {'narrows' if one else 'narrow'} what is sampled, and at --temperature 0 (greedy, the"
+                f" default) nothing is: {'it does' if one else 'they do'} nothing; give a --temperature above 0 to sample")
+    return sampling
 
 
 def _trained(source: Path) -> tuple[ModelSpec, torch.nn.Module, TextCodec]:
@@ -620,6 +626,9 @@ def chat(
 
     sampling = _sampling(temperature, top_k, top_p, seed)
     system = None if system is None else _utf8("--system", system)
+    if system is not None and MESSAGE_END in system:  # named as the option, not as the conversation's message 1
+        raise typer.BadParameter(f"holds {MESSAGE_END}, which ends a message where the model reads it; take it out",
+                                 param_hint="'--system'")
     spec, model, codec = _trained(run)
     if codec.tokenizer is None:
         _error(f"{run} trained on token ids or a recall task, with no tokenizer to read a conversation with; chat with a run fine-tuned"
@@ -637,7 +646,7 @@ def chat(
     typed = sys.stdin.isatty()
     try:
         if messages:
-            reply_prompt(messages, codec.tokenizer)  # a system message that cannot be read is refused before any is typed
+            reply_prompt(messages, codec.tokenizer)  # a system message the tokenizer cannot encode is refused before any is typed
         if typed:
             _say("a message ends at a blank line; Ctrl-D (or Ctrl-C) ends the conversation")
         said: list[int] = []  # the last prompt, which the last reply's cache held before it
@@ -668,7 +677,7 @@ def chat(
             if reply.stop is None:
                 _say(f"(the reply was cut at --max-new-tokens {max_new_tokens})")
             messages.append({"role": "assistant", "content": reply.text})
-    except DataError as exc:  # a --system message holding MESSAGE_END
+    except DataError as exc:  # a message the tokenizer cannot encode
         _error(str(exc))
         raise typer.Exit(1) from None
     except (UnicodeDecodeError, UnicodeEncodeError) as exc:  # read strictly, or with each byte that is not UTF-8 a surrogate
@@ -1027,12 +1036,18 @@ def curves(
         err.print(f"plot written to {plot_path}", markup=False)
 
 
+# Past these, a count asked for ran for hours before a word (1e12 sequences for a synthetic task,
+# 1e12 depths): far more than any measurement needs, refused as the command line's.
+MAX_SEQUENCES = 100_000
+MAX_DEPTHS = 1_000
+
+
 @app.command()
 def evaluate(
     runs: TrainedRuns,
     seq_len: Annotated[list[str], typer.Option(help="context lengths, e.g. 2K 4K 8K")] = ["2K", "4K", "8K"],  # noqa: B006
     last: Annotated[int, typer.Option(min=1, help="tokens scored at the end of each window (not for recall tasks)")] = 512,
-    sequences: Annotated[int, typer.Option(min=1, help="windows per length")] = 16,
+    sequences: Annotated[int, typer.Option(min=1, max=MAX_SEQUENCES, help="windows per length")] = 16,
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="score on all of this corpus instead of the held-out split: a text file or folder, stdlib, hf:NAME (read with each run's tokenizer), a token file, mqar or copy")] = None,
@@ -1106,7 +1121,7 @@ def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None
 def layers(
     runs: TrainedRuns,
     seq_len: Annotated[str | None, typer.Option(help="tokens per window (default: the length each run trained on)")] = None,
-    sequences: Annotated[int, typer.Option(min=1, help="windows measured")] = 16,
+    sequences: Annotated[int, typer.Option(min=1, max=MAX_SEQUENCES, help="windows measured")] = 16,
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="measure on this corpus instead of the held-out split (as evaluate's --data)")] = None,
@@ -1144,11 +1159,11 @@ class HaystackKind(str, Enum):
 def niah(
     runs: TrainedRuns,
     seq_len: Annotated[list[str], typer.Option(help="prompt lengths with the tokens generated, e.g. 2K 4K 8K")] = ["1K", "2K", "4K"],  # noqa: B006
-    depths: Annotated[int, typer.Option(min=1, help="needle depths, spread evenly through the haystack")] = 5,
-    sequences: Annotated[int, typer.Option(min=1, help="probes per length and depth")] = 4,
+    depths: Annotated[int, typer.Option(min=1, max=MAX_DEPTHS, help="needle depths, spread evenly through the haystack")] = 5,
+    sequences: Annotated[int, typer.Option(min=1, max=MAX_SEQUENCES, help="probes per length and depth")] = 4,
     haystack: Annotated[HaystackKind, typer.Option(help="noise: a line repeated (RULER's S-NIAH-1); text: the held-out split or --data (as S-NIAH-2)")] = HaystackKind.noise,
     new_tokens: Annotated[int, typer.Option(min=1, help="tokens generated after each prompt")] = 16,
-    seed: Annotated[int, typer.Option(help="draws the keys, numbers and places in the text")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=SEED_LIMIT - 1, help="draws the keys, numbers and places in the text")] = 0,
     batch: ScoringBatch = 8,
     device: ScoringDevice = None,
     data: Annotated[str | None, typer.Option(help="the text haystack: a text file or folder, stdlib or hf:NAME")] = None,

@@ -87,6 +87,24 @@ def files_no_bigger_than(size):
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
+@contextlib.contextmanager
+def no_longer_than(seconds):
+    """Work in this process that runs for ever (a worker that never finds a dead worker's trial
+    stale, a loop over a count asked for) fails the test, as a subprocess's timeout would, rather
+    than hang it."""
+
+    def expired(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def interruptible() -> None:
     """``preexec_fn`` of a child a test sends SIGINT: one started from a shell's background job
     inherits SIGINT ignored, and Python then raises no KeyboardInterrupt for it."""

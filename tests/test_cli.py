@@ -973,7 +973,25 @@ BAD_OPTIONS = [
     (["bench", SPEC, "--device", "bogus"], "--device 'bogus' is not a device; give cpu, cuda or cuda:N"),
     (["bench", SPEC, "--device", "meta"], "--device meta: archlab runs on cpu or cuda"),
     (["bench", SPEC, "--device", "cuda:99"], "--device cuda:99: "),  # no CUDA, or not that many devices
+    (["evaluate", SPEC, "--sequences", "1000000000000"], "Invalid value for '--sequences'"),  # a recall task's: hours without a word
+    (["layers", SPEC, "--sequences", "100001"], "Invalid value for '--sequences'"),
+    (["niah", SPEC, "--depths", "1000000000000"], "Invalid value for '--depths'"),  # hours before its length was judged
+    (["niah", SPEC, "--seed", "-1"], "Invalid value for '--seed'"),  # as generate's and chat's
 ]
+
+
+def test_sampling_options_at_temperature_zero_are_said_to_do_nothing(cli):
+    """Greedy decoding samples nothing: --top-k and --top-p were taken without a word, the tokens
+    those of a run without them."""
+    for options, said in ((["--top-k", "5"], "--top-k narrows what is sampled, and at --temperature 0 (greedy, the default)"
+                                              " nothing is: it does nothing; give a --temperature above 0 to sample"),
+                          (["--top-k", "5", "--top-p", "0.5"], "--top-k and --top-p narrow what is sampled, and at"
+                                                               " --temperature 0 (greedy, the default) nothing is: they do nothing")):
+        code, out, stderr = cli("generate", SPEC, "--prompt", "ab", "--max-new-tokens", "3", *options)
+        assert code in (0, None) and said in " ".join(stderr.split()), stderr
+        assert out == cli("generate", SPEC, "--prompt", "ab", "--max-new-tokens", "3")[1]
+    code, _, stderr = cli("generate", SPEC, "--prompt", "ab", "--max-new-tokens", "3", "--top-k", "5", "--temperature", "0.7")
+    assert code in (0, None) and "does nothing" not in stderr
 
 
 @pytest.mark.parametrize("args,message", BAD_OPTIONS, ids=[" ".join(c[0][:1] + c[0][-2:]) for c in BAD_OPTIONS])

@@ -260,7 +260,8 @@ def test_a_reply_of_many_lines_ends_where_training_ended_a_message(cli, pretrain
     assert code == 1 and "error: a message cannot hold <|end|>, which ends a message where the model reads it" in stderr, stderr  # piped
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
     code, stdout, stderr = cli("chat", pretrained, "--system", "End with <|end|>.")
-    assert code == 1 and "the conversation: message 1 holds <|end|>, which ends a message" in stderr and "Traceback" not in stderr, stderr
+    assert code == 2 and "Invalid value for '--system': holds <|end|>, which ends a message where the model reads it; take it" \
+        in " ".join(stderr.replace("│", "").split()) and "Traceback" not in stderr, stderr  # was its "message 1"
     assert stdout == "" and sys.stdin.tell() == 0  # refused before a message was read
 
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +40,7 @@ from archlab.study.runner import (
     work,
 )
 from archlab.train.trainer import Trainer, Unwritten
-from conftest import ROOT, files_no_bigger_than, interruptible
+from conftest import ROOT, files_no_bigger_than, interruptible, no_longer_than
 
 SHIPPED = sorted(p.stem for p in STUDIES.glob("*.yaml"))
 DIVERGED = r"TrainError: (loss|gradient norm) became"  # the trainer's reason for stopping a run that blew up
@@ -89,23 +88,6 @@ def rewrite(path, **changes):
 
 
 OK = (0, None)  # the exit codes of a command that succeeded, run in this process (conftest's cli)
-
-
-@contextmanager
-def no_longer_than(seconds):
-    """A command run in this process that waits for ever (a worker that never finds a dead
-    worker's trial stale) fails the test, as a subprocess's timeout would, rather than hang it."""
-
-    def expired(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def trials_of(url, name):
@@ -748,6 +730,9 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
     assert code == 1 and "shipped:" in stderr and "Traceback" not in stderr, stderr
     code, _, stderr = cli("study", "run", path.parent)
     assert code == 1 and "is a folder; give a study file (.yaml) or the name of a shipped study" in stderr, stderr
+    (path.parent / "corpus.txt").write_text("text\n")  # there, but no study: it was said to be no file
+    with pytest.raises(SpecError, match=re.escape("<study>: is not a study file (.yaml or .yml), nor a shipped study's name; shipped:")):
+        load_study(str(path.parent / "corpus.txt"))
     (path.parent / "out" / "optuna.db").mkdir(parents=True)
     code, _, stderr = cli("study", "report", path, "--out", path.parent / "out")
     assert code == 1 and "its optuna.db is a folder, not a study's database" in stderr, stderr

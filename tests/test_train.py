@@ -35,7 +35,7 @@ from archlab.train.checkpoint import checkpoints, file_hash
 from archlab.train.config import RESUMABLE, TrainConfig, kept_on_resume, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
-from conftest import ROOT, files_no_bigger_than, in_process_cli, interruptible
+from conftest import ROOT, files_no_bigger_than, in_process_cli, interruptible, no_longer_than
 
 SMALL = ["--set", "seq_len=64", "--set", "batch_size=8", "--set", "micro_batch_size=4", "--set", "data.max_bytes=400000",
          "--set", "eval_batches=2", "--set", "log_interval=1"]
@@ -2167,6 +2167,18 @@ def test_curves_refuse_metrics_training_did_not_write_and_name_the_line(cli, tra
     change(records)
     (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     refused(cli("curves", run, "--baseline", trained_on_text), f"{run / 'metrics.jsonl'}, {said}")
+
+
+def test_windows_past_every_place_in_the_split_are_each_place_once_found_at_once():
+    """Asked for more windows than the split has places to end one, every place is taken once, as
+    before; 1e12 of them looped over every one asked for and ran for hours without a word."""
+    from archlab.train.evaluate import windows
+
+    tokens = np.arange(40)
+    with no_longer_than(30):
+        (every,) = windows(tokens, [8], 1_000_000_000_000).values()
+    assert every.inputs[:, 0].tolist() == list(range(32)) and torch.equal(every.inputs, windows(tokens, [8], 32)[8].inputs)
+    assert torch.equal(windows(tokens, [8], 33)[8].inputs, every.inputs)  # one more than there are places: the same
 
 
 def test_evaluate_scores_the_same_last_tokens_given_each_length_of_context(cli, trained_on_text, tmp_path):

@@ -282,6 +282,9 @@ def find_study(name_or_path: str) -> Path:
     shipped = STUDIES / f"{name_or_path}.yaml"
     if not shipped.is_file():
         names = ", ".join(sorted(p.stem for p in STUDIES.glob("*.yaml")))
+        if path.exists():  # a corpus, a spec without its suffix: there, but not read as a study
+            raise SpecError(name_or_path, [Problem("<study>", f"is not a study file (.yaml or .yml), nor a shipped study's name;"
+                                                              f" shipped: {names}")])
         raise SpecError(name_or_path, [Problem("<study>", f"no file or shipped study of that name; shipped: {names}")])
     return shipped
 

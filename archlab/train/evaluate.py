@@ -45,6 +45,7 @@ def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = 
         raise EvaluationError(f"{what} has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
                               f" {longest:,} and its next token need; give lengths up to {len(tokens) - 1:,}")
     last = len(tokens) - 1  # the last position a window's next token may reach
+    sequences = min(sequences, last - longest + 1)  # past that, every place is taken: the same ends, without a loop over the rest
     ends = sorted({longest + i * (last - longest) // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
     found = {}
     for length in lengths:

@@ -127,7 +127,7 @@ class Probes:
         budget = length - self.new_tokens
         if (least := len(prompt(0))) > budget:
             raise EvaluationError(f"--seq-len {length:,}: the question and the needle alone take {least:,} tokens, and"
-                                  f" {self.new_tokens} more are generated; give a longer length")
+                                  f" {self.new_tokens} more {'is' if self.new_tokens == 1 else 'are'} generated; give a longer length")
         answer = self.encode(f" {value}")
         if len(answer) > self.new_tokens:  # no continuation could hold it
             raise EvaluationError(f"--new-tokens {self.new_tokens}: the answer {value!r} takes {len(answer)} tokens of the run's"

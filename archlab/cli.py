@@ -1174,7 +1174,7 @@ def niah(
     text: the share of probes whose greedy answer holds the number hidden in a long prompt, by
     length and depth, and the loss of the number's tokens with its gain from the needle."""
     from archlab.train.needle import niah as probed
-    from archlab.train.needle import plot, probeable, rows, summary
+    from archlab.train.needle import misplaced, plot, probeable, rows, summary
 
     lengths = _lengths(seq_len)
     if data is not None and haystack is HaystackKind.noise:
@@ -1190,6 +1190,10 @@ def niah(
     sys.stdout.write(render([row for label, some in found.items() for row in rows(label, some)], fmt))
     for label, some in found.items():
         _say(summary(label, some))
+        if far := misplaced(some):
+            _notice(f"{label}: the needle sits far from the depth asked at " + "; ".join(
+                f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far)
+                + ": a haystack this short has few lines to put it between; give longer lengths, or read `placed %`")
     if plot_path is not None:
         plot(found, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)

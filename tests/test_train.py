@@ -2535,6 +2535,19 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")
 
 
+def test_needles_placed_far_from_the_depth_asked_are_named_and_a_gain_of_nothing_has_no_sign():
+    """At 512 tokens a haystack of a few lines put needles asked at 17% and 50% at 0%, with no word
+    beyond the table's `placed %`; a gain a hair below 0 was said as -0.0000."""
+    from archlab.train.needle import Found, Probe, misplaced, summary
+
+    def found(length, depth, placed, control_loss=1.0):
+        return Found(Probe(length, depth, "calm-anchor", "1234567", [], [], [], placed), "", 1.0, control_loss)
+
+    probes = [found(512, 16.7, 0.0), found(512, 16.7, 2.0), found(512, 50.0, 45.0), found(2048, 83.3, 100.0)]
+    assert misplaced(probes) == [(512, 16.7, 1.0), (2048, 83.3, 100.0)]  # by the mean over a cell's probes, past 10 points
+    assert "reading the needle gains +0.0000 a digit" in summary("run", [found(512, 50.0, 50.0, control_loss=1.0 - 1e-9)])
+
+
 def test_niah_takes_a_length_the_question_and_needle_just_fit_and_new_tokens_that_just_hold_the_answer(trained_on_text):
     """The same seed draws the same key and number: at the length of the question and the needle
     alone, with the tokens to generate, the probe has no line of haystack; a token less is refused.

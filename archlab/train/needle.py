@@ -265,9 +265,18 @@ def rows(run: str, found: list[Found]) -> list[dict]:
             for (length, depth), some in cells.items()]
 
 
+def misplaced(found: list[Found], by: float = 10.0) -> list[tuple[int, float, float]]:
+    """(length, depth asked, depth placed) where the needle sits more than ``by`` percent from the
+    depth asked, on average: a haystack of few lines, at a short length, has few places to put it."""
+    cells: dict[tuple[int, float], list[float]] = {}
+    for f in found:
+        cells.setdefault((f.probe.length, f.probe.depth), []).append(f.probe.placed)
+    return [(length, depth, fmean(placed)) for (length, depth), placed in cells.items() if abs(fmean(placed) - depth) > by]
+
+
 def summary(run: str, found: list[Found]) -> str:
     """A run's probes found, the answer's loss and the gain from the needle, over all its probes."""
-    loss, gain = fmean(f.loss_per_digit for f in found), fmean(f.gain_per_digit for f in found)
+    loss, gain = fmean(f.loss_per_digit for f in found), round(fmean(f.gain_per_digit for f in found), 4) + 0.0  # not -0.0000
     return (f"{run}: {sum(f.hit for f in found)} of {len(found)} probes found; the answer's loss {loss:.4f} a digit (a uniform"
             f" guess at each is {math.log(10):.4f}); reading the needle gains {gain:+.4f} a digit")
 

@@ -2460,8 +2460,11 @@ def test_niah_hides_one_needle_at_each_depth_in_the_longest_haystack_that_fits(t
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # noise is one line repeated by design: nothing to say
         Probes(Haystack.noise(), tokenizer, 12, seed=3).draw(512, 50.0)
-    with pytest.raises(EvaluationError, match=r"--new-tokens 2: the answer '\d{7}' takes \d+ tokens of the run's tokenizer after the prompt"):
+    with pytest.raises(EvaluationError) as refused:
         Probes(Haystack.noise(), tokenizer, 2, seed=3).draw(512, 50.0)  # no continuation could hold the number
+    said = re.fullmatch(r"--new-tokens 2: the answer '\d{7}' takes (\d+) tokens of the run's tokenizer after the prompt;"
+                        r" generate (\d+) or more \((\d+), with room for a few words before it\)", str(refused.value))
+    assert said and said[1] == said[2] and int(said[3]) == int(said[1]) + 4, refused.value  # was "takes 8 ... generate 12 or more"
 
 
 def test_niah_finds_the_longest_haystack_as_a_scan_of_every_count_does():

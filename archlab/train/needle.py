@@ -131,7 +131,8 @@ class Probes:
         answer = self.encode(f" {value}")
         if len(answer) > self.new_tokens:  # no continuation could hold it
             raise EvaluationError(f"--new-tokens {self.new_tokens}: the answer {value!r} takes {len(answer)} tokens of the run's"
-                                  f" tokenizer after the prompt; generate {len(answer) + 4} or more")
+                                  f" tokenizer after the prompt; generate {len(answer)} or more ({len(answer) + 4}, with room for a"
+                                  " few words before it)")
         fits = longest(lambda count: len(prompt(count)), budget)
         if self.haystack.what and fits > len(self.haystack.lines) and not self.wrapped:
             self.wrapped = True

@@ -109,9 +109,17 @@ def _is_run(folder: Path) -> bool:
     return (folder / RUN_SPEC).exists() or (folder / "checkpoints").is_dir() or (folder / "metrics.jsonl").exists()
 
 
+def _run_of(path: Path) -> Path | None:
+    """The training run a folder is, or whose checkpoint folder it is (checkpoints/step-*)."""
+    if _is_run(path):
+        return path
+    return path.parents[1] if path.parent.name == "checkpoints" and path.is_dir() and _is_run(path.parents[1]) else None
+
+
 def _spec_file(path: Path) -> Path:
-    """A training run's folder stands for the spec it trained."""
-    return path / RUN_SPEC if _is_run(path) else path
+    """A training run's folder, or one of its checkpoints', stands for the spec it trained."""
+    run = _run_of(path)
+    return path if run is None else run / RUN_SPEC
 
 
 def _expand(paths: list[Path]) -> list[Path]:
@@ -119,8 +127,8 @@ def _expand(paths: list[Path]) -> list[Path]:
     training config)."""
     files: list[Path] = []
     for path in paths:
-        if _is_run(path):
-            files.append(path / RUN_SPEC)
+        if (run := _run_of(path)) is not None:
+            files.append(run / RUN_SPEC)
         elif path.is_dir():
             found = sorted(path.rglob("*.yaml"))
             runs = {f.parent for f in found if _is_run(f.parent)}

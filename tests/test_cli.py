@@ -226,6 +226,12 @@ def test_a_training_run_stands_for_its_spec(cli, tmp_path):
         assert "yoco-u" in out, command
         if runs in command and command[0] != "validate":  # validate names each file
             assert f"yoco-u ({runs / 'a'})" in out and f"yoco-u ({runs / 'b'})" in out, command
+    checkpoint = run / "checkpoints" / "step-00000005"  # one of its checkpoints too, as generate takes: was "a folder, not a YAML file"
+    checkpoint.mkdir(parents=True)
+    for command in (["validate", checkpoint], ["show", checkpoint], ["cost", checkpoint, "--seq-len", "1K"]):
+        code, out, stderr = cli(*command)
+        assert code in (0, None) and "yoco-u" in out, (command, stderr)
+    assert cli("cost", checkpoint, "--seq-len", "1K")[1] == cli("cost", run, "--seq-len", "1K")[1]
 
 
 def test_a_study_or_training_config_given_as_a_spec_is_named_as_such_and_a_spec_named_twice_costed_once(cli, tmp_path):

@@ -327,7 +327,7 @@ def _fits_in_memory(what: str, options: str, page_size: int | None = None, kept:
     rather than by the allocator's internals; ``kept`` says what of the work survives."""
     try:
         yield
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, MemoryError) as exc:
         if not out_of_memory(exc):
             raise
         if isinstance(exc, NoRoom):

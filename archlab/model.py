@@ -251,11 +251,17 @@ class Model(nn.Module):
         return x
 
 
+MAX_PARAMETERS = 2**53  # far past any machine's memory; a size past 2**63 torch cannot even lay out (a TypeError on meta)
+
+
 def build_model(spec: ModelSpec, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Model:
     """Build the model for a validated spec (``device="meta"`` builds paper-scale shapes for free)."""
     spec = revalidated(spec)  # before its size is worked out from it
     dtype_made = torch.get_default_dtype()  # built in it, then cast
-    check_room(Cost(spec).params_total * dtype_made.itemsize, device or "cpu", f"its weights in {str(dtype_made).removeprefix('torch.')}")
+    params = Cost(spec).params_total
+    if params > MAX_PARAMETERS:
+        raise MemoryError(f"{spec.name} has {params:.3g} parameters, past 2**53, which no machine holds: is a size in it mistyped?")
+    check_room(params * dtype_made.itemsize, device or "cpu", f"its weights in {str(dtype_made).removeprefix('torch.')}")
     with torch.device(device or "cpu"):
         model = Model(spec)
     return model if dtype is None else model.to(dtype)

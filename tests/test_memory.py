@@ -85,6 +85,18 @@ def test_a_model_asks_for_its_weights_as_built(path, free):
     assert archlab.build_model(spec, device="meta") is not None  # no memory asked of the meta device
 
 
+def test_a_model_past_any_machine_is_refused_in_words_on_every_device(cli, tmp_path):
+    """A mistyped size (an FFN of 1e30) passes the schema: on the meta device torch raised
+    "Overflow when unpacking long long", a TypeError that named nothing."""
+    spec = archlab.load_spec(ROOT / "specs/tiny/transformer.yaml", ["ffn.hidden=1000000000000000000000000000000"])
+    for device in ("meta", "cpu"):
+        with pytest.raises(MemoryError, match=r"^transformer has \d\.\d+e\+32 parameters, past 2\*\*53, which no machine holds: is a"):
+            archlab.build_model(spec, device=device)
+    (tmp_path / "huge.yaml").write_text(archlab.spec.spec_to_yaml(spec))
+    code, _, stderr = cli("build", tmp_path / "huge.yaml")
+    assert code == 1 and "parameters does not fit in memory; lower d_model, n_layers or the FFN's size" in stderr, stderr
+
+
 def test_generate_refuses_a_cache_without_room_before_writing_the_prompt(cli, free):
     free(2 * WEIGHTS)  # the weights fit, a cache of 10,002 positions does not
     code, stdout, stderr = cli("generate", SPEC, "--prompt", "hi", "--max-new-tokens", 10_000)

@@ -822,6 +822,8 @@ def cost(
     if doc is not None and doc.is_file() and not _is_cost_page(doc):  # a README, notes: replaced by an 11-line page
         raise typer.BadParameter(f"--doc {doc} holds another page than a cost page `archlab cost --doc` wrote; give a new"
                                  " file, or remove it first")
+    if doc is not None and not doc.is_dir() and not doc.parent.is_dir():  # refused before the specs are costed, as --plot is
+        raise typer.BadParameter(f"--doc {doc}: no folder {doc.parent}")
     good, bad = _load_all(paths)
     if not good or (bad and doc is not None):  # a page of some of the specs would read as a page of them all
         raise typer.Exit(1)

@@ -848,7 +848,7 @@ BAD_PATHS = [
     ("train --out under a file", ["train", SPEC, "--out", "{file}/run", "--steps", "1"], 1, "error: {file}/run: Not a directory"),
     ("train data.cache unwritable", ["train", SPEC, "--out", "{run}", "--steps", "1", "--data", "{text}", "--set", "data.cache=/proc/archlab"], 1,
      "error: /proc/archlab: No such file or directory"),
-    ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 1, "error: {dir}/absent/cost.md: No such file or directory"),
+    ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 2, "--doc {dir}/absent/cost.md: no folder {dir}/absent"),  # as --plot
     ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 1, "error: {dir}: Is a directory"),
     ("cost --doc the current folder", ["cost", SPEC, "--doc", "."], 1, "error: .: Is a directory"),  # a ValueError's traceback
     ("cost --doc the folder above", ["cost", SPEC, "--doc", "{dir}/.."], 1, "error: {dir}/..: Is a directory"),

@@ -247,7 +247,11 @@ class Model(nn.Module):
                 memos = {i: {} for i in seg.layers if self.plan.shared(step, i)}
             for i in seg.layers:
                 state = cache.layers.get(self.plan.state_key(step, i)) if cache else None
-                x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i), causal), aux)
+                # a list of its own per call: a compiled layer guards on the list's length, and one list growing
+                # through the pass had an MoE layer compiled again at every call, up to torch's limit
+                made: list[torch.Tensor] = []
+                x = self.layers[i](x, MixerInput(positions, state, loop_kv, memos.get(i), causal), made)
+                aux += made
         return x
 
 

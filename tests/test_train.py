@@ -1058,10 +1058,14 @@ def test_compiled_moe_layers_train_as_eager_under_the_first_steps_memory_watch(t
     """An MoE layer breaks its compiled graph where it reads its experts on the host; the frame
     resumed after that break runs Dynamo's frame hook, which traced the first step's memory watch
     (``Watched``) on the CPU and failed at the nbytes of nonzero's symbolic shape. Kept out of
-    it, compiled MoE layers train as eager ones, and their load statistic is the same."""
+    it, compiled MoE layers train as eager ones, and their load statistic is the same. Each layer
+    call is given a list of its own for its balance loss: one list growing through the pass made
+    the layer compile again at every call, to torch's limit (8), and the rest ran eagerly."""
     import archlab
     from rich.console import Console
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    from archlab.model import Layer
     from archlab.train.trainer import Trainer
 
     spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco-u-moe.yaml")
@@ -1071,6 +1075,8 @@ def test_compiled_moe_layers_train_as_eager_under_the_first_steps_memory_watch(t
         cfg = TrainConfig.model_validate({"batch_size": 2, "micro_batch_size": 2, "seq_len": 32, "data": {"source": "mqar"},
                                           "eval_interval": 100, "log_interval": 1, "compile": compile})
         runs[compile] = Trainer(spec, cfg, tmp_path / str(compile), Console(quiet=True)).fit(2)
+    compiled = len(_debug_get_cache_entry_list(Layer.forward.__code__))  # a graph per layer kind, with and without gradients
+    assert compiled < torch._dynamo.config.recompile_limit, compiled
     for eager, compiled in zip(runs[False], runs[True], strict=True):
         assert compiled["loss"] == pytest.approx(eager["loss"], rel=1e-5)
         assert compiled["grad_norm"] == pytest.approx(eager["grad_norm"], rel=1e-4)

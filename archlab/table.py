@@ -96,7 +96,7 @@ BUDGET_SCALES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 
 
 def parse_budget(text: str) -> int:
-    """'50M', '1.5B' or '300B' as a number of training tokens (K, M, B, T = powers of 1,000, as
+    """'50M', '1.5B' or '300B' as a number of training tokens (K, M, B or G, T = powers of 1,000, as
     budgets are counted)."""
     scale = BUDGET_SCALES.get(text[-1:].upper(), 1)
     number = text[:-1] if scale > 1 else text
@@ -106,5 +106,5 @@ def parse_budget(text: str) -> int:
         amount = None
     if amount is None or not amount.is_finite() or amount < 1 or amount != amount.to_integral_value():
         raise ValueError(f"{text!r} is not a whole number of tokens (examples: 2048, 50M, 1.5B, 300B;"
-                         " K, M, B and T are powers of 1,000)")
+                         " K, M, B (or G) and T are powers of 1,000)")
     return int(amount)

@@ -368,7 +368,8 @@ class Trainer:
             group.update(settings)
         step = info["step"]
         if step > steps:
-            raise TrainError(f"{latest} is at step {step}, past the {steps} steps asked; give --steps above {step} to extend the run")
+            raise TrainError(f"{latest} is at step {step}, past the {steps} steps asked; give --steps above {step} (or a --tokens"
+                             " or --flops budget past it) to extend the run")
         self._say(f"resuming from {escape(str(latest))} (step {step})")
         return step
 

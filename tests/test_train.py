@@ -713,6 +713,30 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
     assert again[0] == 0, again[2]  # the same data reads the corpus back
 
 
+def test_runs_sharing_a_cache_check_tokenize_and_read_back_its_corpus_one_at_a_time(tmp_path):
+    """Each file of a tokenized corpus is written whole, but not the set: two runs tokenizing other
+    corpora into one data.cache at once both went on, the files left were from either, and a run
+    could read the other's back. A run now waits while another holds the cache's lock."""
+    import fcntl
+    import threading
+
+    from archlab.train.config import Data
+    from archlab.train.data import CORPUS_LOCK, prepare
+
+    corpus, shared, prepared = tmp_path / "a.txt", tmp_path / "shared", []
+    corpus.write_text("zzzz qqqq " * 400)
+    shared.mkdir()
+    run = threading.Thread(target=lambda: prepared.append(prepare(Data(source=str(corpus), cache=str(shared)), 256, 32, 0, shared)))
+    with open(shared / CORPUS_LOCK, "a") as other:  # another run, tokenizing there
+        fcntl.flock(other, fcntl.LOCK_EX)
+        run.start()
+        run.join(3)
+        assert run.is_alive() and not (shared / "data").exists()  # waiting, nothing written
+        fcntl.flock(other, fcntl.LOCK_UN)
+    run.join(120)
+    assert prepared and (shared / "data" / "train.npy").is_file()
+
+
 def test_a_run_folder_in_use_by_another_training_is_refused_untouched(cli, tmp_path):
     """A resume of a run thought dead, still training elsewhere, would interleave the two's metrics."""
     import fcntl

@@ -46,7 +46,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import DataError, OtherCorpus, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
+from archlab.train.data import CORPUS_LOCK, DataError, OtherCorpus, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
 from archlab.train.trainer import Trainer, Unwritten
 
 
@@ -56,9 +56,9 @@ CORPUS = "corpus"  # the study's user attribute where join records the fingerpri
 PLOTS = ("curves", "loss_vs_flops")  # the report's plots, each NAME.png beside it
 OWNER = ".study"  # in a study's folder: the study (NAME-SCALE) whose report, plots and corpus it holds
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
-# trials, a shared tokenized corpus, the report with its plots, and whose they are
+# trials, a shared tokenized corpus (and its lock), the report with its plots, and whose they are
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
-               "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
+               CORPUS_LOCK, "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
 JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
 STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
 STOPPED_BY = "stopped_by"  # and what stopped it

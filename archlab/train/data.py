@@ -798,13 +798,34 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     else:
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
         text = _text_fingerprint(texts, cfg.tokenizer)
-    _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
-    if texts is not None and not (cache / "train.npy").is_file():
-        _tokenize_corpus(cfg, vocab_size, data_dir, texts, text, resume, say)
-    train, val = _read_corpus(cache, vocab_size)
-    _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or remove it and"
-                                           f" {cache} to tokenize again")
+    with _held(data_dir / CORPUS_LOCK) if cfg.cache else contextlib.nullcontext():
+        _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
+        if texts is not None and not (cache / "train.npy").is_file():
+            _tokenize_corpus(cfg, vocab_size, data_dir, texts, text, resume, say)
+        train, val = _read_corpus(cache, vocab_size)
+        _check_tokenizer(data_dir, vocab_size, f"the tokenized corpus in {cache} was made with it; put it back, or remove it"
+                                               f" and {cache} to tokenize again")
     return TokenSource(train, val, seq_len, seed, repr(cfg.source))
+
+
+# Beside a shared data.cache: one run at a time checks, tokenizes and reads back the corpus there.
+# Each file is written whole, but two runs tokenizing other corpora at once left a set of files
+# from both, and either run could read the other's tokens or tokenizer back.
+CORPUS_LOCK = ".corpus.lock"
+
+
+@contextlib.contextmanager
+def _held(lock: Path) -> Iterator[None]:
+    """An exclusive lock on the file ``lock`` (made, with its folder, if need be) while the body runs."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str], text: str, resume: bool,
@@ -831,7 +852,7 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
     ids = _encoded(cfg.source, texts, tokenizer)
     cut = int(len(ids) * (1 - cfg.val_fraction))
     cache.mkdir(parents=True, exist_ok=True)
-    # each file whole: runs sharing a cache may tokenize at once, and read what the other wrote
+    # each file whole: a kill leaves none half-written, and a run that has one mapped keeps it
     write_text_whole(own, tokenizer.to_str(pretty=True))
     write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
     write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size, text), indent=2))

@@ -7,8 +7,10 @@ old file or the new one, never part of one, and a reader that has the old one ma
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,6 +27,16 @@ def make_folder(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
     path.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def locked(handle: BinaryIO) -> Iterator[None]:
+    """An exclusive lock on the open file ``handle`` while the body runs: one process at a time."""
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def write_whole(path: Path, write: Callable[[BinaryIO], object]) -> None:

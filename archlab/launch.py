@@ -7,6 +7,7 @@ an atexit callback of torch's, or was ended by SIGTERM as if the command had fai
 that lands past the command's own handling of it, as the command returns (a traceback, and a
 process ended by SIGINT). An import the system fails (a full disk) is said in a line."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -17,11 +18,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _end_now(status: int) -> None:
+    """Leave at once with ``status``, what was written flushed (os._exit skips Python's shutdown)."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError, RuntimeError):  # closed, or cut in the middle of a write
             stream.flush()
-        except (OSError, ValueError, RuntimeError):  # closed, or cut in the middle of a write
-            pass
     os._exit(status)
 
 

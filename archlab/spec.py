@@ -158,17 +158,20 @@ class HoldsBlocks(Strict):
         return True
 
 
-# bounds far past any real model, so that a typo is refused here rather than spent in validation,
-# planning and the allocator
+NUL_IN_PATH = "a path cannot hold a NUL byte"  # the system takes none (Python raises ValueError, not OSError)
+
+
 def _no_nul(path: str) -> str:
-    """The system takes no path with a NUL byte in it (Python raises ValueError, not OSError)."""
     if "\0" in path:
-        raise PydanticCustomError("nul_in_path", "a path cannot hold a NUL byte")
+        raise PydanticCustomError("nul_in_path", NUL_IN_PATH)
     return path
 
 
 PathName = Annotated[str, AfterValidator(_no_nul)]  # a file or folder a spec, config or study names
 
+
+# bounds far past any real model, so that a typo is refused here rather than spent in validation,
+# planning and the allocator
 MAX_LAYERS = 1024  # in one half
 MAX_WIDTH = 2**20
 MAX_LOOP_TIMES = 256
@@ -623,7 +626,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
     if not isinstance(parent, str) or not parent.strip():
         raise SpecError(str(path), [Problem("extends", "must be a path to another spec file")])
     if "\0" in parent:
-        raise SpecError(str(path), [Problem("extends", "a path cannot hold a NUL byte")])
+        raise SpecError(str(path), [Problem("extends", NUL_IN_PATH)])
     if len(chain) >= MAX_EXTENDS:
         raise SpecError(str(chain[0]), [Problem("extends", f"a chain of more than {MAX_EXTENDS} files (through {path})")])
     merged = _deep_merge(_read_yaml(path.parent / parent, (*chain, path), origins), data)

@@ -324,7 +324,8 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
     plots = draw(study, trials)
     try:
         markdown, rows = _markdown(study, optuna_study, trials, plots, storage)
-        show(markdown if fmt is Format.md else render(rows, fmt))
+        text = markdown if fmt is Format.md else render(rows, fmt)
+        show(text)
         out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
         write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
         for name, figure in plots.items():
@@ -333,7 +334,7 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
     finally:
         for figure in plots.values():
             plt.close(figure)
-    return markdown if fmt is Format.md else render(rows, fmt)
+    return text
 
 
 def _markdown(study: Study, optuna_study: optuna.Study, trials: list[optuna.trial.FrozenTrial], plots: Collection[str],

@@ -15,7 +15,6 @@ next worker to join. A worker leaves once nothing it plans is waiting and nothin
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import inspect
@@ -40,7 +39,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import REFUSED, ShortWrite, make_folder, write_text_whole, written_as
+from archlab.files import REFUSED, ShortWrite, locked, make_folder, write_text_whole, written_as
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
@@ -385,12 +384,8 @@ def storage_lock(url: str, out: Path):
     except OSError as exc:
         beside = f" beside the database of {url}" if beside_database else ""
         raise StorageError(f"the workers' lock file {lock}{beside} cannot be made: {exc.strerror}") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with handle, locked(handle):
+        yield
 
 
 IN_MEMORY = ("", ":memory:")  # what a SQLite URL without a file names

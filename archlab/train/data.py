@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.files import write_text_whole, write_whole
+from archlab.files import locked, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
@@ -798,7 +798,7 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     else:
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
         text = _text_fingerprint(texts, cfg.tokenizer)
-    with _held(data_dir / CORPUS_LOCK) if cfg.cache else contextlib.nullcontext():
+    with _corpus_lock(data_dir) if cfg.cache else contextlib.nullcontext():
         _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
         if texts is not None and not (cache / "train.npy").is_file():
             _tokenize_corpus(cfg, vocab_size, data_dir, texts, text, resume, say)
@@ -815,17 +815,11 @@ CORPUS_LOCK = ".corpus.lock"
 
 
 @contextlib.contextmanager
-def _held(lock: Path) -> Iterator[None]:
-    """An exclusive lock on the file ``lock`` (made, with its folder, if need be) while the body runs."""
-    import fcntl
-
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _corpus_lock(data_dir: Path) -> Iterator[None]:
+    """The shared cache ``data_dir``'s lock (made, with the folder, if need be), held while the body runs."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / CORPUS_LOCK, "ab") as handle, locked(handle):
+        yield
 
 
 def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str], text: str, resume: bool,

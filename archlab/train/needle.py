@@ -254,25 +254,28 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     return search(loaded, tokenizer, probes, new_tokens, batch, device)
 
 
-def rows(run: str, found: list[Found]) -> list[dict]:
-    """A row per length and depth: the share of probes found, and their answer's loss a digit."""
+def _cells(found: list[Found]) -> dict[tuple[int, float], list[Found]]:
+    """The probes of each (length, depth asked)."""
     cells: dict[tuple[int, float], list[Found]] = {}
     for f in found:
         cells.setdefault((f.probe.length, f.probe.depth), []).append(f)
+    return cells
+
+
+def rows(run: str, found: list[Found]) -> list[dict]:
+    """A row per length and depth: the share of probes found, and their answer's loss a digit."""
     return [{"run": run, "length": length, "depth %": Decimals(depth, 1), "placed %": Decimals(fmean(f.probe.placed for f in some), 1),
              "probes": len(some),
              "found": Decimals(fmean(f.hit for f in some), 4), "loss/digit": Decimals(fmean(f.loss_per_digit for f in some), 4),
              "gain/digit": Decimals(fmean(f.gain_per_digit for f in some), 4)}
-            for (length, depth), some in cells.items()]
+            for (length, depth), some in _cells(found).items()]
 
 
 def misplaced(found: list[Found], by: float = 10.0) -> list[tuple[int, float, float]]:
     """(length, depth asked, depth placed) where the needle sits more than ``by`` percent from the
     depth asked, on average: a haystack of few lines, at a short length, has few places to put it."""
-    cells: dict[tuple[int, float], list[float]] = {}
-    for f in found:
-        cells.setdefault((f.probe.length, f.probe.depth), []).append(f.probe.placed)
-    return [(length, depth, fmean(placed)) for (length, depth), placed in cells.items() if abs(fmean(placed) - depth) > by]
+    placed = {cell: fmean(f.probe.placed for f in some) for cell, some in _cells(found).items()}
+    return [(length, depth, at) for (length, depth), at in placed.items() if abs(at - depth) > by]
 
 
 def summary(run: str, found: list[Found]) -> str:

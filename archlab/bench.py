@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -21,7 +20,7 @@ import torch
 from archlab.cache import Cache
 from archlab.engine import Engine
 from archlab.files import save_figure_whole
-from archlab.memory import check_room
+from archlab.memory import check_room, resident_bytes
 from archlab.model import Model
 from archlab.table import MIB
 
@@ -59,11 +58,6 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device, self.peak = device, 0.0
 
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
     def __enter__(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -71,14 +65,14 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             release_freed_memory()
-            self.start, self.high, self.running = self._rss(), self._rss(), True
+            self.start, self.high, self.running = resident_bytes(), resident_bytes(), True
             self.thread = threading.Thread(target=self._sample, daemon=True)
             self.thread.start()
         return self
 
     def _sample(self) -> None:
         while self.running:
-            self.high = max(self.high, self._rss())
+            self.high = max(self.high, resident_bytes())
             time.sleep(0.002)
 
     def __exit__(self, *exc):
@@ -88,7 +82,7 @@ class PeakMemory:
         else:
             self.running = False
             self.thread.join()
-            self.peak = (max(self.high, self._rss()) - self.start) / MIB
+            self.peak = (max(self.high, resident_bytes()) - self.start) / MIB
 
 
 @functools.cache
@@ -166,8 +160,8 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
         batch=batch,
         gen=gen,
         prefill_rows=rows,
-        page_size=cache.pages and cache.pages.page_size,
-        page_kernel=cache.pages and cache.pages.kernel,
+        page_size=cache.page_table and cache.page_table.page_size,
+        page_kernel=cache.page_table and cache.page_table.kernel,
         prefill_tok_s=rows * seq_len / prefill_s,
         decode_tok_s=batch * gen / decode_s,
         peak_mb=peak.peak,

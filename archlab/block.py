@@ -12,11 +12,11 @@ import math
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
 
@@ -24,7 +24,12 @@ if TYPE_CHECKING:
     from archlab.kv import KVRows, PagedKV
 
 
-YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check; its context names the key
+MAX_SIZE = 2**20
+Size = Annotated[int, Field(gt=0, le=MAX_SIZE)]
+"""A width, head count, head size, hidden size, chunk or window: bounded far past any real model's,
+so that a typo (``hidden: 1e30``) is refused here rather than spent in costing and the allocator."""
+
+YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check; its context names the key (and index)
 
 
 class Strict(BaseModel):
@@ -37,13 +42,17 @@ class Strict(BaseModel):
     @classmethod
     def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
         """pydantic reads true as 1, and YAML reads true, yes and on as true: ``n_heads: yes`` would
-        build one head. (A field validator cannot do this: pydantic allows none on a ``type`` tag.)"""
+        build one head; so are a list's items (``betas: [no, 0.95]``). (A field validator cannot do
+        this: pydantic allows none on a ``type`` tag.)"""
         if isinstance(data, dict):
             for key, value in data.items():
                 info = cls.model_fields.get(key)
-                if isinstance(value, bool) and info and _wants_a_number(info.annotation):
-                    raise PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted",
-                                              {"key": key, "value": str(value).lower()})
+                if not (info and _wants_a_number(info.annotation)):
+                    continue
+                for index, item in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
+                    if isinstance(item, bool):
+                        raise PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted",
+                                                  {"key": key, "index": index, "value": str(item).lower()})
         return data
 
     @model_validator(mode="before")

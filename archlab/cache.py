@@ -78,15 +78,15 @@ class Cache:
                  page_size: int | None = None, pages: int | None = None, page_kernel: str = "torch"):
         self.sequences, self.capacity, self.streams = sequences, capacity, model.streams
         rows = sequences * model.streams
-        self.pages = None
+        self.page_table = None
         self.overrun = torch.zeros((), dtype=torch.bool, device=device)  # contiguous: a position past the capacity was fed
         if page_size is not None and model.global_kv is not None:
             pages = pages_for([capacity] * rows, page_size) if pages is None else pages
-            self.pages = PageTable(rows, pages, page_size, capacity, "meta", page_kernel)  # sized first, as the states are
+            self.page_table = PageTable(rows, pages, page_size, capacity, "meta", page_kernel)  # sized first, as the states are
 
         def new_global(on: torch.device | str = device) -> State:
             with torch.device(on):
-                if self.pages is None:
+                if self.page_table is None:
                     return model.global_kv.new_state(rows, capacity, dtype)
                 return model.global_kv.new_pool(pages, page_size, dtype)
 
@@ -100,8 +100,8 @@ class Cache:
         shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
         check_room(sum(_size(shape.values()) for shape in shapes) + self.table_bytes(), device,
                    f"a cache's states ({sequences:,} sequence{'s' * (sequences != 1)} of up to {capacity:,} positions)")
-        if self.pages is not None:  # allocated whole: a small page size's table is as large as the pages it saves
-            self.pages = PageTable(rows, pages, page_size, capacity, device, page_kernel)
+        if self.page_table is not None:  # allocated whole: a small page size's table is as large as the pages it saves
+            self.page_table = PageTable(rows, pages, page_size, capacity, device, page_kernel)
         self.global_kv: dict[Step, State] = {step: new_global() for step in projections}
         states = {key: initial(key, rows) for key in keys}
         self.layers: dict[tuple[int, int, int], State] = {key: s for key, s in states.items() if s}
@@ -115,7 +115,7 @@ class Cache:
 
     def table_bytes(self) -> int:
         """The page table's, beside the states: a page and its row per page, a page per column per row."""
-        return 0 if self.pages is None else self.pages.nbytes()
+        return 0 if self.page_table is None else self.page_table.nbytes()
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
@@ -158,16 +158,16 @@ class Cache:
         """Make room for positions below ends [rows], at most ``span`` past the last call's
         (the engine asks before every step that writes); a contiguous cache notes, on the
         device, whether any lies past its capacity."""
-        if self.pages is not None:
-            self.pages.reserve(ends, span)
+        if self.page_table is not None:
+            self.page_table.reserve(ends, span)
         else:
             self.overrun |= (ends > self.capacity).any()
 
     def check(self) -> None:
         """Raise ``CacheFull`` if a sequence went past the capacity, or a paged cache ran out of
         pages (a sync with the device)."""
-        if self.pages is not None:
-            self.pages.check()
+        if self.page_table is not None:
+            self.page_table.check()
         elif self.overrun:
             raise past_capacity(self.capacity)
 
@@ -180,23 +180,23 @@ class Cache:
         rows = self._rows(sequences)
         sub = copy.copy(self)
         sub.sequences = len(sequences)
-        if self.pages is None:
+        if self.page_table is None:
             sub.global_kv = {k: {n: t[rows] for n, t in s.items()} for k, s in self.global_kv.items()}
         else:
-            sub.pages = self.pages.select(rows)
+            sub.page_table = self.page_table.select(rows)
         sub.layers = {k: {n: t[rows] for n, t in s.items()} for k, s in self.layers.items()}
         return sub
 
     def put(self, sequences: torch.Tensor, sub: Cache) -> None:
         """Write back rows taken with ``take``, or copy another cache's sequences in."""
         rows = self._rows(sequences)
-        if (self.pages is None) != (sub.pages is None):
+        if (self.page_table is None) != (sub.page_table is None):
             raise ValueError("cannot copy sequences between a paged and a contiguous cache")
-        if self.pages is None:
+        if self.page_table is None:
             states = zip(self._states(), sub._states(), strict=True)
         else:  # pages are copied page by page; the rest row by row
             pools = [(ours[n], pool[n]) for ours, pool in zip(self.global_kv.values(), sub.global_kv.values(), strict=True) for n in ours]
-            self.pages.select(rows).copy_from(sub.pages, pools)
+            self.page_table.select(rows).copy_from(sub.page_table, pools)
             states = zip(self.layers.values(), sub.layers.values(), strict=True)
         for state, other in states:
             for name, tensor in state.items():

@@ -34,7 +34,7 @@ from rich.table import Column, Table
 from archlab.block import Problem, ceil_div
 from archlab.cache import Cache
 from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
-from archlab.cost import COST_PAGE_TITLE, TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
+from archlab.cost import COST_PAGE_TITLE, SHORTEST_TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.files import write_text_whole
 from archlab.interrupts import Terminated, held_signals, interrupted_status
@@ -816,7 +816,7 @@ def cost(
     (global, local), one row per spec and length. A spec that cannot be loaded or costed is named,
     the others' rows still given; exit 1 if any was."""
 
-    lengths = _lengths(seq_len, TRAINING_LENGTH)
+    lengths = _lengths(seq_len, SHORTEST_TRAINING_LENGTH)
     if doc is not None and not doc.is_dir() and doc.suffix.lower() != ".md":  # not a run's config.yaml, overwritten
         raise typer.BadParameter(f"--doc {doc}: the cost page is markdown; give a file name ending in .md")
     if doc is not None and doc.is_file() and not _is_cost_page(doc):  # a README, notes: replaced by an 11-line page
@@ -860,7 +860,7 @@ def equal_flops(
     A reference that is a training run gives its own steps and sequence length, unless given."""
 
     trained = _trained_config(reference)
-    n = _lengths([seq_len], TRAINING_LENGTH)[0] if seq_len is not None else trained.seq_len if trained else 8 * 1024
+    n = _lengths([seq_len], SHORTEST_TRAINING_LENGTH)[0] if seq_len is not None else trained.seq_len if trained else 8 * 1024
     steps = steps or (trained.steps if trained else 20_000)
     ref = _load_one(reference)
     good, bad = _load_all(others)

@@ -25,8 +25,8 @@ from archlab.registry import RegistryError, named, raised
 from archlab.spec import ModelSpec, YocoLayout
 from archlab.table import MIB, Format, render, si
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-TRAINING_LENGTH = 2  # the shortest training sequence costed: a block's FLOPs read one token as a decoding step
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}  # float64: a reference model's
+SHORTEST_TRAINING_LENGTH = 2  # tokens in a training sequence, at least: a block's FLOPs read one token as a decoding step
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity), for MFU.
 PEAK_FLOPS = {
@@ -189,8 +189,8 @@ class Cost:
     def train_flops_per_sequence(self, seq_len: int) -> int:
         """Forward and backward (3 x forward) of one training sequence of ``seq_len`` tokens, exact:
         what a budget is divided by, where the per-token figure (rounded down) could buy a step more."""
-        if _tokens("seq_len", seq_len) < TRAINING_LENGTH:
-            raise ValueError(f"training FLOPs need sequences of {TRAINING_LENGTH} tokens or more, got {seq_len}")
+        if _tokens("seq_len", seq_len) < SHORTEST_TRAINING_LENGTH:
+            raise ValueError(f"training FLOPs need sequences of {SHORTEST_TRAINING_LENGTH} tokens or more, got {seq_len}")
         return 3 * sum(self.forward_flops(seq_len).values())
 
     def prefill_flops(self, n: int) -> Flops:

@@ -300,16 +300,16 @@ class Engine:
             new = f" + {new_tokens} new" if new_tokens else ""
             raise CacheFull(f"the longest prompt ({longest} tokens{new}) needs {need} positions, past the cache's "
                             f"capacity of {cache.capacity}; make the cache with capacity {need} or more")
-        if cache.pages is not None:
-            if cache.pages.ran_out():
+        if cache.page_table is not None:
+            if cache.page_table.ran_out():
                 raise CacheFull("this cache ran out of room in an earlier use and some of its positions point at no page;"
                                 " make a new one (new_cache or cache_for)")
             ends = self.model.streams_of(torch.tensor([len(p) + new_tokens for p in prompts]))
-            pages = cache.pages.needed(ends)
-            if pages > cache.pages.pages:
+            pages = cache.page_table.needed(ends)
+            if pages > cache.page_table.pages:
                 new = f" and their {new_tokens} new tokens each" if new_tokens else ""
-                raise CacheFull(f"the prompts{new} need {pages} K,V pages of {cache.pages.page_size} positions; the cache has"
-                                f" {cache.pages.pages}: make it with pages={pages} or more")
+                raise CacheFull(f"the prompts{new} need {pages} K,V pages of {cache.page_table.page_size} positions; the cache has"
+                                f" {cache.page_table.pages}: make it with pages={pages} or more")
 
     def prefill(self, prompts: Sequence[torch.Tensor], cache: Cache, held: int = 0) -> torch.Tensor:
         """Fill the cache with the prompts (1-D token tensors); returns the logits [B, V] that

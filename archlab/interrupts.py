@@ -6,7 +6,7 @@ import signal
 import threading
 from contextlib import ExitStack, contextmanager
 
-HELD = (signal.SIGINT, signal.SIGTERM)
+HELD = (signal.SIGINT, signal.SIGTERM)  # what stops a command: Ctrl-C, and a scheduler's or torchrun's stop
 
 
 class Terminated(KeyboardInterrupt):

@@ -169,16 +169,16 @@ class PagedKV:
 
     k: torch.Tensor
     v: torch.Tensor
-    pages: PageTable
+    page_table: PageTable
 
     def attend(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         """Attention of q [rows, N, H, Dh] at q_pos [rows or 1, N] over the keys at or before each query."""
         if q.shape[1] > 1:
-            table = self.pages.table[self.pages.rows, :-1]
+            table = self.page_table.table[self.page_table.rows, :-1]
             k, v = (pool[:, table].permute(1, 2, 3, 0, 4).flatten(1, 2) for pool in (self.k, self.v))  # [rows, width * page_size, Hkv, Dh]
             return attend(q, k, v, band_mask(q_pos, torch.arange(k.shape[1], device=q.device)[None], None))
         q_pos = q_pos.expand(len(q), -1)
-        return self._flex(q, q_pos) if self.pages.kernel == "flex" else self._split_by_page(q, q_pos)
+        return self._flex(q, q_pos) if self.page_table.kernel == "flex" else self._split_by_page(q, q_pos)
 
     def _split_by_page(self, q: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
         rows, n, heads, dim = q.shape
@@ -192,15 +192,15 @@ class PagedKV:
         rows, n, heads, dim = q.shape
         kv_heads, pages, size, _ = self.k.shape
         group = heads // kv_heads
-        local = torch.full((self.pages.table.shape[0] + 1,), -1, device=q.device)  # row of the table -> row of q
-        local[self.pages.rows] = torch.arange(rows, device=q.device)
-        mine = local[self.pages.owner]  # the spare and free pages' owner -1 reads local's last entry, -1
+        local = torch.full((self.page_table.table.shape[0] + 1,), -1, device=q.device)  # row of the table -> row of q
+        local[self.page_table.rows] = torch.arange(rows, device=q.device)
+        mine = local[self.page_table.owner]  # the spare and free pages' owner -1 reads local's last entry, -1
         seen, mine = mine >= 0, mine.clamp(min=0)
         # scores of each page's keys against its sequence's queries, the query heads of a K,V head side by side
         folded = q[mine].view(pages, n, kv_heads, group, dim).permute(2, 0, 3, 1, 4).reshape(kv_heads * pages, group * n, dim)
         keys = self.k.view(kv_heads * pages, size, dim).transpose(1, 2)
         scores = matmul_fp32(folded, keys).view(kv_heads, pages, group, n, size) * dim**-0.5
-        key_pos = self.pages.first[:, None] + torch.arange(size, device=q.device)
+        key_pos = self.page_table.first[:, None] + torch.arange(size, device=q.device)
         visible = seen[:, None, None] & (key_pos[:, None, :] <= q_pos[mine][:, :, None])  # [pages, n, size]
         scores = scores.masked_fill(~visible[:, None], float("-inf"))
         top = scores.amax(-1)
@@ -215,7 +215,7 @@ class PagedKV:
         pages = self.k.shape[1]
         # each sequence's pages, in position order (unheld columns point at the spare page: all masked), gathered a
         # few columns at a time: all at once, the partials took rows x columns x H x Dh, however few pages were held
-        table = self.pages.table[self.pages.rows]
+        table = self.page_table.table[self.page_table.rows]
         top = top[:, table]  # the scores' maxima alone: no Dh
         peak = top.amax(2, keepdim=True)
         step = ceil_div(pages, rows)  # columns at once: their copy of the partials stays within the pool's size (a full pool: all)
@@ -241,8 +241,8 @@ class PagedKV:
         from torch.nn.attention.flex_attention import BlockMask
 
         _, pages, size, _ = self.k.shape
-        table, owner, first, mine = self.pages.table[self.pages.rows], self.pages.owner, self.pages.first, self.pages.rows
-        full = self.pages.column(q_pos[:, 0] + 1)
+        table, owner, first, mine = self.page_table.table[self.page_table.rows], self.page_table.owner, self.page_table.first, self.page_table.rows
+        full = self.page_table.column(q_pos[:, 0] + 1)
         partial = ((q_pos[:, 0] + 1) % size > 0).int()
 
         def visible(b, h, q_idx, kv_idx):

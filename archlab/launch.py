@@ -12,9 +12,7 @@ import os
 import signal
 import sys
 
-from archlab.interrupts import interrupted_status
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from archlab.interrupts import HELD, interrupted_status
 
 
 def _end_now(status: int) -> None:
@@ -31,7 +29,7 @@ def _status(stop: SystemExit) -> int:
 
 
 def main() -> None:
-    before = {signum: signal.signal(signum, lambda signum, frame: _end_now(128 + signum)) for signum in SIGNALS}
+    before = {signum: signal.signal(signum, lambda signum, frame: _end_now(128 + signum)) for signum in HELD}
     try:
         from archlab.cli import main as run_command
     except OSError as exc:  # a disk with no room for the temporary file torch's imports make, among others
@@ -50,5 +48,5 @@ def main() -> None:
         status = interrupted_status(exc)
         sys.exit(status)
     finally:
-        for signum in SIGNALS:
+        for signum in HELD:
             signal.signal(signum, lambda signum, frame: _end_now(status))

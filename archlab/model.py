@@ -72,8 +72,8 @@ class GlobalKVProjection(nn.Module):
         return {"k": torch.zeros(shape, dtype=dtype), "v": torch.zeros(shape, dtype=dtype)}
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: State | None = None,
-                pages: PageTable | None = None) -> KVRows | PagedKV:
-        """The K,V the cross-decoder reads; with a state (a pool when ``pages`` is given), the new
+                page_table: PageTable | None = None) -> KVRows | PagedKV:
+        """The K,V the cross-decoder reads; with a state (a pool when ``page_table`` is given), the new
         positions are written into it and the whole cache is returned."""
         batch, n, _ = x.shape
         h = self.norm(x)
@@ -82,10 +82,10 @@ class GlobalKVProjection(nn.Module):
         k = k if self.rotary is None else self.rotary(k, positions)
         if state is None:
             return KVRows(k, v, positions)
-        if pages is None:
+        if page_table is None:
             return KVRows(*append_kv(state, positions, k, v))
-        pages.write(positions, (state["k"], k), (state["v"], v))
-        return PagedKV(state["k"], state["v"], pages)
+        page_table.write(positions, (state["k"], k), (state["v"], v))
+        return PagedKV(state["k"], state["v"], page_table)
 
 
 class StreamMix(nn.Module):
@@ -237,8 +237,8 @@ class Model(nn.Module):
         for step in steps:
             seg = self.plan.segments[step.segment]
             if step.project:
-                state, pages = (cache.global_kv[step], cache.pages) if cache else (None, None)
-                loop_kv = self.global_kv(x, positions, state, pages)
+                state, page_table = (cache.global_kv[step], cache.page_table) if cache else (None, None)
+                loop_kv = self.global_kv(x, positions, state, page_table)
                 if main_kv is None:  # the first projection is the one global K,V
                     main_kv = loop_kv
                 continue

@@ -10,6 +10,7 @@ range vs stack, ...). Both report through ``SpecError`` with dotted field paths.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from functools import cache
@@ -20,7 +21,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from archlab.block import YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Strict, round_up
+from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Size, Strict, round_up
 from archlab.registry import block_specs, raised
 
 SCHEMA_VERSION = 1
@@ -75,7 +76,7 @@ class SwiGLU(Strict):
     """Dense gated FFN; ``hidden`` defaults to 8/3 of the width rounded up to a multiple of 64."""
 
     type: Literal["swiglu"] = "swiglu"
-    hidden: PositiveInt | None = None
+    hidden: Size | None = None
 
     def hidden_for(self, d_model: int) -> int:
         return self.hidden or round_up(8 * d_model // 3, 64)
@@ -94,10 +95,10 @@ class MoE(Strict):
     """Top-k routed SwiGLU experts plus always-on shared experts, with a load-balancing loss."""
 
     type: Literal["moe"]
-    n_experts: PositiveInt
-    top_k: PositiveInt
-    n_shared: int = Field(0, ge=0)
-    expert_hidden: PositiveInt
+    n_experts: Size
+    top_k: Size
+    n_shared: int = Field(0, ge=0, le=MAX_SIZE)
+    expert_hidden: Size
     aux_loss_weight: float = Field(0.01, ge=0)
 
     def params(self, d_model: int) -> int:
@@ -171,9 +172,8 @@ PathName = Annotated[str, AfterValidator(_no_nul)]  # a file or folder a spec, c
 
 
 # bounds far past any real model, so that a typo is refused here rather than spent in validation,
-# planning and the allocator
+# planning and the allocator (a width's, archlab.block.Size, beside the blocks that use it)
 MAX_LAYERS = 1024  # in one half
-MAX_WIDTH = 2**20
 MAX_LOOP_TIMES = 256
 
 
@@ -226,8 +226,8 @@ class StackLayout(HoldsBlocks):
 class GlobalKV(Strict):
     """Shape of YOCO's one global K,V, projected once from the self-decoder output."""
 
-    n_kv_heads: PositiveInt
-    head_dim: PositiveInt
+    n_kv_heads: Size
+    head_dim: Size
 
 
 class YocoLayout(HoldsBlocks):
@@ -306,8 +306,8 @@ class ParScale(Strict):
     (as ParScale's own code: each stream normalised, softmax weights from an MLP of all streams,
     smoothed towards uniform)."""
 
-    streams: int = Field(2, ge=2)
-    prefix_len: PositiveInt = 48
+    streams: int = Field(2, ge=2, le=MAX_SIZE)
+    prefix_len: Size = 48
     smoothing: float = Field(0.01, ge=0, lt=1)  # weights = softmax * (1 - s) + s / P
 
 
@@ -321,7 +321,7 @@ class ModelSpec(HoldsBlocks):
     name: str = Field(min_length=1)
     description: str = ""
     vocab_size: int = Field(gt=0, le=2**31 - 1)  # bounded, so that a typo is refused here rather than by the allocator
-    d_model: int = Field(gt=0, le=MAX_WIDTH)
+    d_model: Size
     norm: Norm = RMSNorm()
     ffn: FFN = SwiGLU()
     layout: Layout
@@ -696,9 +696,17 @@ def _loc(parts: tuple, data: Any) -> str:
 def _key_path(err: dict) -> tuple:
     """Where an error is: pydantic's loc, down to the key that a model's own check names; a key
     that is not text, at the mapping holding it (pydantic's loc gives it as text, or true as 1)."""
-    if err["type"] == "invalid_key":
-        return err["loc"][:-1]
-    return (*err["loc"], err["ctx"]["key"]) if err["type"] == YES_OR_NO else err["loc"]
+    if _is_key_error(err):
+        return err["loc"][:-2] if err["loc"][-1:] == ("[key]",) else err["loc"][:-1]
+    if err["type"] == YES_OR_NO:
+        index = err["ctx"]["index"]
+        return (*err["loc"], err["ctx"]["key"], *(() if index is None else (index,)))
+    return err["loc"]
+
+
+def _is_key_error(err: dict) -> bool:
+    """A key that is not text: of a spec's mapping (invalid_key), or of a mapping field (at "[key]")."""
+    return err["type"] == "invalid_key" or err["loc"][-1:] == ("[key]",)
 
 
 def _has(data: dict | list, key: Any) -> bool:
@@ -719,7 +727,7 @@ def _describe(err: dict) -> str:
         if key == "layout":  # the one union without a shorthand
             return f"must be a mapping with a {tag} (one of: {kinds}) and its fields, got {_given(err['input'])}"
         return _unknown_kind(err["loc"], tag, err["input"], kinds)
-    if err["type"] == "invalid_key":  # true, null, 3 or a date, unquoted
+    if _is_key_error(err):  # true, null, 3 or a date, unquoted
         key = err["input"]
         kind = "null" if key is None else YAML_KINDS.get(type(key).__name__, type(key).__name__)
         return f"the key {yaml.safe_dump(key).splitlines()[0]} is read by YAML as {kind}, not text: quote it"
@@ -732,11 +740,25 @@ def _describe(err: dict) -> str:
             return f"is a list (a pattern of blocks), not the one block {given!r}: write [{given}]"
         quoted = "; YAML reads a list in quotes as text: write it without them" if given.lstrip().startswith("[") else ""
         return f"is a list (a pattern of blocks), not the text {given!r}{quoted}"
+    if err["type"] == "int_parsing" and isinstance(given := err["input"], str) and (number := _yaml_text_number(given)) is not None:
+        whole = f": write {number:.0f}" if number.is_integer() and abs(number) < 1e15 else ""
+        return f"must be a whole number; YAML reads {given} as text, not a number{whole}"
+    if err["type"] == "int_parsing_size":
+        return f"is too large a number (got {err['input']!r})"
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
     if "input" in err and not isinstance(err["input"], (dict, list)):
         return f"{msg} (got {err['input']!r})"
     return msg
+
+
+def _yaml_text_number(text: str) -> float | None:
+    """The number in text that YAML 1.1 reads as text: an exponent without a sign or a point (1e3)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _unknown_kind(loc: tuple, tag: str, given: Any, allowed: str) -> str:
@@ -922,6 +944,9 @@ def set_each_dotted(data: dict, items: Iterable[tuple[str, Any]], source: str) -
     earlier one set inside it (``...blocks.0`` after ``...blocks.0.window``) is refused: the
     earlier value would be lost without a word. So is a new tag that drops a field set before
     (``blocks.0.type=attention`` after ``blocks.0.window``)."""
+    items = list(items)
+    if bad := [key for key, _ in items if not isinstance(key, str) or "" in key.strip().split(".")]:
+        raise SpecError(source, [Problem(repr(key), "a key is a dotted path of names (of keys, or a list's indices)") for key in bad])
     done: list[str] = []
     for key, value in items:
         key = _canonical(key)
@@ -942,8 +967,6 @@ def apply_overrides(data: dict, overrides: Overrides, origins: dict[str, str] | 
     ``overrides`` or ``--set``)."""
     if isinstance(overrides, Mapping):
         source, items = "overrides", list(overrides.items())
-        if bad := [key for key, _ in items if not isinstance(key, str) or not key]:
-            raise SpecError(source, [Problem(repr(key), "a key is a dotted path, such as 'loop.times'") for key in bad])
     else:
         source, items = "--set", [_key_value(item) for item in ([overrides] if isinstance(overrides, str) else overrides)]
     data = set_each_dotted(data, items, source)
@@ -972,11 +995,11 @@ def _holder(path: list[str]) -> str | None:
     return next((part for part in reversed(path) if not _is_index(part)), None)
 
 
-def load_spec(path: str | Path, overrides: Overrides = ()) -> ModelSpec:
+def load_spec(path: str | Path, overrides: Overrides | None = ()) -> ModelSpec:
     """Read, merge (``extends``), override (``{key: value}`` or ``KEY=VALUE`` strings, as
     ``apply_overrides``) and validate a spec file."""
     origins: dict[str, str] = {}
-    data = apply_overrides(load_yaml(path, origins), overrides, origins)
+    data = apply_overrides(load_yaml(path, origins), overrides or (), origins)
     return validate_spec(data, str(path), origins)
 
 

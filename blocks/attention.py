@@ -11,10 +11,9 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, check_rope_head_dim
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim
 from archlab.ops.attention import append_kv, attend, attention_pairs, band_mask, causal_kernels, local_attend, with_prefix, write_rows
 from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
@@ -24,9 +23,9 @@ class AttentionSpec(BlockSpec):
     """Full causal self-attention; every layer keeps a K,V cache as long as the context."""
 
     type: Literal["attention"]
-    n_heads: PositiveInt = 8
-    n_kv_heads: PositiveInt | None = None  # None: as many as n_heads (no GQA)
-    head_dim: PositiveInt | None = None  # None: d_model // n_heads
+    n_heads: Size = 8
+    n_kv_heads: Size | None = None  # None: as many as n_heads (no GQA)
+    head_dim: Size | None = None  # None: d_model // n_heads
     backend: Literal["auto", "torch", "flash_attn", "fla", "flex"] = "auto"  # of whole-sequence (training) attention
 
     grows_kv_cache: ClassVar[bool] = True

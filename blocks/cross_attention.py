@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size
 from archlab.rope import Rotary
 from archlab.ops.attention import attention_pairs, causal_kernels
 from archlab.ops.dispatch import Kernels
@@ -16,7 +15,7 @@ from archlab.ops.dispatch import Kernels
 
 class CrossAttentionSpec(BlockSpec):
     type: Literal["cross_attention"]
-    n_heads: PositiveInt | None = None  # None: d_model // the global head_dim
+    n_heads: Size | None = None  # None: d_model // the global head_dim
     backend: Literal["auto", "torch", "flash_attn", "fla", "flex"] = "auto"  # of whole-sequence (training) attention
 
     reads_global_kv: ClassVar[bool] = True

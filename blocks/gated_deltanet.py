@@ -12,10 +12,10 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import PositiveFloat, PositiveInt
+from pydantic import PositiveFloat
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, gated_head_output, round_up
+from archlab.block import MAX_SIZE, BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, gated_head_output, round_up
 from archlab.ops.common import decay_parameters, float32_or_wider, linear_recurrence
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels, check_chunk_size
@@ -24,11 +24,11 @@ from archlab.ops.dispatch import Kernels, check_chunk_size
 class GatedDeltaNetSpec(BlockSpec):
     type: Literal["gdn"]
     reads_position: ClassVar[bool] = False  # order lives in the decaying state
-    n_heads: PositiveInt = 4
-    head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
+    n_heads: Size = 4
+    head_dim: Size | None = None  # query/key head size; None: d_model // n_heads
     expand_v: PositiveFloat = 2.0  # value head size = expand_v * head_dim
-    conv_size: PositiveInt = 4
-    chunk_size: PositiveInt = 64
+    conv_size: Size = 4
+    chunk_size: Size = 64
     backend: Literal["auto", "torch", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
@@ -37,9 +37,11 @@ class GatedDeltaNetSpec(BlockSpec):
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
         check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
-        head_dim = self.dims(ctx.d_model)[0]
-        if (head_dim * self.expand_v) % 1:
-            problems.at("expand_v").add(f"expand_v * head_dim = {head_dim * self.expand_v} must be a whole number")
+        value = self.dims(ctx.d_model)[0] * self.expand_v
+        if value % 1:
+            problems.at("expand_v").add(f"expand_v * head_dim = {value} must be a whole number")
+        elif value > MAX_SIZE:
+            problems.at("expand_v").add(f"expand_v * head_dim = {value:g}, a value head size past {MAX_SIZE:,}")
         check_chunk_size(problems, "chunk_gated_delta_rule", self.chunk_size, self.backend)
 
     def build(self, ctx: BuildContext) -> nn.Module:
@@ -65,7 +67,8 @@ class GatedDeltaNetSpec(BlockSpec):
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
         key, value = self.dims(ctx.d_model)
         h = self.n_heads
-        return 4 * ((2 * h * key + h * value) * (self.conv_size - 1) + h * key * value)  # fp32
+        states = (2 * h * key + h * value) * (self.conv_size - 1) + h * key * value
+        return max(4, kv_bytes) * states  # float32 or wider, as new_state keeps them
 
 
 def conv_weights(dim: int, size: int) -> nn.Conv1d:

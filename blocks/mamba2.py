@@ -11,10 +11,9 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, round_up
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, round_up
 from archlab.ops.common import decay_parameters, float32_or_wider
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels, check_chunk_size
@@ -23,12 +22,12 @@ from archlab.ops.dispatch import Kernels, check_chunk_size
 class Mamba2Spec(BlockSpec):
     type: Literal["mamba2"]
     reads_position: ClassVar[bool] = False  # order lives in the decaying state
-    d_state: PositiveInt = 128
-    d_conv: PositiveInt = 4
-    expand: PositiveInt = 2
-    head_dim: PositiveInt = 64
-    n_groups: PositiveInt = 1
-    chunk_size: PositiveInt = 256
+    d_state: Size = 128
+    d_conv: Size = 4
+    expand: Size = 2
+    head_dim: Size = 64
+    n_groups: Size = 1
+    chunk_size: Size = 256
     backend: Literal["auto", "torch", "mamba_ssm", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
@@ -48,7 +47,8 @@ class Mamba2Spec(BlockSpec):
         return Mamba2(ctx, self)
 
     def conv_dim(self, d_model: int) -> int:
-        return self.expand * d_model + 2 * self.n_groups * self.d_state
+        """The channels the short conv mixes: x, B and C."""
+        return self.dims(d_model)[0] + 2 * self.n_groups * self.d_state
 
     def params(self, ctx: BuildContext) -> int:
         inner, heads = self.dims(ctx.d_model)
@@ -66,8 +66,9 @@ class Mamba2Spec(BlockSpec):
         return Flops(matmul=dense, conv=conv, mixer=heads * (2 * padded * c * (state + p) + 4 * padded * state * p))
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
-        inner, heads = self.dims(ctx.d_model)
-        return 4 * (self.conv_dim(ctx.d_model) * (self.d_conv - 1) + heads * self.head_dim * self.d_state)  # fp32
+        heads = self.dims(ctx.d_model)[1]
+        states = self.conv_dim(ctx.d_model) * (self.d_conv - 1) + heads * self.head_dim * self.d_state
+        return max(4, kv_bytes) * states  # float32 or wider, as new_state keeps them
 
 
 class Mamba2(nn.Module):
@@ -75,7 +76,7 @@ class Mamba2(nn.Module):
         super().__init__()
         self.inner, self.heads = spec.dims(ctx.d_model)
         self.head_dim, self.groups, self.d_state, self.chunk_size = spec.head_dim, spec.n_groups, spec.d_state, spec.chunk_size
-        self.conv_dim = self.inner + 2 * self.groups * self.d_state
+        self.conv_dim = spec.conv_dim(ctx.d_model)
         # fla (its simple_gla kernels running the SSD) only when named: unproven on a GPU so far
         self.kernels = Kernels("mamba2", spec.backend, ("mamba_ssm", "fla"), ("mamba_chunk_scan_combined", "selective_state_update"),
                                auto=("mamba_ssm",), chunk_size=spec.chunk_size)

@@ -11,10 +11,9 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import PositiveInt
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, check_heads, check_rope_head_dim, gated_head_output, round_up
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, gated_head_output, round_up
 from archlab.ops.common import float32_or_wider, linear_recurrence
 from archlab.ops.dispatch import Kernels, check_chunk_size
 from archlab.rope import Rotary
@@ -22,11 +21,11 @@ from archlab.rope import Rotary
 
 class RetentionSpec(BlockSpec):
     type: Literal["retnet"]
-    n_heads: PositiveInt = 4
-    head_dim: PositiveInt | None = None  # query/key head size; None: d_model // n_heads
-    value_dim: PositiveInt | None = None  # value head size; None: 2 * head_dim (as RetNet)
+    n_heads: Size = 4
+    head_dim: Size | None = None  # query/key head size; None: d_model // n_heads
+    value_dim: Size | None = None  # value head size; None: 2 * head_dim (as RetNet)
     gated: bool = False
-    chunk_size: PositiveInt = 64
+    chunk_size: Size = 64
     backend: Literal["auto", "torch", "fla"] = "auto"
 
     def dims(self, d_model: int) -> tuple[int, int]:
@@ -57,7 +56,7 @@ class RetentionSpec(BlockSpec):
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
         key, value = self.dims(ctx.d_model)
-        return 4 * self.n_heads * key * value  # fp32
+        return max(4, kv_bytes) * self.n_heads * key * value  # float32 or wider, as new_state keeps it
 
 
 class Retention(nn.Module):

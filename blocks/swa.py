@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import PositiveInt
-
+from archlab.block import Size
 from blocks.attention import AttentionSpec
 
 
@@ -13,7 +12,7 @@ class SlidingWindowSpec(AttentionSpec):
     """Its cache is a ring of ``window`` rows, so it never grows with the context."""
 
     type: Literal["swa"]
-    window: PositiveInt = 512
+    window: Size = 512
 
     grows_kv_cache: ClassVar[bool] = False
 

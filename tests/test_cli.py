@@ -1038,10 +1038,11 @@ def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message, size):
 
 
 def huge_chunks(folder):
-    """Gated DeltaNet in chunks of 10^12 tokens: its first 16 tokens ask for 256 TB."""
+    """Gated DeltaNet's 1,024 heads in chunks of 2^20 tokens, the most a spec takes: its first 16
+    tokens ask for 64 GiB."""
     spec = folder / "chunks.yaml"
     spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco-u-gdn.yaml'}\nname: chunks\n"
-                    "layout: {self_decoder: {blocks: [{type: gdn, chunk_size: 1000000000000}]}}\n")
+                    "layout: {self_decoder: {blocks: [{type: gdn, chunk_size: 1048576, n_heads: 1024, head_dim: 16}]}}\n")
     return spec
 
 
@@ -1051,13 +1052,13 @@ def test_a_first_forward_pass_larger_than_memory_is_said_in_words(cli, tmp_path,
     code, _, stderr = cli(command[0], huge_chunks(tmp_path), *command[1:])
     assert code == 1 and "Traceback" not in stderr, stderr
     assert ("chunks: a forward pass of 16 tokens (each block's output shape checked) does not fit in memory (asked for"
-            " 256,000,000,000,000 bytes); lower the spec's sizes") in stderr, stderr
+            " 68,719,476,736 bytes); lower the spec's sizes") in stderr, stderr
 
 
 def test_training_larger_than_memory_names_the_micro_batch_it_uses(cli, tmp_path):
     """Left at its default (16), micro_batch_size is the batch of 4 here, which the message named as 16."""
     code, _, stderr = cli("train", huge_chunks(tmp_path), "--out", tmp_path / "run", "--steps", "1", "--set", "batch_size=4")
-    assert code == 1 and "training chunks (270,032 parameters) in micro-batches of 4 x " in stderr, stderr
+    assert code == 1 and "training chunks (17,769,152 parameters) in micro-batches of 4 x " in stderr, stderr
 
 
 @pytest.mark.parametrize("option,message", [(["--prompt", ""], "--prompt '' encodes to no tokens"),

@@ -160,6 +160,21 @@ def test_cache_bytes_equal_the_engine(path):
     assert generated.bytes_per_sequence() == cost.cache_bytes(32)
 
 
+@pytest.mark.parametrize("name", ["yoco-u-gdn", "yoco-u-mamba2", "yoco-u-retnet"])
+def test_a_float64_reference_model_is_costed_and_checked_as_built(name):
+    """Recurrent states are kept float32 or wider: in float64, twice the 4 bytes each that the
+    formulas had fixed, and ``build``'s check of a float64 model said that making the cache raised
+    (there was no float64 in the cost's dtypes), skipping its decoding checks."""
+    from archlab.checks import cpu_check
+
+    model = tiny_model(name)[1].double().eval()
+    cache = Engine(model).new_cache(1, 40)
+    assert {t.dtype for state in cache.layers.values() for t in state.values() if t.is_floating_point()} == {torch.float64}
+    assert cache.bytes_per_sequence() == Cost(model.spec).cache_bytes(40, "float64")
+    check = cpu_check(model, 16)
+    assert check.finite and check.problems == [], check.problems
+
+
 def test_complexity_classes_of_the_paper():
     n = 16 * 1024
     yoco, yoco_u, transformer = Cost(paper("yoco")), Cost(paper("yoco-u")), Cost(paper("transformer"))
@@ -381,7 +396,7 @@ def test_a_cost_asked_at_a_length_that_is_not_one_names_it():
                       (lambda: cost.cache_bytes(-10), "context must be a whole number of tokens >= 0, got -10"),
                       (lambda: cost.decode_flops(0), "context must be a whole number of tokens >= 1, got 0"),
                       (lambda: cost.prefill_flops(0), "n must be a whole number of tokens >= 1, got 0"),
-                      (lambda: cost.cache_bytes(10, "bf16"), "dtype must be one of float32, bfloat16, float16, got 'bf16'")):
+                      (lambda: cost.cache_bytes(10, "bf16"), "dtype must be one of float32, bfloat16, float16, float64, got 'bf16'")):
         with pytest.raises(ValueError, match=re.escape(said)):
             ask()
     assert cost.row(np.int64(64)) == cost.row(64) and cost.cache_bytes(0).global_ == 0

@@ -86,11 +86,13 @@ def test_a_model_asks_for_its_weights_as_built(path, free):
 
 
 def test_a_model_past_any_machine_is_refused_in_words_on_every_device(cli, tmp_path):
-    """A mistyped size (an FFN of 1e30) passes the schema: on the meta device torch raised
-    "Overflow when unpacking long long", a TypeError that named nothing."""
-    spec = archlab.load_spec(ROOT / "specs/tiny/transformer.yaml", ["ffn.hidden=1000000000000000000000000000000"])
+    """Sizes each within the schema's bounds can still multiply past 2**53 (a million experts of a
+    million wide): on the meta device torch raised "Overflow when unpacking long long" (at 1e30
+    parameters), a TypeError that named nothing."""
+    spec = archlab.load_spec(ROOT / "specs/tiny/transformer.yaml",
+                             ["d_model=4096", "ffn={type: moe, n_experts: 1048576, top_k: 1, expert_hidden: 1048576}"])
     for device in ("meta", "cpu"):
-        with pytest.raises(MemoryError, match=r"^transformer has \d\.\d+e\+32 parameters, past 2\*\*53, which no machine holds: is a"):
+        with pytest.raises(MemoryError, match=r"^transformer has 5\.4e\+16 parameters, past 2\*\*53, which no machine holds: is a"):
             archlab.build_model(spec, device=device)
     (tmp_path / "huge.yaml").write_text(archlab.spec.spec_to_yaml(spec))
     code, _, stderr = cli("build", tmp_path / "huge.yaml")

@@ -71,7 +71,7 @@ def test_flex_blocks_are_the_pages_each_row_sees(page_size):
     paged = paged_copy(k, v, page_size, order)
     q_pos = torch.tensor([[39], [16], [0]])
     mask = paged.block_mask(q_pos)
-    table = paged.pages
+    table = paged.page_table
     for row in range(rows):
         key_pos = table.first[:, None] + torch.arange(page_size)
         seen = ((table.owner == row)[:, None] & (key_pos <= q_pos[row, 0])).sum(1)
@@ -111,7 +111,7 @@ def test_paged_generation_equals_rows(path, kernel):
     assert paged.tokens == rows.tokens
     for got, expected in zip(paged.logits, rows.logits):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
-    table = paged.cache.pages
+    table = paged.cache.page_table
     assert int(table.handed) == table.pages == 2 * 6 + 4  # 43, 27 and 43 positions in pages of 8
     assert sorted(table.owner.tolist()) == [-1] + [0] * 6 + [1] * 4 + [2] * 6  # the spare page is nobody's
 
@@ -127,7 +127,7 @@ def test_a_long_row_among_short_ones_combines_its_pages_over_several_gathers():
     prompts = [torch.randint(0, spec.vocab_size, (n,)) for n in (37, 3, 3, 3)]
     rows = Engine(model).generate(prompts, 4, keep_logits=True)
     paged = Engine(model, page_size=4).generate(prompts, 4, keep_logits=True)
-    table = paged.cache.pages
+    table = paged.cache.page_table
     assert table.width > ceil_div(table.pages, len(prompts))  # 11 columns, gathered 5 at a time
     assert paged.tokens == rows.tokens
     torch.testing.assert_close(torch.stack(paged.logits), torch.stack(rows.logits), rtol=1e-12, atol=1e-12)
@@ -144,7 +144,7 @@ def test_parscale_streams_each_get_their_pages():
     paged = Engine(model, prefill_chunk=7, page_size=8).generate(prompts, 4, keep_logits=True)
     assert paged.tokens == rows.tokens
     torch.testing.assert_close(torch.stack(paged.logits), torch.stack(rows.logits), rtol=1e-12, atol=1e-12)
-    assert int(paged.cache.pages.handed) == 2 * (6 + 4)  # 41 and 25 positions, each stream its own
+    assert int(paged.cache.page_table.handed) == 2 * (6 + 4)  # 41 and 25 positions, each stream its own
 
 
 @torch.no_grad()
@@ -171,7 +171,7 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
     enough, short = engine.new_cache(2, 48), engine.new_cache(2, 48, pages=4)  # the two prompts need 3 pages each
     with pytest.raises(CacheFull, match=r"the prompts need 6 K,V pages of 16 positions; the cache has 4: make it with pages=6"):
         engine.prefill(prompts, short)  # said before anything runs
-    assert int(short.pages.handed) == 0
+    assert int(short.page_table.handed) == 0
     for cache in (enough, short):  # fed by hand, the short pool runs out on the way
         for row, prompt in enumerate(prompts):
             engine.feed(prompt[None], torch.tensor([0]), cache.take(torch.tensor([row])), full=False)
@@ -181,8 +181,8 @@ def test_running_out_of_pages_is_named_and_keeps_what_was_written():
     (pool,) = short.global_kv.values()
     (reference,) = enough.global_kv.values()
     for page in range(4):  # the pages handed out hold what they were given; the rest went to the spare
-        row, first = int(short.pages.owner[page]), int(short.pages.first[page])
-        same = enough.pages.table[row, first // 16]
+        row, first = int(short.page_table.owner[page]), int(short.page_table.first[page])
+        same = enough.page_table.table[row, first // 16]
         torch.testing.assert_close(pool["k"][:, page], reference["k"][:, same], rtol=0, atol=0)
         torch.testing.assert_close(pool["v"][:, page], reference["v"][:, same], rtol=0, atol=0)
 
@@ -214,13 +214,13 @@ def test_a_cache_used_to_its_last_page_serves_again_within_the_pages_its_rows_ho
     long, short = (torch.randint(0, spec.vocab_size, (n,)) for n in (20, 4))  # with 4 new tokens: 3 pages and 1
     cache = engine.new_cache(2, 32, pages=4)
     list(engine.stream([long, short], 4, cache=cache))
-    assert int(cache.pages.handed) == 4 and cache.pages.held.tolist() == [3, 1]
+    assert int(cache.page_table.handed) == 4 and cache.page_table.held.tolist() == [3, 1]
     again = [torch.randint(0, spec.vocab_size, (n,)) for n in (18, 3)]
     tokens = lambda cache: torch.stack([t for t, _, _ in engine.stream(again, 4, cache=cache)])  # noqa: E731
     assert torch.equal(tokens(cache), tokens(engine.new_cache(2, 32, pages=4)))
     with pytest.raises(CacheFull, match=r"the prompts and their 4 new tokens each need 6 K,V pages of 8 positions; the cache has 4"):
         engine.stream([short, long], 4, cache=cache)
-    assert int(cache.pages.handed) == 4
+    assert int(cache.page_table.handed) == 4
 
 
 def test_a_pool_that_runs_out_at_the_last_token_is_named(monkeypatch):
@@ -265,7 +265,7 @@ def test_feeding_a_prompt_far_past_the_capacity_is_named(full):
     engine.feed(torch.randint(0, spec.vocab_size, (1, 60)), torch.tensor([0]), cache, full=full)
     with pytest.raises(CacheFull, match="a sequence went past the cache's capacity of 20 positions"):
         cache.check()
-    assert set(cache.pages.table[0].tolist()) == {0, 1, cache.pages.spare}  # two pages of the 20, the rest spare
+    assert set(cache.page_table.table[0].tolist()) == {0, 1, cache.page_table.spare}  # two pages of the 20, the rest spare
 
 
 def test_paging_asks_for_a_positive_page_size_and_a_known_kernel():

@@ -5,6 +5,7 @@ import textwrap
 import pytest
 
 import archlab
+from archlab.train.config import load_config
 from conftest import ROOT
 
 BASE = """
@@ -41,6 +42,15 @@ CASES = [
     ("name over two lines", {"s.yaml": BASE.replace("name: t", 'name: "t\\nu"')}, "s.yaml", ["name: a name is one line of text", "'t\\nu'"]),
     ("negative width", {"s.yaml": BASE.replace("d_model: 32", "d_model: -4")}, "s.yaml",
      ["d_model:", "greater than 0"]),
+    ("an exponent YAML reads as text", {"s.yaml": BASE.replace("window: 8", "window: 1e3")}, "s.yaml",
+     ["layout.self_decoder.blocks[0].window: must be a whole number; YAML reads 1e3 as text, not a number: write 1000"]),
+    ("a number past a whole number's", {"s.yaml": BASE + "ffn: {hidden: 1.0e+308}\n"}, "s.yaml", ["ffn.hidden: is too large a number (got 1e+308)"]),
+    ("a block's size past any model's", {"s.yaml": BASE.replace("window: 8", "window: 8, head_dim: 1000000000000000000000000000000")},
+     "s.yaml", ["layout.self_decoder.blocks[0].head_dim: Input should be less than or equal to 1048576"]),
+    ("a value head size past any model's", {"s.yaml": STACK.replace("type: attention", "type: gdn, expand_v: 1.0e+300")}, "s.yaml",
+     ["layout.layers.blocks[0].expand_v: expand_v * head_dim = 8e+300, a value head size past 1,048,576"]),
+    ("an FFN past any model's", {"s.yaml": BASE + "ffn: {type: moe, n_experts: 4, top_k: 2, expert_hidden: 2097152}\n"}, "s.yaml",
+     ["ffn.expert_hidden: Input should be less than or equal to 1048576"]),
     ("infinite rope theta", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: .inf}, blocks")},
      "s.yaml", ["layout.self_decoder.position.theta:", "finite number"]),
     ("rope theta of 1", {"s.yaml": BASE.replace("n_layers: 2, blocks", "n_layers: 2, position: {type: rope, theta: 1}, blocks")},
@@ -352,6 +362,23 @@ def test_overrides_may_be_a_mapping():
     with pytest.raises(archlab.SpecError) as caught:
         archlab.load_spec(spec, {3: 1})
     assert "overrides: 1 problem(s)\n  3: a key is a dotted path" in str(caught.value)
+    assert archlab.load_spec(spec, None) == archlab.load_spec(spec)  # None was iterated: a TypeError
+
+
+@pytest.mark.parametrize("key", ["", " ", "loop..times", ".loop", "loop.times."])
+def test_a_dotted_key_with_an_empty_name_in_it_is_refused_as_one(key):
+    """"" was said to be an unknown key at "<root>", and "loop..times" one at "loop."."""
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(ROOT / "specs/tiny/yoco-u.yaml", [f"{key}=2"] if key.strip() else {key: 2})
+    assert f"{key!r}: a key is a dotted path of names (of keys, or a list's indices)" in str(caught.value), caught.value
+
+
+def test_a_yes_or_no_in_a_list_of_numbers_is_refused_as_the_value_is():
+    """YAML's no in ``betas: [no, 0.95]`` trained with a beta of 0.0."""
+    with pytest.raises(archlab.SpecError) as caught:
+        load_config(None, ["optimizer.betas=[0.9, no]"])
+    assert "optimizer.betas[1]: got false, a yes/no value where a number is wanted" in str(caught.value)
+    assert load_config(None, ["optimizer.betas=[0.9, 0.95]"]).optimizer.betas == (0.9, 0.95)
 
 
 def test_an_override_that_would_replace_an_earlier_one_inside_it_is_refused():
@@ -541,8 +568,6 @@ def test_show_output_is_a_valid_spec(tmp_path):
 ], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number", "nested past reading",
         "a number too long to read", "blank source", "one-token sequences", "NUL in a path"])
 def test_bad_training_config_override_is_named(override, fragments):
-    from archlab.train.config import load_config
-
     with pytest.raises(archlab.SpecError) as caught:
         load_config(None, [override])
     message = str(caught.value)
@@ -555,7 +580,6 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_given_or_at_its
     """A micro-batch size given that does not divide the batch is refused, even one larger than the
     batch; left at its default (16) it is refused only where the batch is larger and does not split
     into it, and said to be the default. The divisor offered is the largest below it, 1 for a prime batch."""
-    from archlab.train.config import load_config
 
     for overrides, said, divisor in [
         (["batch_size=4", "micro_batch_size=6"], "micro_batch_size: 6 does not divide batch_size=4;", 4),
@@ -571,7 +595,6 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_given_or_at_its
 
 
 def test_a_yes_or_no_field_still_takes_yes():
-    from archlab.train.config import load_config
 
     assert load_config(None, ["compile=yes"]).compile is True
     assert archlab.load_spec(ROOT / "specs" / "tiny" / "transformer.yaml", ["tie_embeddings=on"]).tie_embeddings is True

@@ -712,6 +712,8 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
          "layout.self_decoder.blocks.5"),
         ({"spec": "yoco.yaml", "set": {"layout.self_decoder.blocks.0.window": 8, "layout.self_decoder.blocks.0": {"type": "swa", "n_heads": 4}}},
          f"{path} (variants.yoco-u: set / scale_set.tiny)", "layout.self_decoder.blocks.0"),  # the window would be lost
+        ({"spec": "yoco.yaml", "set": {"loop..times": 2}}, f"{path} (variants.yoco-u: set / scale_set.tiny)", "'loop..times'"),  # was "loop."
+        ({"spec": "yoco.yaml", "set": {1: 2}}, str(path), "variants.yoco-u.set"),  # was "variants.yoco-u.set[1].[key]"
     ]:
         path.write_text(yaml.safe_dump({**data, "baseline": "yoco", "variants": {**data["variants"], "yoco-u": variant}}, sort_keys=False))
         with pytest.raises(SpecError) as raised:

@@ -313,19 +313,29 @@ def load_checkpoint(run_dir: Path, used: Path):
 def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
     """A notice where ``file`` (``spec``) is not the spec checkpoint ``used`` trained, but its weights
     still fit (another window, loop count or RoPE base): the edited spec is what runs, as one may
-    mean (a longer window at inference), or not. A checkpoint that does not record its spec, or
-    records one this version no longer reads, has nothing to compare."""
+    mean (a longer window at inference), or not."""
+    try:
+        trained = json.loads((used / "state.json").read_text()).get("spec")
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's limit
+        return
+    if changed := changes_since_trained(trained, spec, used / "state.json"):
+        warnings.warn(f"{file} is not the spec checkpoint {used} trained ({changed}); it runs as edited", stacklevel=3)
+
+
+def changes_since_trained(trained: object, spec: ModelSpec, state: Path) -> str | None:
+    """How ``spec`` differs from ``trained``, the spec a checkpoint's ``state`` records, in at most
+    five changes; None where they are equal, or where the checkpoint records none (written before
+    they did) or one this version of archlab no longer reads, which leave nothing to compare."""
     from archlab.spec import SpecError, describe_differences, validate_spec
 
     try:
-        trained = json.loads((used / "state.json").read_text()).get("spec")
-        trained = validate_spec(trained, str(used / "state.json")) if isinstance(trained, dict) else None
-    except (OSError, ValueError, AttributeError, RecursionError, SpecError):  # RecursionError: JSON nested past Python's limit
-        return
-    if trained is not None and trained != spec:
-        changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))
-        warnings.warn(f"{file} is not the spec checkpoint {used} trained ({'; '.join(changed[:5])}{'; ...' if len(changed) > 5 else ''});"
-                      " it runs as edited", stacklevel=3)
+        trained_spec = validate_spec(trained, str(state)) if isinstance(trained, dict) else None
+    except (SpecError, RecursionError):
+        return None
+    if trained_spec is None or trained_spec == spec:
+        return None
+    changed = describe_differences(trained_spec.model_dump(mode="json"), spec.model_dump(mode="json"))
+    return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
 
 
 def tokenizer_of(run_dir: Path) -> Path | None:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Annotated, Literal
 
+import torch
 from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
-from archlab.cost import TRAINING_LENGTH
+from archlab.cost import SHORTEST_TRAINING_LENGTH
 from archlab.spec import PathName, SpecError, apply_overrides, differences, load_yaml, validate_as
 
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
@@ -23,7 +25,8 @@ MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by i
 
 
 class Optimizer(Strict):
-    """AdamW; weight decay applies to matrices only (not norms, biases or 1-D gates)."""
+    """AdamW; weight decay applies to tensors of two or more dimensions (matrices, conv filters,
+    ParScale's prefixes), not to 1-D ones (norms' gains, biases, gates)."""
 
     lr: PositiveFloat = 3e-3
     betas: tuple[Beta, Beta] = (0.9, 0.95)
@@ -100,7 +103,7 @@ class TrainConfig(Strict):
     steps: int = Field(200, gt=0, le=MAX_STEPS)
     batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
     micro_batch_size: PositiveInt = 16  # sequences per forward pass per process; left out, at most each process's share of the batch
-    seq_len: int = Field(128, ge=TRAINING_LENGTH)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
+    seq_len: int = Field(128, ge=SHORTEST_TRAINING_LENGTH)  # 1 is refused: costs (MFU, --flops) would count its pass as a decoding step
     optimizer: Optimizer = Optimizer()
     schedule: Schedule = Schedule()
     grad_clip: float = Field(1.0, ge=0)  # 0: off
@@ -114,6 +117,11 @@ class TrainConfig(Strict):
     keep_checkpoints: PositiveInt = 3
     data: Data = Data()
     init: PathName | None = None  # a training run (its latest checkpoint) or checkpoint folder to start from: fine-tuning
+
+    def autocast(self, device: torch.device) -> AbstractContextManager:
+        """Where the model runs on ``device``, as this config trains it: bf16 autocast, or as it is."""
+        bf16 = self.precision == "bf16" or (self.precision == "auto" and device.type == "cuda")
+        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     def problems(self) -> list[Problem]:
         root = Problems()

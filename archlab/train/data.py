@@ -40,7 +40,7 @@ class DataError(Exception):
 class Batch:
     inputs: torch.Tensor  # [B, T] token ids
     targets: torch.Tensor  # [B, T] next tokens
-    mask: torch.Tensor | None = None  # [B, T] bool: positions that count (synthetic tasks)
+    mask: torch.Tensor | None = None  # [B, T] bool: positions that count (a task's answers, an example's response)
 
     def counted_targets(self) -> torch.Tensor:
         """The targets as the loss takes them: those of positions that do not count are IGNORE."""

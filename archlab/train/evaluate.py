@@ -168,10 +168,7 @@ class Loaded:
     def on(self, device: torch.device):
         """The model on ``device`` in eval mode, and the precision to score in, as the run's config trained
         it there (``precision``: bf16 autocast, fp32, or auto: bf16 on CUDA, fp32 on the CPU)."""
-        precision = self.config.precision
-        bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
-        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
-        return self.model.to(device).eval(), autocast
+        return self.model.to(device).eval(), self.config.autocast(device)
 
 
 def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: torch.device,

@@ -39,7 +39,7 @@ from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_spec, spec_to_yaml, validate_spec
+from archlab.spec import ModelSpec, MoE, describe_differences, load_spec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
@@ -185,7 +185,7 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
 
 
 def _param_groups(model: Model, optimizer: Optimizer) -> list[dict]:
-    """Matrices decay; gains and biases do not."""
+    """Tensors of two or more dimensions decay (matrices, conv filters, prefixes); 1-D ones do not."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": params, **settings} for params, settings in zip((decay, rest), _group_settings(optimizer), strict=True)]
@@ -228,10 +228,8 @@ class Trainer:
         self.spec, self.run_dir, self.console = spec, run_dir, console
         self.cfg = cfg.model_copy(update={"data": cfg.data.anchored(), "init": absolute(cfg.init)})  # as config.yaml records it
         self.world = World.from_env()
-        cuda = torch.cuda.is_available()
-        self.device = torch.device(f"cuda:{self.world.local_rank}" if cuda else "cpu")
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and cuda)
-        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+        self.device = torch.device(f"cuda:{self.world.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.autocast = cfg.autocast(self.device)
         per_process, micro = cfg.batch_size // self.world.size, micro_batch_size(cfg, self.world.size)
         if micro != cfg.micro_batch_size:  # the default, lowered
             self.cfg = self.cfg.model_copy(update={"micro_batch_size": micro})
@@ -263,7 +261,7 @@ class Trainer:
         )
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_step = cost.train_flops_per_token(cfg.seq_len) * self.tokens_per_step
-        peak = peak_flops(torch.cuda.get_device_name(self.device)) if cuda else None
+        peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]
         blocks = tuple({type(spec.block_at(i)) for i in range(spec.n_layers)})
@@ -376,19 +374,10 @@ class Trainer:
     def _refuse_another_spec(self, saved: Path, trained: object) -> None:
         """The spec a checkpoint trained is the run's. A spec.yaml edited since, whose weights still
         fit (another window, loop count or RoPE base), would train on as another model under the
-        run's name. A checkpoint written before they recorded their spec, or whose spec this
-        version of archlab no longer reads, has nothing to compare."""
-        if not isinstance(trained, dict):
-            return
-        try:
-            trained_spec = validate_spec(trained, str(saved / "state.json"))
-        except SpecError:
-            return
-        if trained_spec != self.spec:
-            changed = describe_differences(trained_spec.model_dump(mode="json"), self.spec.model_dump(mode="json"))
-            raise TrainError(f"checkpoint {saved} trained another spec than the run's spec.yaml ({'; '.join(changed[:5])}"
-                             f"{'; ...' if len(changed) > 5 else ''}): put spec.yaml back as it was to resume, or start a new"
-                             f" run from these weights with --init {saved}")
+        run's name."""
+        if changed := checkpoint.changes_since_trained(trained, self.spec, saved / "state.json"):
+            raise TrainError(f"checkpoint {saved} trained another spec than the run's spec.yaml ({changed}): put spec.yaml back"
+                             f" as it was to resume, or start a new run from these weights with --init {saved}")
 
     def _refuse_another_config(self, saved: Path, trained: object, resumable: list[str]) -> None:
         """The settings a resume keeps are the checkpoint's (a ``--set`` of them is refused against

@@ -9,6 +9,7 @@ it holds: it reads the capability flags below and calls ``build``.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import abstractmethod
 from collections import Counter
 from dataclasses import dataclass, field
@@ -208,6 +209,11 @@ class BlockSpec(Strict):
 def ceil_div(a, b):
     """How many pieces of b cover a: a / b rounded up (ints, or integer tensors elementwise)."""
     return -(-a // b)
+
+
+def whole_number(value: object) -> bool:
+    """An int (Python's or numpy's): not a bool, nor a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def round_up(n: int, multiple: int) -> int:

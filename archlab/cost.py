@@ -12,14 +12,12 @@ are not counted. The kinds are listed in ``archlab.block.FLOP_KINDS``.
 
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from archlab.block import FLOP_KINDS, BlockSpec, CacheBytes, Flops
+from archlab.block import FLOP_KINDS, BlockSpec, CacheBytes, Flops, whole_number
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError, named, raised
 from archlab.spec import ModelSpec, YocoLayout
@@ -85,8 +83,8 @@ def _wanted(name: str, value) -> bool:
 
 
 def _count(value) -> bool:
-    """A whole number, finite, 0 or more, and not a yes/no value."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < math.inf
+    """A whole number, 0 or more (not a yes/no value)."""
+    return whole_number(value) and value >= 0
 
 
 def _times(flops: Flops, count: int) -> Flops:
@@ -249,7 +247,7 @@ class Cost:
 def _tokens(name: str, n: object, least: int = 1) -> int:
     """A count of tokens a cost is asked at, or a ValueError naming it (rather than a block's
     formula blamed for the number it then returns)."""
-    if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < least:
+    if not whole_number(n) or n < least:
         raise ValueError(f"{name} must be a whole number of tokens >= {least}, got {n!r}")
     return int(n)
 

@@ -19,20 +19,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from archlab.block import whole_number
 from archlab.cache import Cache
 from archlab.kv import PAGE_KERNELS, CacheFull, pages_for
 from archlab.model import Model
 from archlab.train.config import SEED_LIMIT
 
 
-def _whole(value) -> bool:
-    """An int (Python's or numpy's), not a bool nor a float that happens to be whole."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _token_id(value) -> bool:
     """A whole number a long tensor holds; one past the vocabulary never matches, and is allowed."""
-    return _whole(value) and 0 <= value < 2**63
+    return whole_number(value) and 0 <= value < 2**63
 
 
 def _scalar(value):
@@ -62,11 +58,11 @@ class Sampling:
             object.__setattr__(self, name, _scalar(getattr(self, name)))
         if not (_real(self.temperature) and 0 <= self.temperature < math.inf):  # nan too
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if self.top_k is not None and not (_whole(self.top_k) and self.top_k >= 1):
+        if self.top_k is not None and not (whole_number(self.top_k) and self.top_k >= 1):
             raise ValueError(f"top_k must be a whole number >= 1, got {self.top_k!r}")
         if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not (_whole(self.seed) and 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and not (whole_number(self.seed) and 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be a whole number from 0 to 2**63 - 1, got {self.seed!r}")
         stops = self.stop_tokens.tolist() if isinstance(self.stop_tokens, (torch.Tensor, np.ndarray)) else self.stop_tokens
         if not (isinstance(stops, Sequence) and not isinstance(stops, str)) or not all(map(_token_id, stops)):
@@ -164,9 +160,9 @@ class Engine:
         sequences grow (YOCO layouts; the paper's serving stack uses 256), and decode over them
         with ``page_kernel``: ``torch`` or ``flex`` (``archlab.kv``)."""
         prefill_chunk, page_size = _scalar(prefill_chunk), _scalar(page_size)
-        if not (_whole(prefill_chunk) and prefill_chunk >= 1):
+        if not (whole_number(prefill_chunk) and prefill_chunk >= 1):
             raise ValueError(f"prefill_chunk must be a whole number >= 1, got {prefill_chunk!r}")
-        if page_size is not None and not (_whole(page_size) and page_size >= 1):
+        if page_size is not None and not (whole_number(page_size) and page_size >= 1):
             raise ValueError(f"page_size must be a whole number >= 1, got {page_size!r}")
         if page_kernel not in PAGE_KERNELS:
             raise ValueError(f"page_kernel must be one of {', '.join(PAGE_KERNELS)}, got {page_kernel!r}")
@@ -274,7 +270,7 @@ class Engine:
             raise ValueError(f"{self.model.spec.name} is on the meta device, which holds shapes and no weights; build it on a"
                              " device that computes (build_model(spec), or load_trained(run)) to generate")
         prompts = self.check_prompts(prompts)
-        if not (_whole(max_new_tokens) and max_new_tokens >= 1):
+        if not (whole_number(max_new_tokens) and max_new_tokens >= 1):
             raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
         if not isinstance(sampling, Sampling):
             raise TypeError(f"sampling must be a Sampling (Sampling(temperature=..., top_k=...)), got {type(sampling).__name__}")
@@ -292,7 +288,7 @@ class Engine:
         if held and cache.fresh:
             raise ValueError(f"held={held}, but nothing has been fed into this cache yet")
         shortest, longest = min(map(len, prompts)), max(map(len, prompts))
-        if not (_whole(held) and 0 <= held < shortest):
+        if not (whole_number(held) and 0 <= held < shortest):
             raise ValueError(f"held must be a whole number from 0 to one less than the shortest prompt"
                              f" ({shortest} tokens), got {held!r}")
         need = longest + new_tokens

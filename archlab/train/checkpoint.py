@@ -26,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
+from archlab.block import whole_number
 from archlab.files import FULL, REFUSED
 from archlab.memory import NoRoom
 
@@ -244,7 +245,7 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
     _check_hash(path, info, "trainer.pt")  # bytes changed among the optimizer's moments load as numbers
     step = info.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not whole_number(step) or step < 0:
         raise damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
         raise damaged(path, f"its state.json is at step {step}")

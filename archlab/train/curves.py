@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
+from archlab.block import whole_number
 from archlab.cost import Cost
 from archlab.environment import SettingsError, describe, read_settings, setting_lines, setting_of
 from archlab.files import save_figure_whole
@@ -23,16 +24,12 @@ class RunError(Exception):
     """A run folder that cannot be read back, said in words."""
 
 
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _wrong_with(record: dict, before: dict | None) -> str | None:
     """What makes a record, which follows ``before`` (None: the first), one that training did not
     write: it logs a step past the one before, and finite numbers (a count of tokens not below 0,
     nor below the one before's)."""
     step, after = record["step"], before["step"] if before else 0
-    if not _whole(step) or step < 1:
+    if not whole_number(step) or step < 1:
         return f"its step {step!r} is not a step"
     if step <= after:
         return f"its step {step} does not follow step {after}"

@@ -117,8 +117,8 @@ class Cost:
 
     def __init__(self, spec: ModelSpec):
         self.spec, self.plan = spec, Plan.of(spec)
-        self.contexts = [spec.build_context(h) for h in range(len(spec.halves))]
-        self.streams = spec.parscale.streams if spec.parscale else 1
+        self.contexts = spec.build_contexts()
+        self.streams = spec.streams
 
     def _ctx(self, layer: int):
         return self.contexts[self.plan.half_of(layer)]
@@ -138,8 +138,7 @@ class Cost:
         )
         total = self.embedding_params + layers + d  # + the final norm
         if isinstance(spec.layout, YocoLayout):
-            kv = spec.layout.global_kv
-            total += d + 2 * d * kv.n_kv_heads * kv.head_dim
+            total += d + d * spec.layout.global_kv.width  # the global K,V's norm and projections
         if self.streams > 1:  # ParScale's stream-mixing MLP: P*D -> D -> P, with biases
             total += self.streams * d * d + d + d * self.streams + self.streams
         return total
@@ -162,8 +161,7 @@ class Cost:
         total = Flops()
         projections = sum(step.project for step in steps)
         if projections:
-            kv = spec.layout.global_kv
-            total["matmul"] += projections * 2 * n * d * 2 * kv.n_kv_heads * kv.head_dim
+            total["matmul"] += projections * 2 * n * d * spec.layout.global_kv.width
         # a layer's FLOPs hang on its block and whether it reuses K,V: worked out once per pair,
         # however many loop iterations repeat it
         runs = Counter((i, self.plan.reuses_kv(step, i)) for step in steps if not step.project
@@ -217,9 +215,8 @@ class Cost:
         kv_bytes = DTYPE_BYTES[dtype or spec.inference_dtype]
         grows = local = 0
         if isinstance(spec.layout, YocoLayout):
-            kv = spec.layout.global_kv
             projections = sum(step.project for step in self.plan.steps)
-            grows += projections * 2 * context * kv.n_kv_heads * kv.head_dim * kv_bytes
+            grows += projections * context * spec.layout.global_kv.width * kv_bytes
         for layer, slots in Counter(layer for _, _, layer in self.plan.state_keys()).items():
             block = spec.block_at(layer)
             size = formula(block, "state_bytes", self._ctx(layer), context, kv_bytes)

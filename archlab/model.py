@@ -133,12 +133,12 @@ class Model(nn.Module):
         spec = self.spec = revalidated(spec)  # one varied by model_copy(update=...) skipped validation
         self.plan = Plan.of(spec)
         self.embed = nn.Embedding(spec.vocab_size, spec.d_model)
-        contexts = [spec.build_context(h) for h in range(len(spec.halves))]
+        contexts = spec.build_contexts()
         self.layers = nn.ModuleList(
             Layer(spec, _build_mixer(spec.block_at(i), contexts[self.plan.half_of(i)])) for i in range(spec.n_layers)
         )
         self.global_kv = GlobalKVProjection(spec) if isinstance(spec.layout, YocoLayout) else None
-        self.streams = spec.parscale.streams if spec.parscale else 1
+        self.streams = spec.streams
         self.stream_mix = StreamMix(spec.d_model, spec.parscale) if spec.parscale else None
         self.norm = build_norm(spec.norm, spec.d_model)
         self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)

@@ -229,6 +229,11 @@ class GlobalKV(Strict):
     n_kv_heads: Size
     head_dim: Size
 
+    @property
+    def width(self) -> int:
+        """The values one position's K and V hold together."""
+        return 2 * self.n_kv_heads * self.head_dim
+
 
 class YocoLayout(HoldsBlocks):
     """Decoder-decoder: self-decoder, one global K,V projection, cross-decoder reading it."""
@@ -352,6 +357,15 @@ class ModelSpec(HoldsBlocks):
     def n_layers(self) -> int:
         return sum(h.n_layers for _, h in self.halves)
 
+    @property
+    def streams(self) -> int:
+        """ParScale's P weight-shared streams; 1 without ParScale."""
+        return self.parscale.streams if self.parscale else 1
+
+    def build_contexts(self) -> list[BuildContext]:
+        """Each half's ``build_context``, in layer order."""
+        return [self.build_context(h) for h in range(len(self.halves))]
+
     def loop_range(self) -> tuple[int, int] | None:
         """Global layer indices [start, end) of the looped layers, or None."""
         loop, halves = self.loop, self.halves
@@ -378,7 +392,7 @@ class ModelSpec(HoldsBlocks):
             rope_theta=half.position.theta if isinstance(half.position, RoPE) else None,
             global_kv_heads=self.layout.global_kv.n_kv_heads if cross else None,
             global_head_dim=self.layout.global_kv.head_dim if cross else None,
-            streams=self.parscale.streams if self.parscale else 1,
+            streams=self.streams,
             prefix_len=self.parscale.prefix_len if self.parscale else 0,
             init_std=self.init_std,
         )

@@ -164,8 +164,7 @@ class Cost:
             total["matmul"] += projections * 2 * n * d * spec.layout.global_kv.width
         # a layer's FLOPs hang on its block and whether it reuses K,V: worked out once per pair,
         # however many loop iterations repeat it
-        runs = Counter((i, self.plan.reuses_kv(step, i)) for step in steps if not step.project
-                       for i in self.plan.segments[step.segment].layers)
+        runs = Counter((i, self.plan.reuses_kv(step, i)) for step, i in self.plan.applications(steps))
         for (i, reuse_kv), times in runs.items():
             layer = formula(spec.block_at(i), "flops", self._ctx(i), n, start, reuse_kv) + Flops(matmul=n * spec.ffn.flops_per_token(d))
             total += _times(layer, times)

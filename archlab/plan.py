@@ -8,6 +8,7 @@ often or what state is kept.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from archlab.spec import ModelSpec
@@ -112,7 +113,11 @@ class Plan:
         """The cache slot of a layer at a step: loops that share K,V keep the first iteration's."""
         return (step.segment, 0 if self.shared(step, layer) else step.iteration, layer)
 
+    def applications(self, steps: tuple[Step, ...] | None = None) -> Iterator[tuple[Step, int]]:
+        """(step, layer) for every layer application of ``steps`` (all by default), in forward order."""
+        return ((step, i) for step in (self.steps if steps is None else steps) if not step.project
+                for i in self.segments[step.segment].layers)
+
     def state_keys(self) -> list[tuple[int, int, int]]:
         """Every distinct layer state slot, in forward order."""
-        keys = (self.state_key(step, i) for step in self.steps if not step.project for i in self.segments[step.segment].layers)
-        return list(dict.fromkeys(keys))
+        return list(dict.fromkeys(self.state_key(step, i) for step, i in self.applications()))

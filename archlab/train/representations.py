@@ -43,10 +43,9 @@ class Application:
 def applications(model: Model) -> list[Application]:
     """Every layer application of the model's forward pass, in the order the walker makes them."""
     plan, spec = model.plan, model.spec
-    order = [(step, i) for step in plan.steps if not step.project for i in plan.segments[step.segment].layers]
     return [Application(depth, spec.halves[plan.segments[step.segment].half][0].removeprefix("layout."), step.segment,
                         step.iteration + 1, plan.segments[step.segment].times, i, spec.block_at(i).type)
-            for depth, (step, i) in enumerate(order, 1)]
+            for depth, (step, i) in enumerate(plan.applications(), 1)]
 
 
 def angular_distances(model: Model, inputs: torch.Tensor, autocast=nullcontext(), batch: int = 8) -> list[float]:

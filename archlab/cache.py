@@ -15,12 +15,11 @@ back (a paged global K,V stays where it is: the subset gets a view of its page t
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 
 import torch
 
 from archlab.block import CacheBytes
-from archlab.kv import PageTable, pages_for, past_capacity
+from archlab.kv import PageTable, pages_for, past_capacity, tensor_bytes
 from archlab.memory import check_room
 from archlab.plan import Step
 from archlab.registry import RegistryError
@@ -37,11 +36,6 @@ def _row_first(state: State, rows: int, block: str) -> State:
         raise RegistryError(f"block {block!r}: new_state({rows}, ...) must give a dict of tensors ({{}} for none) with a first"
                             f" dimension of {rows}, a row per sequence and stream; got {got}")
     return state
-
-
-def _size(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes the tensors hold."""
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 GROWTH_CONTEXTS = (1 << 20, 1 << 21)  # tokens: past any window, so a tensor whose size differs between these grows
@@ -98,7 +92,7 @@ class Cache:
         projections, keys = [step for step in model.plan.steps if step.project], model.plan.state_keys()
         shapes = [new_global("meta") for _ in projections]  # the meta device: shapes, no memory
         shapes += [_row_first(initial(key, rows, "meta"), rows, model.spec.block_at(key[2]).type) for key in keys]
-        check_room(sum(_size(shape.values()) for shape in shapes) + self.table_bytes(), device,
+        check_room(sum(tensor_bytes(shape.values()) for shape in shapes) + self.table_bytes(), device,
                    f"a cache's states ({sequences:,} sequence{'s' * (sequences != 1)} of up to {capacity:,} positions)")
         if self.page_table is not None:  # allocated whole: a small page size's table is as large as the pages it saves
             self.page_table = PageTable(rows, pages, page_size, capacity, device, page_kernel)
@@ -119,8 +113,8 @@ class Cache:
 
     def bytes_per_sequence(self) -> CacheBytes:
         """What the cache holds, per sequence (a paged cache: its whole pool)."""
-        global_ = sum(_size(s.values()) for s in self.global_kv.values()) + _size(self._layer_tensors(grown=True))
-        local = _size(self.local_tensors())
+        global_ = sum(tensor_bytes(s.values()) for s in self.global_kv.values()) + tensor_bytes(self._layer_tensors(grown=True))
+        local = tensor_bytes(self.local_tensors())
         return CacheBytes(global_ // self.sequences, local // self.sequences)
 
     def _layer_tensors(self, grown: bool) -> list[torch.Tensor]:

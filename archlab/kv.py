@@ -22,6 +22,7 @@ Longer query blocks gather their sequence's pages into rows first.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +60,11 @@ def pages_for(lengths: list[int], page_size: int) -> int:
 PAGE_KERNELS = ("torch", "flex")
 
 
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class PageTable:
     """Which pool page holds each page of positions of each row; shared by every paged state
     of a cache (they all grow together). ``select`` makes a view of some rows."""
@@ -80,7 +86,7 @@ class PageTable:
 
     def nbytes(self) -> int:
         """What its tensors hold, in bytes."""
-        return sum(t.numel() * t.element_size() for t in (self.rows, self.table, self.held, self.owner, self.first))
+        return tensor_bytes((self.rows, self.table, self.held, self.owner, self.first))
 
     @property
     def spare(self) -> int:

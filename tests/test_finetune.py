@@ -1050,3 +1050,19 @@ def test_chat_names_a_damaged_config_of_its_run(cli, pretrained, tmp_path, monke
     code, stdout, stderr = cli("chat", run, "--max-new-tokens", 2)
     assert code == 1 and f"error in {run / 'config.yaml'}" in stderr and "the file is empty" in stderr, stderr
     assert stdout == ""  # refused before the conversation began
+
+
+def test_examples_whose_responses_are_all_empty_are_said_to_teach_only_an_end(tmp_path):
+    """Trained with exit 0 and an accuracy of 100%: only the newline ending each response counted."""
+    pairs, chats = tmp_path / "pairs.jsonl", tmp_path / "chats.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"question {i}", "response": ""}) + "\n" for i in range(3)))
+    chats.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": " "}]}) + "\n"
+                             for i in range(3)))
+    for path in (pairs, chats):
+        with pytest.warns(UserWarning, match="every response \\(or assistant message\\) is empty; a run on it learns only to end a reply"):
+            read_examples(str(path), 10_000)
+    pairs.write_text(pairs.read_text() + json.dumps({"prompt": "q", "response": "an answer"}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(read_examples(str(pairs), 10_000)) == 4
+

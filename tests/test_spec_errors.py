@@ -565,8 +565,12 @@ def test_show_output_is_a_valid_spec(tmp_path):
     ("data.source='  '", ["data.source: is empty; give stdlib, a path"]),  # blank is empty, not a file named by spaces
     ("seq_len=1", ["seq_len: Input should be greater than or equal to 2"]),  # costed as a decoding step, not a training pass
     ('init="runs/a\\0b"', ["init: a path cannot hold a NUL byte"]),  # a ValueError traceback where a run was looked for
+    ('data.cache=""', ["data.cache: is empty; give a path, or leave it out"]),  # the current folder, its tokenizer.json replaced
+    ("data.tokenizer=' '", ["data.tokenizer: is empty; give a path, or leave it out"]),  # said "not a file" of the current folder
+    ("data.source=hf::train", ["data.source: 'hf::train' names no dataset; give hf:NAME[:split]"]),  # "list index out of range"
 ], ids=["not yaml", "negative seed", "huge seed", "beta above 1", "nan betas", "on for a number", "nested past reading",
-        "a number too long to read", "blank source", "one-token sequences", "NUL in a path"])
+        "a number too long to read", "blank source", "one-token sequences", "NUL in a path", "blank cache", "blank tokenizer",
+        "no dataset"])
 def test_bad_training_config_override_is_named(override, fragments):
     with pytest.raises(archlab.SpecError) as caught:
         load_config(None, [override])

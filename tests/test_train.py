@@ -372,10 +372,56 @@ def test_a_run_named_as_its_recall_task_trains(cli, tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
-def test_an_endless_stream_is_read_no_further_than_max_bytes():
-    """/dev/zero was read whole, until the kernel killed the run with no word; NUL bytes are binary."""
-    with pytest.raises(DataError, match=r"left out 1 file\(s\) that are not UTF-8 text: /dev/zero \(NUL bytes: binary, not text\)$"):
-        read_texts("/dev/zero", 100_000)
+def test_a_stream_or_device_is_refused_as_no_regular_file_before_it_is_read(tmp_path):
+    """/dev/zero was read whole, until the kernel killed the run with no word; a FIFO blocked the
+    run without one, and a FIFO named .npy was read as text."""
+    fifo = tmp_path / "corpus.txt"
+    os.mkfifo(fifo)
+    for source in ("/dev/zero", str(fifo)):
+        with pytest.raises(DataError, match=r"not a regular file or folder \(a FIFO, a device or a socket\)$"):
+            read_texts(source, 100_000)
+
+
+def test_a_token_or_examples_file_that_is_no_regular_file_is_said_to_be_what_it_is(tmp_path):
+    """Each was said to be "no such file" (examples), or read as a text corpus (a folder or FIFO
+    named .npy or .bin), or a device said to hold no text."""
+    from archlab.train.config import Data
+    from archlab.train.data import prepare
+
+    (tmp_path / "folder.npy").mkdir()
+    (tmp_path / "folder.npy" / "a.txt").write_text("text " * 1000)
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    (tmp_path / "zero.bin").symlink_to("/dev/zero")
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    for name, said in [("folder.npy", "a folder, not a file"), ("fifo.jsonl", "not a regular file (a FIFO, a device or a socket)"),
+                       ("zero.bin", "not a regular file (a FIFO, a device or a socket)"), ("loop.jsonl", "a symbolic link to nothing, or in a loop"),
+                       ("none.npy", "no such file")]:
+        with pytest.raises(DataError, match=re.escape(f"data source '{tmp_path / name}': {said}")):
+            prepare(Data(source=str(tmp_path / name)), 256, 32, 0, tmp_path / "run")
+    (tmp_path / "cache").write_text("")  # was "File exists"
+    with pytest.raises(DataError, match=re.escape(f"data.cache '{tmp_path / 'cache'}' is a file, not a folder")):
+        prepare(Data(source=str(tmp_path / "folder.npy" / "a.txt"), cache=str(tmp_path / "cache")), 256, 32, 0, tmp_path / "cache")
+
+
+def test_a_folder_of_a_corpus_that_cannot_be_listed_is_named(tmp_path, monkeypatch):
+    """os.walk skipped a folder it could not list (no permission) without a word: its files were
+    left out of the corpus, and a corpus whose top folder was so said it held no text, not why."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("text " * 100)
+    (tmp_path / "sub" / "b.txt").write_text("more " * 100)
+    scandir = os.scandir
+
+    def refused(path=".", locked=str(tmp_path / "sub")):
+        if os.fspath(path) in (locked, str(tmp_path / "locked")):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.warns(UserWarning, match=re.escape("could not list 1 folder(s), whose files are left out: sub (Permission denied)")):
+        assert read_texts(str(tmp_path), 100_000) == ["text " * 100]
+    (tmp_path / "locked").mkdir()
+    with pytest.raises(DataError, match=re.escape(f"could not list 1 folder(s), whose files are left out: {tmp_path / 'locked'} (Permission denied)")):
+        read_texts(str(tmp_path / "locked"), 100_000)
 
 
 def test_a_file_that_is_not_utf8_is_named(cli, tmp_path):
@@ -1401,6 +1447,9 @@ def test_a_hugging_face_datasets_text_field_is_named_where_its_rows_lack_it(tmp_
     with pytest.raises(DataError, match=rf"^Hugging Face dataset '{tmp_path}': row 1 has no field 'text' \(it has 'content'\); set data.hf_text_field$"):
         read_texts(f"hf:{tmp_path}", 1000)
     assert read_texts(f"hf:{tmp_path}", 1000, "content") == [rows[0]["content"], rows[2]["content"]]
+    (tmp_path / "train.jsonl").write_text('{"text": null}\n{"text": "  "}\n')  # was a traceback from numpy's concatenate
+    with pytest.raises(DataError, match=rf"^Hugging Face dataset '{tmp_path}' \(split 'train'\) holds no text in its field 'text'"):
+        read_texts(f"hf:{tmp_path}", 1000)
 
 
 def test_a_hugging_face_source_streams_its_split_up_to_max_bytes_cut_as_files_are(monkeypatch):
@@ -3110,7 +3159,9 @@ def test_a_corpus_fingerprint_tells_apart_documents_split_otherwise_and_a_tokeni
 
 def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word():
     """Training on a whitespace-free run took time quadratic in its length: 11 s for 200K
-    characters of DNA, and a 1 MB line did not finish in 150 s (now 0.14 s and 1.2 s here)."""
+    characters of DNA, and a 1 MB line did not finish in 150 s (now 0.14 s and 1.2 s here). So did
+    a run of whitespace alone: 2.4 s for 80K spaces, hours for 5M, deaf to signals (now 10 s for
+    a whole training run on it)."""
     from archlab.train.data import LONGEST_WORD, _training_pieces
 
     text = "def f(x):\n    return x\n" * 200 + "w" * LONGEST_WORD  # a run of exactly the limit is left whole
@@ -3119,6 +3170,9 @@ def test_tokenizer_training_cuts_only_runs_without_whitespace_longer_than_a_word
     pieces = list(_training_pieces(dna))
     assert "".join(pieces) == dna and len(pieces) == 8  # cut at 1,000 to 7,000 of its 8,000 characters
     assert all(len(run) <= LONGEST_WORD for piece in pieces for run in piece.split())
+    padded = "a" + " " * 2_500 + "b"
+    pieces = list(_training_pieces(padded))
+    assert "".join(pieces) == padded and len(pieces) == 3 and all(len(piece) <= LONGEST_WORD + 1 for piece in pieces)
 
 
 def test_evaluate_refuses_a_held_out_split_that_is_not_the_runs(cli, tmp_path):

@@ -200,15 +200,14 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
     error where none does."""
     looked_for = ""  # which files of a folder are read, said when none held text
     root = None  # a folder's files are named from it
+    unreadable: list[tuple[str, str]] = []  # (folder, why) of those a folder's walk could not list
     if source == "stdlib":
         files, root = stdlib_files(), STDLIB
     elif source.startswith("hf:"):
         return _hf_texts(source[3:], max_bytes, text_field)
     else:
         path = Path(source)
-        if not path.exists():
-            raise DataError(f"data source {source!r}: no such file or folder")
-        files = _text_files(path) if path.is_dir() else [path]
+        files = _text_files(path, unreadable) if path.is_dir() else [regular_file(source, or_folder=True)]
         looked_for = (f"; a folder's files ending in {', '.join(sorted(TEXT_SUFFIXES))}, outside hidden folders such as .git"
                       f" or .venv" if path.is_dir() else "")
         root = path if path.is_dir() else None
@@ -228,12 +227,36 @@ def read_texts(source: str, max_bytes: int, text_field: str = "text") -> list[st
             total += len(text)
         if total >= max_bytes:
             break
+    said = [_left_out_said(left_out)] * bool(left_out) + [_unlisted_said(unreadable, root)] * bool(unreadable)
     if not texts:
-        said = f"; {_left_out_said(left_out)}" if left_out else ""
-        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for}){said}")
-    if left_out:
-        warnings.warn(f"data source {source!r}: {_left_out_said(left_out)}", stacklevel=2)
+        raise DataError(f"data source {source!r} holds no text (looked at {len(files)} file(s){looked_for})" + "".join(f"; {s}" for s in said))
+    if said:
+        warnings.warn(f"data source {source!r}: {'; '.join(said)}", stacklevel=2)
     return texts
+
+
+def regular_file(source: str, or_folder: bool = False) -> Path:
+    """The file a data source names, refused in words where it is none: missing, a folder, a link
+    to nothing (or in a loop), or a FIFO or device, whose reading would block or never end."""
+    path = Path(source)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        why = "a folder, not a file"
+    elif path.exists():
+        why = "not a regular file" + " or folder" * or_folder + " (a FIFO, a device or a socket)"
+    elif path.is_symlink():
+        why = "a symbolic link to nothing, or in a loop"
+    else:
+        why = "no such file" + " or folder" * or_folder
+    raise DataError(f"data source {source!r}: {why}")
+
+
+def _unlisted_said(unreadable: list[tuple[str, str]], root: Path | None) -> str:
+    """The folders of a text folder that could not be listed, named (the first few) and counted."""
+    names = [f"{folder if root is None or Path(folder) == root else os.path.relpath(folder, root)} ({why})" for folder, why in unreadable]
+    named = ", ".join(names[:NAMED]) + (f", and {len(names) - NAMED} more" if len(names) > NAMED else "")
+    return f"could not list {len(names)} folder(s), whose files are left out: {named}"
 
 
 def reads_files_in(source: str, folder: Path) -> bool:
@@ -298,17 +321,20 @@ def _say_cut(source: str, max_bytes: int) -> None:
                   " raise data.max_bytes to train on the rest", stacklevel=3)
 
 
-def _text_files(folder: Path) -> list[Path]:
-    """The text files of a folder and the folders it reads (``_walked``)."""
-    found = [Path(root, name) for root, names in _walked(folder) for name in names]
+def _text_files(folder: Path, unreadable: list[tuple[str, str]]) -> list[Path]:
+    """The text files of a folder and the folders it reads (``_walked``); folders it cannot list
+    are added to ``unreadable``, with why."""
+    found = [Path(root, name) for root, names in _walked(folder, unreadable) for name in names]
     return sorted(file for file in found if file.suffix.lower() in TEXT_SUFFIXES and file.is_file())
 
 
-def _walked(folder: Path) -> Iterator[tuple[str, list[str]]]:
+def _walked(folder: Path, unreadable: list[tuple[str, str]] | None = None) -> Iterator[tuple[str, list[str]]]:
     """(folder, its file names) of a folder and every subfolder but hidden ones (.git, .venv:
-    tooling, not the corpus), linked ones too (which ``Path.rglob`` skips), each real folder once."""
+    tooling, not the corpus), linked ones too (which ``Path.rglob`` skips), each real folder once;
+    one it cannot list is added to ``unreadable``, with why."""
     seen = set()
-    for root, folders, names in os.walk(folder, followlinks=True):
+    said = None if unreadable is None else (lambda exc: unreadable.append((exc.filename, exc.strerror or str(exc))))
+    for root, folders, names in os.walk(folder, followlinks=True, onerror=said):
         real = os.path.realpath(root)
         if real in seen:  # a link back up the tree, or a second link to one folder
             folders[:] = []
@@ -349,7 +375,10 @@ def _hf_texts(name: str, max_bytes: int, field: str) -> list[str]:
     except DataError:
         raise
     except Exception as exc:  # network, a missing dataset: both end the same way
-        raise DataError(f"could not stream Hugging Face dataset {dataset!r}: {exc}") from None
+        raise DataError(f"could not stream Hugging Face dataset {dataset!r}: {str(exc) or type(exc).__name__}") from None
+    if not texts:
+        raise DataError(f"Hugging Face dataset {dataset!r} (split {split or 'train'!r}) holds no text in its field {field!r}"
+                        " (every row's is empty or null); set data.hf_text_field to a field of text")
     return texts
 
 
@@ -386,10 +415,8 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
     characters of their text: each as its pieces of text, with whether their tokens count (see
     ``_example``). Blank lines (and a byte-order mark) are skipped, anything else wrong is named by
     its line."""
-    if not Path(source).is_file():
-        raise DataError(f"data source {source!r}: no such file")
     try:
-        lines = Path(source).open(encoding="utf-8-sig")
+        lines = regular_file(source).open(encoding="utf-8-sig")
     except OSError as exc:
         raise DataError(f"data source {source!r}: {exc.strerror or exc}") from None
     examples, total, cut = [], 0, False
@@ -418,6 +445,9 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
     if len(examples) < 2:
         within = f" within data.max_bytes ({max_bytes:,} characters)" if cut else ""
         raise DataError(f"data source {source!r} holds {len(examples)} example(s){within}; training and validation need at least one each")
+    if not any(text.strip() for pieces in examples for text, counts in pieces if counts and text not in (END, MESSAGE_END + "\n")):
+        warnings.warn(f"data source {source!r}: every response (or assistant message) is empty; a run on it learns only to end a"
+                      " reply at once", stacklevel=2)
     return examples
 
 
@@ -532,16 +562,18 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-LONGEST_WORD = 1000  # characters of a run without whitespace that BPE training takes at once
+LONGEST_WORD = 1000  # characters of a run without whitespace (or of whitespace) that BPE training takes at once
 
 
 def _training_pieces(text: str):
     """``text`` in pieces for BPE training, cut only inside runs of more than LONGEST_WORD
-    characters without whitespace (DNA, base64): such a run is one pre-token, whose training takes
-    time quadratic in its length (minutes for a 1 MB line, and Ctrl-C waits for it). Text
-    without such runs stays one piece, so BPE trains on it exactly as on the whole text."""
+    characters without whitespace (DNA, base64) or of whitespace alone (padding): such a run is
+    one pre-token, whose training takes time quadratic in its length (hours for 5 MB of spaces, and
+    signals wait for it). Text without such runs stays one piece, so BPE trains on it exactly as
+    on the whole text."""
     start = 0
-    for run in re.finditer(rf"\S{{{LONGEST_WORD}}}(?=\S)", text):  # a long run: one match per LONGEST_WORD characters of it
+    long_run = rf"\S{{{LONGEST_WORD}}}(?=\S)|\s{{{LONGEST_WORD}}}(?=\s)"  # one match per LONGEST_WORD characters of a run
+    for run in re.finditer(long_run, text):
         yield text[start:run.end()]
         start = run.end()
     yield text[start:]
@@ -759,9 +791,8 @@ def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None,
     on): a token file's ids, or text (or examples) tokenized with ``tokenizer`` (a run's own); and
     which of them count (of examples, their responses; None: every one). ``say`` is told, as
     ``prepare``'s is, before text is tokenized."""
-    path = Path(cfg.source)
-    if holds_token_ids(cfg.source) and path.is_file():
-        return _token_file(path, cfg, vocab_size), None
+    if holds_token_ids(cfg.source):
+        return _token_file(regular_file(cfg.source), cfg, vocab_size), None
     if tokenizer is None:
         raise DataError(f"data source {cfg.source!r} is text, and the run has no tokenizer to read it with (it trained on"
                         " token ids or a recall task); give a token file")
@@ -785,11 +816,10 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     be tokenized: the default ``stdlib`` takes 6 to 20 s on two CPU cores, which would pass without a word."""
     if cfg.source in SYNTHETIC:
         return RecallTask(cfg.source, vocab_size, seq_len, seed)
-    path = Path(cfg.source)
     if holds_examples(cfg.source):
         return _examples(cfg, vocab_size, seq_len, seed, data_dir, resume)
-    if holds_token_ids(cfg.source) and path.is_file():
-        tokens = _token_file(path, cfg, vocab_size)
+    if holds_token_ids(cfg.source):
+        tokens = _token_file(regular_file(cfg.source), cfg, vocab_size)
         cut = int(len(tokens) * (1 - cfg.val_fraction))
         return TokenSource(tokens[:cut], tokens[cut:], seq_len, seed, repr(cfg.source))
     cache = data_dir / "data"
@@ -817,6 +847,8 @@ CORPUS_LOCK = ".corpus.lock"
 @contextlib.contextmanager
 def _corpus_lock(data_dir: Path) -> Iterator[None]:
     """The shared cache ``data_dir``'s lock (made, with the folder, if need be), held while the body runs."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise DataError(f"data.cache {str(data_dir)!r} is a file, not a folder")
     data_dir.mkdir(parents=True, exist_ok=True)
     with open(data_dir / CORPUS_LOCK, "ab") as handle, locked(handle):
         yield

@@ -1,8 +1,9 @@
 """Training as a user runs it: real data, exact resume after SIGKILL, clear failures, torchrun."""
 
 import contextlib
-import importlib.metadata
+import copy
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -490,6 +491,20 @@ def test_optimizer_state_of_another_shape_is_refused_before_anything_is_written(
             f"checkpoint {latest} is damaged (unusable trainer state: its exp_avg for a parameter of shape {shape} is"
             f" {(3, *shape[1:])})", way_out)
     assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    state["optimizer"]["state"][0]["exp_avg"] = torch.zeros(shape)  # its own shape again
+    for damage, said in [  # a traceback at load or at the first step (config.yaml rewritten by then), or trained on
+        (lambda optimizer: optimizer["state"][0].pop("exp_avg_sq"), f"its exp_avg_sq for a parameter of shape {shape} is NoneType"),
+        (lambda optimizer: optimizer["state"][0]["exp_avg_sq"].view(-1)[:1].fill_(float("nan")), "holds values no AdamW step makes"),
+        (lambda optimizer: optimizer["state"][0].update(step=torch.tensor([1.0, 2.0])), "its step count for a parameter of shape"),
+        (lambda optimizer: optimizer.update(state="hello"), "unusable trainer state: "),
+    ]:
+        damaged = copy.deepcopy(state)
+        damage(damaged["optimizer"])
+        torch.save(damaged, latest / "trainer.pt")
+        (latest / "state.json").write_text(json.dumps({**info, "trainer_blake2b": file_hash(latest / "trainer.pt")}))
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4"), said, way_out)
+        assert before == {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
 
 
 def test_a_spec_edited_since_its_checkpoint_is_refused_on_resume(cli, tmp_path):
@@ -2237,7 +2252,8 @@ def test_curves_read_a_run_still_training_and_name_what_they_cannot_read(cli, tr
     (lambda records: records.insert(1, dict(records[0])), "line 2, is not a metrics record (its step 1 does not follow step 1)"),
     (lambda records: records[0].update(step=0), "line 1, is not a metrics record (its step 0 is not a step)"),
     (lambda records: records[2].update(tokens=1000), "line 3, is not a metrics record (its tokens 1000 are fewer than step 2's"),
-], ids=["text", "null", "nan", "inf", "bool", "negative tokens", "reversed", "repeated", "step 0", "tokens going back"])
+    (lambda records: records[1].update(note="a" * 5_000_000), f'line 2, is not a metrics record (its note "{"a" * 59} is not a'),  # 5 MB said
+], ids=["text", "null", "nan", "inf", "bool", "negative tokens", "reversed", "repeated", "step 0", "tokens going back", "a long value"])
 def test_curves_refuse_metrics_training_did_not_write_and_name_the_line(cli, trained_on_text, tmp_path, change, said):
     """Each was read as a table (a NaN picked as the best loss, steps counted backwards) or failed with a traceback."""
     run = tmp_path / "run"
@@ -3135,11 +3151,11 @@ def test_a_tokenized_corpus_is_not_reused_for_text_edited_since(cli, tmp_path):
     from archlab.train.data import train_tokenizer
 
     copies = [tmp_path / "base1.json", tmp_path / "base2.json"]
-    for copy in copies:
-        copy.write_text(train_tokenizer(["the lazy dog sleeps. " * 100], 256).to_str())
-    for n, copy in enumerate(copies):
+    for tokenizer in copies:
+        tokenizer.write_text(train_tokenizer(["the lazy dog sleeps. " * 100], 256).to_str())
+    for n, tokenizer in enumerate(copies):
         code, _, stderr = cli(*train, "--out", tmp_path / f"tuned{n}", "--data", corpus, "--set", f"data.cache={tmp_path / 'tuned'}",
-                              "--set", f"data.tokenizer={copy}")
+                              "--set", f"data.tokenizer={tokenizer}")
         assert code == 0, stderr
 
 

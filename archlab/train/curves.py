@@ -30,12 +30,12 @@ def _wrong_with(record: dict, before: dict | None) -> str | None:
     nor below the one before's)."""
     step, after = record["step"], before["step"] if before else 0
     if not whole_number(step) or step < 1:
-        return f"its step {step!r} is not a step"
+        return f"its step {step!r:.60} is not a step"
     if step <= after:
         return f"its step {step} does not follow step {after}"
     for name, value in record.items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            return f"its {name} {json.dumps(value)} is not a finite number"
+            return f"its {name[:60]} {json.dumps(value)[:60]} is not a finite number"
     if record.get("tokens", 0) < 0:
         return f"its tokens {record['tokens']} are fewer than none"
     if before and record.get("tokens", math.inf) < before.get("tokens", 0):

@@ -198,13 +198,21 @@ def _group_settings(optimizer: Optimizer) -> list[dict]:
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's moments have their parameter's shape. ``load_state_dict`` checks only how many
-    parameters each group has, and the fused step reads a moment of another shape out of bounds."""
+    """AdamW's state of each parameter it has stepped: both moments, of the parameter's shape and
+    finite (the second not below 0), and one finite step count. ``load_state_dict`` checks only how
+    many parameters each group has: the fused step read a moment of another shape out of bounds,
+    one missing stopped the first step with a traceback, and a NaN one trained on."""
     for param, state in optimizer.state.items():
-        for name, value in state.items():
-            if name != "step" and (not isinstance(value, torch.Tensor) or value.shape != param.shape):
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = state.get(name)
+            if not isinstance(value, torch.Tensor) or value.shape != param.shape:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"its {name} for a parameter of shape {tuple(param.shape)} is {shape}")
+            if not value.isfinite().all() or (name == "exp_avg_sq" and (value < 0).any()):
+                raise ValueError(f"its {name} for a parameter of shape {tuple(param.shape)} holds values no AdamW step makes")
+        step = state.get("step")
+        if not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.isfinite().all() or step.item() < 0:
+            raise ValueError(f"its step count for a parameter of shape {tuple(param.shape)} is {step!r:.60}")
 
 
 def _kept(last_saved: Path | None, steps_done: int | None = None) -> str:
@@ -359,7 +367,7 @@ class Trainer:
             self.optimizer.load_state_dict(trainer_state["optimizer"])
             _check_optimizer_state(self.optimizer)
             torch.set_rng_state(trainer_state["rng"])
-        except (KeyError, ValueError, RuntimeError, TypeError) as exc:
+        except (KeyError, ValueError, RuntimeError, TypeError, AttributeError) as exc:  # AttributeError: a state that is no mapping
             raise checkpoint.damaged(latest, f"unusable trainer state: {exc}") from None
         # the state holds the settings it was saved with; a resume may have --set others
         for group, settings in zip(self.optimizer.param_groups, _group_settings(self.cfg.optimizer), strict=True):

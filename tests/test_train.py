@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from archlab.bench import device_name
 from archlab.environment import describe, environment
 from archlab.spec import load_spec
-from archlab.train.checkpoint import checkpoints, file_hash
+from archlab.train.checkpoint import CheckpointError, checkpoints, file_hash
 from archlab.train.config import RESUMABLE, TrainConfig, kept_on_resume, load_config
 from archlab.train.data import DataError, RecallTask, TokenSource, load_tokenizer, read_texts, train_tokenizer
 from archlab.train.trainer import Trainer, lr_factor
@@ -2048,9 +2048,11 @@ def test_a_listing_of_checkpoints_that_meets_one_removed_as_it_is_read_looks_aga
     assert checkpoints(run) == [run / "checkpoints" / "step-00000004"]
 
 
-def test_a_listing_of_checkpoints_that_meets_nothing_removed_reads_the_folder_once(tmp_path, monkeypatch):
+def test_a_listing_of_checkpoints_reads_the_folder_once_and_refuses_a_checkpoint_name_held_by_no_folder(tmp_path, monkeypatch):
     """Beside the checkpoints, a file under a checkpoint's name and a link to nothing: neither is a
-    checkpoint, and neither is one removed as it was listed, to list the folder again for."""
+    checkpoint, nor one removed as it was listed, to list the folder again for. Each is refused by
+    name: passed over, a resume went on from the checkpoint before it, retrained up to it, and
+    failed to save there ("Not a directory"), leaving its temporary folders and config.yaml rewritten."""
     for step in (2, 4):
         (tmp_path / "checkpoints" / f"step-0000000{step}").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-00000009").write_text("a user's copy")
@@ -2062,8 +2064,13 @@ def test_a_listing_of_checkpoints_that_meets_nothing_removed_reads_the_folder_on
         return iterdir(folder)
 
     monkeypatch.setattr(Path, "iterdir", counted)
+    for odd in ("step-00000009", "step-00000010"):
+        with pytest.raises(CheckpointError, match=f"checkpoints/{odd} is named as a checkpoint but is no folder"):
+            checkpoints(tmp_path)
+        assert listed == [tmp_path / "checkpoints"]
+        (tmp_path / "checkpoints" / odd).unlink()
+        listed.clear()
     assert checkpoints(tmp_path) == [tmp_path / "checkpoints" / "step-00000002", tmp_path / "checkpoints" / "step-00000004"]
-    assert listed == [tmp_path / "checkpoints"]
 
 
 def run_with_checkpoints(folder, *steps):

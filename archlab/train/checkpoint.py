@@ -57,13 +57,17 @@ def checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first: folders named as ``save`` names them, and nothing else
     (a copy a user put beside them is neither resumed from nor removed). A listing that met one
     removed as it was read (a training run writing the folder replaced it) is read again: it may
-    have missed the checkpoint that replaced it."""
+    have missed the checkpoint that replaced it. A checkpoint's name held by no folder (a file, a
+    link to nothing) is refused: passed over, the one before it was resumed, and saving over it failed."""
     root = run_dir / "checkpoints"
     for _ in range(LISTINGS):
         named = [p for p in root.iterdir() if NAME.fullmatch(p.name)] if root.is_dir() else []
         found = [p for p in named if p.is_dir()]
         if all(p in found or os.path.lexists(p) for p in named):
             break
+    if odd := sorted(p for p in named if p not in found and os.path.lexists(p)):
+        raise CheckpointError(f"{odd[0]} is named as a checkpoint but is no folder (a file, or a link to nothing); move it out of"
+                              f" {root}")
     return sorted(found, key=step_of)
 
 

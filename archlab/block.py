@@ -191,8 +191,9 @@ class BlockSpec(Strict):
     @abstractmethod
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int | CacheBytes:
         """Bytes of ``new_state`` for one sequence of ``context`` tokens, ``kv_bytes`` the bytes
-        of one value in the cache's dtype (a state kept float32 or wider: ``max(4, kv_bytes)``): growing with the context (global) where
-        ``grows_kv_cache`` says so, else local; or, for a state that is both, ``CacheBytes``."""
+        of one value in the cache's dtype (a state kept float32 or wider: ``max(4, kv_bytes)``):
+        growing with the context (global) where ``grows_kv_cache`` says so, else local; or, for a
+        state that is both, ``CacheBytes``."""
 
     @abstractmethod
     def build(self, ctx: BuildContext) -> nn.Module:

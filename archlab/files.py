@@ -29,6 +29,18 @@ def make_folder(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True)
 
 
+def path_kind(path: Path) -> str | None:
+    """What ``path`` names: "file" (a regular one), "folder", "other" (a FIFO, a device, a socket,
+    whose reading may block or never end), "dangling" (a link to nothing, or in a loop), or None."""
+    if path.is_dir():
+        return "folder"
+    if path.is_file():
+        return "file"
+    if path.exists():
+        return "other"
+    return "dangling" if path.is_symlink() else None
+
+
 @contextmanager
 def locked(handle: BinaryIO) -> Iterator[None]:
     """An exclusive lock on the open file ``handle`` while the body runs: one process at a time."""

@@ -22,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, Positive
 from pydantic_core import PydanticCustomError
 
 from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Size, Strict, round_up
+from archlab.files import path_kind
 from archlab.registry import block_specs, raised
 
 SCHEMA_VERSION = 1
@@ -608,13 +609,13 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         cycle = " -> ".join(str(p) for p in (*chain, path))
         raise SpecError(str(chain[0]), [Problem("extends", f"cycle: {cycle}")])
     try:
-        kind = "folder" if path.is_dir() else "file" if path.is_file() else "other" if path.exists() else None
+        kind = path_kind(path)
     except OSError as exc:  # a name too long for the system, a folder on the way that cannot be searched
         raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc.strerror}{origin}")]) from None
     if kind == "folder":
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
     if kind != "file":
-        found = "is not a regular file (a device, a pipe or a socket)" if kind else f"not found{origin or ' (no such file)'}"
+        found = "is not a regular file (a device, a pipe or a socket)" if kind == "other" else f"not found{origin or ' (no such file)'}"
         raise SpecError(str(path), [Problem("<file>", found)])
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))

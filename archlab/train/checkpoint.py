@@ -27,7 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from archlab.block import whole_number
-from archlab.files import FULL, REFUSED
+from archlab.files import FULL, REFUSED, path_kind
 from archlab.memory import NoRoom
 
 if TYPE_CHECKING:
@@ -164,9 +164,10 @@ def _some(names: list[str], sep: str = ", ") -> str:
 def _regular(file: Path) -> Path:
     """``file``, refused as Python's open would where it is a folder or no regular file (a FIFO, a
     device): safetensors maps a folder as "No such device", and waits on a FIFO for a writer."""
-    if file.is_dir():
+    kind = path_kind(file)
+    if kind == "folder":
         raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(file))
-    if file.exists() and not file.is_file():
+    if kind == "other":
         raise OSError(errno.EINVAL, "is not a regular file", str(file))
     return file
 

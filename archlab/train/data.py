@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.files import locked, write_text_whole, write_whole
+from archlab.files import locked, path_kind, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
@@ -239,16 +239,11 @@ def regular_file(source: str, or_folder: bool = False) -> Path:
     """The file a data source names, refused in words where it is none: missing, a folder, a link
     to nothing (or in a loop), or a FIFO or device, whose reading would block or never end."""
     path = Path(source)
-    if path.is_file():
+    kind = path_kind(path)
+    if kind == "file":
         return path
-    if path.is_dir():
-        why = "a folder, not a file"
-    elif path.exists():
-        why = "not a regular file" + " or folder" * or_folder + " (a FIFO, a device or a socket)"
-    elif path.is_symlink():
-        why = "a symbolic link to nothing, or in a loop"
-    else:
-        why = "no such file" + " or folder" * or_folder
+    why = {"folder": "a folder, not a file", "other": "not a regular file" + " or folder" * or_folder + " (a FIFO, a device or a socket)",
+           "dangling": "a symbolic link to nothing, or in a loop"}.get(kind, "no such file" + " or folder" * or_folder)
     raise DataError(f"data source {source!r}: {why}")
 
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from archlab.bench import device_name
-from archlab.files import write_text_whole
+from archlab.files import path_kind, regular, write_text_whole
 from archlab.ops.dispatch import PACKAGES, installed
 from archlab.registry import distributions
 
@@ -83,10 +83,10 @@ def read_settings(run_dir: Path) -> list[dict]:
     """The settings a run's environment.yaml records, each with the step it began at (``from step``);
     none for a run from before runs kept them."""
     file = run_dir / SETTINGS_FILE
-    if not file.exists():
+    if path_kind(file) is None:
         return []
     try:
-        settings = yaml.safe_load(file.read_text(errors="backslashreplace"))
+        settings = yaml.safe_load(regular(file).read_text(errors="backslashreplace"))
     except yaml.YAMLError:
         settings = None
     if not (isinstance(settings, list) and all(isinstance(s, dict) and isinstance(s.get("from step"), int) for s in settings)):

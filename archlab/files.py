@@ -41,6 +41,20 @@ def path_kind(path: Path) -> str | None:
     return "dangling" if path.is_symlink() else None
 
 
+def regular(path: Path) -> Path:
+    """``path``, refused where it names no regular file: a folder, a link to nothing, or a FIFO or
+    device, whose reading would wait for a writer or never end (safetensors, torch.load and
+    read_text all open such a path as a file)."""
+    kind = path_kind(path)
+    if kind == "folder":
+        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(path))
+    if kind == "other":
+        raise OSError(errno.EINVAL, "is not a regular file (a FIFO, a device or a socket)", str(path))
+    if kind == "dangling":
+        raise FileNotFoundError(errno.ENOENT, "is a symbolic link to nothing, or in a loop", str(path))
+    return path
+
+
 @contextmanager
 def locked(handle: BinaryIO) -> Iterator[None]:
     """An exclusive lock on the open file ``handle`` while the body runs: one process at a time."""

@@ -1371,7 +1371,7 @@ def test_weights_that_are_no_file_are_named_not_said_as_no_such_device(cli, tmp_
     weights.unlink()
     weights.mkdir() if replaced == "folder" else weights.symlink_to(os.devnull)
     code, out, stderr = cli("generate", run, "--max-new-tokens", "2")
-    said = "is a folder, not a file" if replaced == "folder" else "is not a regular file"
+    said = "is a folder, not a file" if replaced == "folder" else "is not a regular file (a FIFO, a device or a socket)"
     assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr and out == "", stderr
     code, _, stderr = cli("train", SPEC, "--out", run, "--resume", "--steps", "2")
     assert code == 1 and f"{said}: '{weights}'" in stderr and "No such device" not in stderr, stderr

@@ -1338,6 +1338,60 @@ def test_a_resume_points_to_a_metrics_line_that_is_not_utf8(cli, trained_on_text
     refused_untouched(cli, run, f"{run / 'metrics.jsonl'}, line 5, is not a metrics record: \\xff\\xfe garbage;")
 
 
+RUN_FILES = ["metrics.jsonl", "environment.yaml", "data/val.npy", "data/corpus.json", "checkpoints/step-00000004/state.json",
+             "checkpoints/step-00000004/trainer.pt"]
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+@pytest.mark.parametrize("replaced", ["device", "loop"])
+def test_a_run_file_that_is_no_regular_file_is_refused_by_name_not_read(cli, trained_on_text, tmp_path, name, replaced):
+    """A FIFO in a run file's place kept a resume waiting for a writer for ever; a device (here
+    /dev/null, which reads as empty and so cannot hang the test) was read as the file, and a link
+    to itself was taken as no file at all (metrics.jsonl: none logged yet)."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    (run / name).unlink()
+    (run / name).symlink_to(os.devnull if replaced == "device" else run / name)
+    said = "is not a regular file (a FIFO, a device or a socket)" if replaced == "device" else "is a symbolic link to nothing, or in a loop"
+    stderr = " ".join(refused_untouched(cli, run).split())
+    assert said in stderr and Path(name).name in stderr, stderr
+
+
+def test_generate_refuses_a_run_on_text_whose_tokenizer_and_config_are_both_gone(cli, trained_on_text, trained_on_mqar, tmp_path):
+    """With its config.yaml gone too, a run on text was taken for one on token ids: generate printed
+    its tokens as bytes, garbage, and succeeded. Its checkpoint records what it trained on."""
+    for trained in (trained_on_text, trained_on_mqar):
+        run = tmp_path / trained.parent.name
+        shutil.copytree(trained, run)
+        (run / "tokenizer.json").unlink(missing_ok=True)
+        (run / "config.yaml").unlink()
+        code, out, stderr = cli("generate", run, "--max-new-tokens", "2")
+        if trained is trained_on_mqar:  # no tokenizer to lose: its ids are read and printed as bytes, as before
+            assert code == 0 and "has no tokenizer (it trained on token ids or a recall task)" in " ".join(stderr.split()), stderr
+        else:
+            said = f"tokenizer is not at {run / 'tokenizer.json'}, and its config.yaml is gone too (it trained on the text of"
+            assert code == 1 and out == "" and said in " ".join(stderr.split()), stderr
+
+
+def test_a_data_cache_holding_a_tokenizer_no_run_wrote_is_refused_not_written_over(cli, tmp_path):
+    """data.cache pointed at a folder of one's own: the BPE the run trained replaced its tokenizer.json."""
+    cache = tmp_path / "mine"
+    cache.mkdir()
+    (cache / "tokenizer.json").write_text("one's own")
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", *SMALL, "--steps", "1", "--set", f"data.cache={cache}")
+    assert code == 1 and f"data.cache {cache} holds a tokenizer.json that no run tokenizing there wrote" in " ".join(stderr.split()), stderr
+    assert [p.name for p in cache.iterdir()] == ["tokenizer.json"] and (cache / "tokenizer.json").read_text() == "one's own"
+
+
+def test_curves_names_metrics_that_are_no_regular_file(cli, trained_on_text, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(os.devnull)
+    code, _, stderr = cli("curves", run)
+    assert code == 1 and f"{run / 'metrics.jsonl'} is not a regular file (a FIFO, a device or a socket)" in " ".join(stderr.split()), stderr
+
+
 def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, trained_on_text, tmp_path):
     here = environment(torch.device("cpu"))
     assert yaml.safe_load((trained_on_text / "environment.yaml").read_text()) == [{"from step": 0, **here}]
@@ -1367,6 +1421,8 @@ def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, t
     assert kept == [{"from step": 0, **here}] and "another setting" not in said
     kept, said = resumed("unrecorded", None, 6)  # a run from before runs kept their settings
     assert kept == [{"from step": 4, **here}] and "another setting" not in said
+    kept, said = resumed("finished", [{"from step": 0, **older}], 4)  # nothing left to train: no step in this setting
+    assert kept == [{"from step": 0, **older}] and "another setting" not in said
 
     damaged = tmp_path / "damaged"
     shutil.copytree(trained_on_text, damaged)

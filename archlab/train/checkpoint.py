@@ -11,7 +11,6 @@ renamed out of the way before their files are deleted.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -27,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from archlab.block import whole_number
-from archlab.files import FULL, REFUSED, path_kind
+from archlab.files import FULL, REFUSED, regular
 from archlab.memory import NoRoom
 
 if TYPE_CHECKING:
@@ -161,20 +160,9 @@ def _some(names: list[str], sep: str = ", ") -> str:
     return (sep.join(listed[:3]) or "none") + (f" and {len(listed) - 3:,} more" if len(listed) > 3 else "")
 
 
-def _regular(file: Path) -> Path:
-    """``file``, refused as Python's open would where it is a folder or no regular file (a FIFO, a
-    device): safetensors maps a folder as "No such device", and waits on a FIFO for a writer."""
-    kind = path_kind(file)
-    if kind == "folder":
-        raise IsADirectoryError(errno.EISDIR, "is a folder, not a file", str(file))
-    if kind == "other":
-        raise OSError(errno.EINVAL, "is not a regular file", str(file))
-    return file
-
-
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
     expected = {name: (t.dtype, list(t.shape)) for name, t in model.state_dict().items()}
-    with safe_open(_regular(path / "model.safetensors"), "pt") as f:  # loading would convert another dtype silently
+    with safe_open(regular(path / "model.safetensors"), "pt") as f:  # loading would convert another dtype silently
         saved = {name: _stored_form(f, name) for name in f.keys() if name in expected}
     for index, kind in enumerate(("dtype", "shape")):
         wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]
@@ -192,7 +180,7 @@ HASHED = {"model.safetensors": "weights_blake2b", "trainer.pt": "trainer_blake2b
 
 def file_hash(file: Path) -> str:
     """A hash of ``file``, byte for byte."""
-    with open(file, "rb") as read:
+    with open(regular(file), "rb") as read:
         return hashlib.file_digest(read, lambda: hashlib.blake2b(digest_size=16)).hexdigest()
 
 
@@ -223,7 +211,7 @@ def info_of(path: Path, use: str = "resume") -> dict:
     """What checkpoint ``path``'s state.json records (its step, the corpus it trained on...); one
     that does not read as a mapping is a damaged checkpoint."""
     try:
-        info = json.loads((path / "state.json").read_text())
+        info = json.loads(regular(path / "state.json").read_text())
     except (OSError, ValueError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     except RecursionError:  # JSON nested past Python's limit
@@ -243,11 +231,12 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise damaged(path, f"{type(exc).__name__}: {exc}") from None
     info = info_of(path)
     try:
-        trainer_state = torch.load(path / "trainer.pt", weights_only=True)
+        trainer_state = torch.load(regular(path / "trainer.pt"), weights_only=True)
     except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
-        raise damaged(path, f"trainer.pt does not load: {type(exc).__name__}") from None
+        said = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise damaged(path, f"trainer.pt does not load: {said}") from None
     _check_hash(path, info, "trainer.pt")  # bytes changed among the optimizer's moments load as numbers
     step = info.get("step")
     if not whole_number(step) or step < 0:
@@ -321,7 +310,7 @@ def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
     still fit (another window, loop count or RoPE base): the edited spec is what runs, as one may
     mean (a longer window at inference), or not."""
     try:
-        trained = json.loads((used / "state.json").read_text()).get("spec")
+        trained = json.loads(regular(used / "state.json").read_text()).get("spec")
     except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's limit
         return
     if changed := changes_since_trained(trained, spec, used / "state.json"):
@@ -344,6 +333,16 @@ def changes_since_trained(trained: object, spec: ModelSpec, state: Path) -> str 
     return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
 
 
+def _recorded_source(run_dir: Path) -> str | None:
+    """The data source the latest checkpoint of ``run_dir`` records training on; None where it
+    records none that reads."""
+    try:
+        source = json.loads(regular(checkpoints(run_dir)[-1] / "state.json").read_text())["config"]["data"]["source"]
+    except (IndexError, OSError, ValueError, RecursionError, KeyError, TypeError):
+        return None
+    return source if isinstance(source, str) else None
+
+
 def tokenizer_of(run_dir: Path) -> Path | None:
     """A run's tokenizer.json: in the run itself (a run on a shared ``data.cache`` keeps a copy,
     since the cache's is replaced with its corpus), else in that cache (a run from before they
@@ -355,7 +354,11 @@ def tokenizer_of(run_dir: Path) -> Path | None:
     if (run_dir / "tokenizer.json").is_file():
         return run_dir / "tokenizer.json"
     config = run_dir / "config.yaml"
-    if not config.is_file():  # a run without its config or tokenizer
+    if not config.is_file():  # its latest checkpoint's record of the config says whether it read text
+        source = _recorded_source(run_dir)
+        if source is not None and tokenized(source):
+            raise CheckpointError(f"the run's tokenizer is not at {run_dir / 'tokenizer.json'}, and its config.yaml is gone"
+                                  f" too (it trained on the text of {source}): restore the run's tokenizer.json")
         return None
     data = load_config(str(config)).data
     tokenizer = Path(data.cache or run_dir) / "tokenizer.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 from archlab.block import whole_number
 from archlab.cost import Cost
 from archlab.environment import SettingsError, describe, read_settings, setting_lines, setting_of
-from archlab.files import save_figure_whole
+from archlab.files import path_kind, regular, save_figure_whole
 from archlab.table import Decimals
 from archlab.train.checkpoint import RUN_SPEC
 
@@ -48,7 +48,7 @@ def read_metrics(file: Path) -> tuple[list[dict], list[str]]:
     a kill cut short (no newline) is left out, as what came after the last record; any other line
     that is not a record training writes (steps in order, finite numbers) raises ``RunError``
     naming it and what is wrong with it."""
-    text = file.read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
+    text = regular(file).read_bytes().decode(errors="backslashreplace")  # bytes that are not UTF-8 read as \xff: no record
     lines = text.splitlines()
     records, kept = [], []
     for number, line in enumerate(lines, 1):
@@ -86,15 +86,16 @@ class Run:
         file = folder / "metrics.jsonl"
         if not folder.is_dir():
             raise RunError(f"{folder} {'is not a folder' if folder.exists() else 'does not exist'}")
-        if file.exists() and not file.is_file():
-            raise RunError(f"{file} is not a file")
-        if not file.exists():
+        if path_kind(file) is None:
             raise RunError(f"{folder} holds no metrics.jsonl: it is not a training run, or one that has logged no step yet")
         try:
             settings = read_settings(folder)
+            records = read_metrics(file)[0]
         except SettingsError as exc:
             raise RunError(f"{exc}; mend or remove it") from None
-        return cls(label, folder, read_metrics(file)[0], settings)
+        except OSError as exc:  # a FIFO, a folder or a link to nothing in its place, or unreadable
+            raise RunError(f"{file} {exc.strerror}") from None
+        return cls(label, folder, records, settings)
 
     def setting(self) -> str:
         """What the run trained with; each setting from its step where a resume changed it."""

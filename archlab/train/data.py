@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.files import locked, path_kind, write_text_whole, write_whole
+from archlab.files import locked, path_kind, regular, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
@@ -691,10 +691,10 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     text is compared where ``text`` gives its fingerprint now and the corpus recorded one (a
     resume reads back the tokens it trained on, whatever its files hold now)."""
     cache = data_dir / "data"
-    try:
-        made_from = json.loads((cache / "corpus.json").read_text())
-    except FileNotFoundError:
+    if path_kind(cache / "corpus.json") is None:
         return  # none yet, or tokenized before corpora said what they were made from
+    try:
+        made_from = json.loads(regular(cache / "corpus.json").read_text())
     except (ValueError, RecursionError):  # not JSON, or JSON nested past Python's limit: no record of what it was made from
         made_from = None
     try:  # paths an older run recorded relative mean what they meant from here
@@ -823,6 +823,10 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
     else:
         texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
         text = _text_fingerprint(texts, cfg.tokenizer)
+    foreign = cfg.cache and not (data_dir / CORPUS_LOCK).exists() and path_kind(data_dir / "tokenizer.json")
+    if foreign and not (cache / "train.npy").is_file():  # a folder of one's own, given as data.cache
+        raise DataError(f"data.cache {data_dir} holds a tokenizer.json that no run tokenizing there wrote (it holds no {CORPUS_LOCK}),"
+                        " which tokenizing would replace: give another data.cache, or that file as data.tokenizer")
     with _corpus_lock(data_dir) if cfg.cache else contextlib.nullcontext():
         _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
         if texts is not None and not (cache / "train.npy").is_file():
@@ -888,7 +892,7 @@ def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     splits = []
     for split in ("train", "val"):
         try:
-            tokens = np.load(cache / f"{split}.npy", mmap_mode="r")
+            tokens = np.load(regular(cache / f"{split}.npy"), mmap_mode="r")
         except (*NPY_UNREADABLE, OSError) as exc:
             raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
         if problem := _not_token_ids(tokens, vocab_size):

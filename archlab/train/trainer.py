@@ -34,7 +34,7 @@ from archlab.checks import first_forward, params_problems
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
 from archlab.ffn import MoEFFN
-from archlab.files import REFUSED, make_folder, write_text_whole, written_as
+from archlab.files import REFUSED, make_folder, path_kind, write_text_whole, written_as
 from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
@@ -294,7 +294,7 @@ class Trainer:
         checkpoint or metrics; one where an attempt failed before either starts afresh."""
         if checkpoint.checkpoints(self.run_dir):
             raise TrainError(f"{self.run_dir} already holds a run; pass --resume to continue it, or choose a new --out")
-        if (self.run_dir / "metrics.jsonl").exists():
+        if path_kind(self.run_dir / "metrics.jsonl"):
             raise TrainError(f"{self.run_dir} holds the metrics of a run that saved no checkpoint; remove it to start"
                              " over, or choose a new --out")
         self._refuse_writing_into_the_data()  # first: a tokenizer given from --out is named as such
@@ -351,7 +351,7 @@ class Trainer:
         The run's files are left as they are until its data is ready (``_continue_record``)."""
         found = checkpoint.checkpoints(self.run_dir)
         if not found:
-            start_over = "" if (self.run_dir / "metrics.jsonl").exists() else "; start it without --resume"
+            start_over = "" if path_kind(self.run_dir / "metrics.jsonl") else "; start it without --resume"
             raise TrainError(f"nothing to resume in {self.run_dir}: it has no checkpoint{start_over}")
         latest = found[-1]
         recorded = load_config(str(self.run_dir / "config.yaml"))
@@ -451,7 +451,7 @@ class Trainer:
         except SettingsError as exc:
             raise TrainError(f"{exc}; mend or remove it to resume") from None
         metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
+        if path_kind(metrics):
             try:
                 records, lines = read_metrics(metrics)
             except RunError as exc:
@@ -460,7 +460,8 @@ class Trainer:
             if kept.encode() != metrics.read_bytes():  # else left as it is: a finished run resumed with nothing to do writes nothing
                 write_text_whole(metrics, kept)
         self._adopt_config(step, steps)
-        self._adopt_environment(step, settings)
+        if step < steps:  # a finished run resumed with nothing to do trains no step in this setting
+            self._adopt_environment(step, settings)
 
     def _adopt_config(self, step: int, steps: int) -> None:
         """Resuming with a new total or ``--set`` values: say what changes, with the learning rate of

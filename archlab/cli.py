@@ -425,15 +425,12 @@ class TextCodec:
     def __init__(self, tokenizer_file: Path | None, vocab_size: int):
         self.tokenizer = None
         if tokenizer_file is not None:
-            from archlab.train.data import read_tokenizer
+            from archlab.train.data import DataError, load_tokenizer
 
             try:
-                self.tokenizer = read_tokenizer(str(tokenizer_file))
-            except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
-                raise CheckpointError(f"tokenizer {tokenizer_file} does not load ({exc})") from None
-            if self.tokenizer.get_vocab_size() > vocab_size:
-                raise CheckpointError(f"tokenizer {tokenizer_file} has {self.tokenizer.get_vocab_size():,} tokens, past the"
-                                      f" model's vocab_size of {vocab_size:,}: it is not the tokenizer the run trained with")
+                self.tokenizer = load_tokenizer(str(tokenizer_file), vocab_size)
+            except DataError as exc:  # the run's own: a damaged one, or another run's
+                raise CheckpointError(str(exc)) from None
 
     def encode(self, text: str) -> list[int]:
         from archlab.train.data import encode

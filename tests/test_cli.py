@@ -1205,10 +1205,11 @@ BAD_RUNS = [
     ("x: [\n", None, None, "config.yaml:\n  line 2, column 1: YAML syntax error"),
     ("- 1\n", None, None, "config.yaml:\n  <root>: the file must be a YAML mapping"),
     ("data: [1]\n", None, None, "config.yaml:\n  data: Input should be a valid dictionary"),
-    ("steps: 1\n", "garbage", None, "tokenizer.json does not load"),
-    ("steps: 1\n", "", None, "tokenizer.json does not load"),
+    ("steps: 1\n", "garbage", None, "tokenizer.json' could not be read: expected value at line 1 column 1"),
+    ("steps: 1\n", "", None, "tokenizer.json' could not be read"),
+    ("steps: 1\n", Tokenizer(WordLevel({}, unk_token="w0")).to_str(), None, "tokenizer.json' has no tokens"),  # was blamed on the prompt
     ("steps: 1\n", None, None, "the run's tokenizer is not at"),  # a run on text, its tokenizer gone
-    ("steps: 1\n", WIDE_TOKENIZER, None, "has 300 tokens, past the model's vocab_size of 256: it is not the tokenizer the run trained"),
+    ("steps: 1\n", WIDE_TOKENIZER, None, "tokenizer.json' has 300 tokens; the spec's vocab_size is 256"),
     (RECALL, None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
     (RECALL, None, lambda t: t.long(), "does not fit this model (weights of another dtype: embed.weight: torch.int64, not torch.float32; head.weight: "),
     (RECALL, None, lambda t: t.half(), "weights of another dtype: embed.weight: torch.float16, not torch.float32; "),
@@ -1216,7 +1217,7 @@ BAD_RUNS = [
 
 
 @pytest.mark.parametrize("config,tokenizer,weights,message", BAD_RUNS,
-                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "no tokenizer", "wide tokenizer", "nan", "int64",
+                         ids=["bad yaml", "list", "data list", "garbage tokenizer", "empty tokenizer", "tokenizer of no tokens", "no tokenizer", "wide tokenizer", "nan", "int64",
                               "float16"])
 def test_generate_refuses_a_damaged_run(cli, tmp_path, config, tokenizer, weights, message):
     run = fake_run(tmp_path / "run", config, weights or (lambda t: t))

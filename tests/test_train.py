@@ -235,7 +235,7 @@ def test_empty_corpus_and_bad_token_file(cli, tmp_path):
             "has token id -5; ids start at 0")
     np.save(tokens, np.array([[i] for i in range(5000)], dtype=object), allow_pickle=True)  # pickled objects
     objects = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL)
-    refused(objects, "could not be read: it holds Python objects, not token ids")
+    refused(objects, "holds Python objects, not token ids; save token ids with numpy.save")
     assert "allow_pickle" not in objects[2]
     tokens.write_bytes(pickle.dumps(list(range(5000))))  # a pickle, named .npy
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "r4", "--data", tokens, *SMALL),
@@ -1476,6 +1476,11 @@ def test_a_resume_refuses_a_cached_corpus_of_ids_past_the_vocabulary(cli, traine
                       " >= vocab_size 256)", f"remove {run / 'data'} to tokenize it again")
     np.save(run / "data" / f"{split}.npy", np.arange(6).reshape(2, 3).astype(np.uint32))
     refused_untouched(cli, run, f"its {split}.npy must hold a 1-D array of integers, has uint32 (2, 3)")
+    # numpy reads either as a pickle, and its word advised allow_pickle, which would run the file's code
+    (run / "data" / f"{split}.npy").write_bytes(bytes(range(256)) * 8)
+    assert "allow_pickle" not in refused_untouched(cli, run, f"(its {split}.npy is not a NumPy .npy file (it does not begin as one does))")
+    np.save(run / "data" / f"{split}.npy", np.array([[1], [2]], dtype=object), allow_pickle=True)
+    assert "allow_pickle" not in refused_untouched(cli, run, f"(its {split}.npy holds Python objects, not token ids)")
     shutil.rmtree(run / "data")  # as the message says: tokenized again, and the run goes on
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "6")
     assert code == 0, stderr

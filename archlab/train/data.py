@@ -599,6 +599,8 @@ def load_tokenizer(path: str, vocab_size: int):
         tokenizer = read_tokenizer(path)
     except Exception as exc:
         raise DataError(f"tokenizer {path!r} could not be read: {exc}") from None
+    if tokenizer.get_vocab_size() == 0:  # every text would encode to nothing, said of the text
+        raise DataError(f"tokenizer {path!r} has no tokens")
     if tokenizer.get_vocab_size() > vocab_size:
         raise DataError(f"tokenizer {path!r} has {tokenizer.get_vocab_size()} tokens; the spec's vocab_size is {vocab_size}")
     token, largest = max(tokenizer.get_vocab().items(), key=lambda item: item[1], default=("", -1))
@@ -612,21 +614,32 @@ NPY_UNREADABLE = (ValueError, EOFError, tokenize.TokenError, SyntaxError)  # wha
 # header's Python literal is tokenized (TokenError where it is cut short) and parsed (SyntaxError, as for a dtype such as ',u2')
 
 
+class NoNumbers(ValueError):
+    """A .npy file that holds no array of numbers: it is none at all (numpy would read it as a
+    pickle), or one of Python objects."""
+
+
+def _mapped_npy(path: Path) -> np.ndarray:
+    """The array of a .npy file, mapped. numpy's word on a file that is not one, or holds Python
+    objects, advises allow_pickle, which would run the file's code: each is said in its own words."""
+    with open(path, "rb") as f:
+        if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
+            raise NoNumbers("is not a NumPy .npy file (it does not begin as one does)")
+    try:
+        return np.load(path, mmap_mode="r")
+    except ValueError as exc:
+        if "allow_pickle" in str(exc) or "Python objects" in str(exc):
+            raise NoNumbers("holds Python objects, not token ids") from None
+        raise
+
+
 def _token_file(path: Path, cfg: Data, vocab_size: int) -> np.ndarray:
     try:
-        if path.suffix.lower() == ".npy":
-            with open(path, "rb") as f:
-                if f.read(len(NPY_MAGIC)) != NPY_MAGIC:
-                    raise DataError(f"token file {str(path)!r} is not a NumPy .npy file (it does not begin as one does);"
-                                    " save token ids with numpy.save, or give raw ids a .bin name")
-            tokens = np.load(path, mmap_mode="r")
-        else:
-            tokens = np.memmap(path, dtype=cfg.token_dtype, mode="r")
+        tokens = _mapped_npy(path) if path.suffix.lower() == ".npy" else np.memmap(path, dtype=cfg.token_dtype, mode="r")
+    except NoNumbers as exc:
+        raise DataError(f"token file {str(path)!r} {exc}; save token ids with numpy.save, or give raw ids a .bin name") from None
     except (*NPY_UNREADABLE, OSError) as exc:
-        # numpy's word on an array of objects may advise allow_pickle, which would run the file's code
-        objects = "allow_pickle" in str(exc) or "Python objects" in str(exc)
-        why = "it holds Python objects, not token ids" if objects else exc
-        raise DataError(f"token file {str(path)!r} could not be read: {why}") from None
+        raise DataError(f"token file {str(path)!r} could not be read: {exc}") from None
     raw = path.suffix.lower() != ".npy"  # its ids' width is data.token_dtype's word, not the file's
     if raw and tokens.ndim == 1 and len(tokens) % 2 == 0 and (halves := _high_halves(tokens)):
         wider, advice = {"uint16": ("uint32", "if it holds uint32 ids, set data.token_dtype: uint32; 64-bit ids: "),
@@ -892,9 +905,10 @@ def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     splits = []
     for split in ("train", "val"):
         try:
-            tokens = np.load(regular(cache / f"{split}.npy"), mmap_mode="r")
+            tokens = _mapped_npy(regular(cache / f"{split}.npy"))
         except (*NPY_UNREADABLE, OSError) as exc:
-            raise DataError(f"{damaged} ({type(exc).__name__}: {exc}); {again}") from None
+            raise DataError(f"{damaged} ({f'its {split}.npy {exc}' if isinstance(exc, NoNumbers) else f'{type(exc).__name__}: {exc}'});"
+                            f" {again}") from None
         if problem := _not_token_ids(tokens, vocab_size):
             raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
         splits.append(tokens)

@@ -844,6 +844,13 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
     code, _, stderr = cli("study", "run", tune, "--out", tmp_path / "early")
     said = " ".join(stderr.split())
     assert code == 1 and "starts from the trials of study pre-tiny, which is neither in" in said and "run it first" in said, stderr
+    database = tmp_path / "runs/studies/pre-tiny/optuna.db"
+    database.parent.mkdir(parents=True)
+    database.write_bytes(b"not a database" * 100)  # damaged: said as such, not as a study never run
+    code, _, stderr = cli("study", "run", tune, "--out", tmp_path / "early")
+    said = " ".join(stderr.split())
+    assert code == 1 and "starts from the trials of study pre-tiny: " in said and "pre-tiny/optuna.db: file is not a database" in said, stderr
+    database.unlink()
     code, _, stderr = cli("study", "run", pre)
     assert code in (0, None), stderr
     database = tmp_path / "runs/studies/pre-tiny/optuna.db"

@@ -569,11 +569,16 @@ def start_said(start: dict) -> str:
 def _stored(pretraining: Study, url: str, variant: str) -> tuple[optuna.Study, str]:
     """A study another starts from, and the storage it is in: ``url``, else its default folder's."""
     own = storage_url(default_dir(pretraining), None)
+    unopened = []  # a storage that does not open (damaged, unreachable) is said as such, not as one without the study
     for where in dict.fromkeys((url, own)):
         try:
             return open_study(pretraining, where, create=False), where
-        except StorageError:
+        except NotThere:
             continue
+        except StorageError as exc:
+            unopened.append(exc)
+    if unopened:
+        raise StorageError(f"variant {variant} starts from the trials of study {pretraining.key}: {unopened[0]}")
     raise StorageError(f"variant {variant} starts from the trials of study {pretraining.key}, which is neither in {shown(url)} nor in"
                        f" {shown(own)}; run it first (archlab study run {pretraining.source} --scale {pretraining.scale}), on this"
                        " --storage or in its default folder")

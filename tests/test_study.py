@@ -1388,6 +1388,10 @@ def test_a_corpus_in_the_study_folder_is_refused_without_blaming_the_data(tmp_pa
     with pytest.raises(Exception, match=f"{out / 'data'} holds a corpus tokenized with vocab_size 256") as refused:
         join(bigger, out, storage_url(out, None), grace_period=60)
     assert "--data" not in str(refused.value)
+    (out / "data" / "corpus.json").write_text("garbage")  # a record gone bad: nor is that the data's fault
+    with pytest.raises(Exception, match=f"the tokenized corpus in {out / 'data'} is damaged") as refused:
+        join(load_study(str(path)), out, storage_url(out, None), grace_period=60)
+    assert "--data" not in str(refused.value)
 
 
 def test_the_report_says_which_trials_lost_their_worker_and_what_became_of_them(tmp_path):

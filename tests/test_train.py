@@ -3328,7 +3328,7 @@ NESTED_PAST_READING = '{"spec": ' + "[" * 100_000 + "]" * 100_000 + "}"
 
 @pytest.mark.parametrize("file,said", [
     ("checkpoints/step-00000004/state.json", "checkpoint {run}/checkpoints/step-00000004 is damaged (its state.json nests too deeply"),
-    ("data/corpus.json", "{run}/data holds a corpus whose corpus.json does not read"),
+    ("data/corpus.json", "the tokenized corpus in {run}/data is damaged (its corpus.json does not read as a record of what it was made from)"),
     ("metrics.jsonl", "{run}/metrics.jsonl, line 5, is not a metrics record (its JSON nests too deeply)"),
 ], ids=["state.json", "corpus.json", "metrics.jsonl"])
 def test_a_run_file_whose_json_nests_past_reading_is_named(cli, trained_on_text, tmp_path, file, said):

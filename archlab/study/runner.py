@@ -45,7 +45,7 @@ from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
-from archlab.train.data import CORPUS_LOCK, DataError, OtherCorpus, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
+from archlab.train.data import CORPUS_LOCK, CacheError, DataError, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
 from archlab.train.trainer import Trainer, Unwritten
 
 
@@ -499,7 +499,7 @@ def _read_data(study: Study, out: Path, say: Callable[[str], None] | None) -> st
         else:
             read_texts(cfg.data.source, cfg.data.max_bytes, cfg.data.hf_text_field)
         return None
-    except OtherCorpus:  # the corpus tokenized in --out, not the data: its message says what to do
+    except CacheError:  # the corpus tokenized in --out, not the data: its message says what to do
         raise
     except DataError as exc:
         if study.data_given:

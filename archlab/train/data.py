@@ -59,9 +59,13 @@ def _own_rows(rows: Sequence, rank: int, world: int) -> Sequence:
     return rows[rank * len(rows) // world : (rank + 1) * len(rows) // world]
 
 
-class OtherCorpus(DataError):
-    """A data cache holding a corpus tokenized from other data, or with other settings: the data
-    itself may be fine, and the message says what to do with the cache."""
+class CacheError(DataError):
+    """A data cache's tokenized corpus at fault, not the data, which may be fine: the message says
+    what to do with the cache."""
+
+
+class OtherCorpus(CacheError):
+    """A data cache holding a corpus tokenized from other data, or with other settings."""
 
 
 class ShortSplit(DataError):
@@ -726,11 +730,11 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     if made_from == wanted:
         return
     if not replace:
-        made = "whose corpus.json does not read"
-        if isinstance(made_from, dict):
-            differ = [key for key in wanted if made_from.get(key) != wanted[key]]
-            made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
-                    if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
+        if not isinstance(made_from, dict):  # a record gone bad says nothing of the data
+            raise _damaged_corpus(cache, "its corpus.json does not read as a record of what it was made from")
+        differ = [key for key in wanted if made_from.get(key) != wanted[key]]
+        made = ("tokenized with " + ", ".join(f"{key} {made_from.get(key)!r}" for key in differ if key != "text")
+                if differ != ["text"] else f"tokenized from the text {cfg.source!r} held before it changed (or data.tokenizer's file did)")
         raise OtherCorpus(f"{cache} holds a corpus {made}, not this data's; give this data another data.cache"
                         f" (a study: another --out, since its trials so far trained on that corpus, and it refuses another), or"
                         f" remove {cache} to tokenize again")
@@ -897,20 +901,21 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
     write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
 
 
+def _damaged_corpus(cache: Path, why: str) -> CacheError:
+    return CacheError(f"the tokenized corpus in {cache} is damaged ({why}); remove {cache} to tokenize it again")
+
+
 def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The train and val tokens of a tokenized corpus, mapped from its files, checked to be token
     ids of this vocabulary (ids past it would stop the first step)."""
-    damaged = f"the tokenized corpus in {cache} is damaged"
-    again = f"remove {cache} to tokenize it again"
     splits = []
     for split in ("train", "val"):
         try:
             tokens = _mapped_npy(regular(cache / f"{split}.npy"))
         except (*NPY_UNREADABLE, OSError) as exc:
-            raise DataError(f"{damaged} ({f'its {split}.npy {exc}' if isinstance(exc, NoNumbers) else f'{type(exc).__name__}: {exc}'});"
-                            f" {again}") from None
+            raise _damaged_corpus(cache, f"its {split}.npy {exc}" if isinstance(exc, NoNumbers) else f"{type(exc).__name__}: {exc}") from None
         if problem := _not_token_ids(tokens, vocab_size):
-            raise DataError(f"{damaged} (its {split}.npy {problem}); {again}")
+            raise _damaged_corpus(cache, f"its {split}.npy {problem}")
         splits.append(tokens)
     return splits[0], splits[1]
 

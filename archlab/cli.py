@@ -21,7 +21,7 @@ from decimal import Decimal
 from enum import Enum
 from fractions import Fraction
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import Annotated, NamedTuple, get_args
 
 import torch
 import typer
@@ -36,6 +36,7 @@ from archlab.cache import Cache
 from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import COST_PAGE_TITLE, SHORTEST_TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
+from archlab.ffn import MoE
 from archlab.files import write_text_whole
 from archlab.interrupts import Terminated, held_signals, interrupted_status
 from archlab.kv import PAGE_KERNELS
@@ -43,7 +44,7 @@ from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin
-from archlab.spec import ModelSpec, MoE, SpecError, describe_differences, load_spec, spec_to_yaml
+from archlab.spec import InferenceDtype, ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
@@ -385,7 +386,7 @@ def _interruptible():
         sys.unraisablehook = previous_hook
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in get_args(InferenceDtype)}
 Dtype = Enum("Dtype", {k: k for k in ("auto", *DTYPES)}, type=str)
 DtypeOption = Annotated[Dtype, typer.Option(help="the model's dtype; auto: the spec's inference_dtype")]
 

@@ -16,14 +16,17 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import get_args
+
+import torch
 
 from archlab.block import FLOP_KINDS, BlockSpec, CacheBytes, Flops, whole_number
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError, named, raised
-from archlab.spec import ModelSpec, YocoLayout
+from archlab.spec import InferenceDtype, ModelSpec, YocoLayout
 from archlab.table import MIB, Format, render, si
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}  # float64: a reference model's
+DTYPE_BYTES = {name: getattr(torch, name).itemsize for name in (*get_args(InferenceDtype), "float64")}  # float64: a reference model's
 SHORTEST_TRAINING_LENGTH = 2  # tokens in a training sequence, at least: a block's FLOPs read one token as a decoding step
 
 # Dense bf16 peak FLOP/s by device name (vendor datasheets, without sparsity), for MFU.

@@ -1,13 +1,39 @@
-"""Feed-forward sublayers: dense SwiGLU and a top-k routed mixture of SwiGLU experts."""
+"""Feed-forward sublayers, each spec beside the module it builds: dense SwiGLU and a top-k routed
+mixture of SwiGLU experts."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
+from archlab.block import MAX_SIZE, Size, Strict, round_up
 from archlab.ops.common import float32_or_wider
-from archlab.spec import FFN, MoE, SwiGLU
+
+
+class SwiGLU(Strict):
+    """Dense gated FFN; ``hidden`` defaults to 8/3 of the width rounded up to a multiple of 64."""
+
+    type: Literal["swiglu"] = "swiglu"
+    hidden: Size | None = None
+
+    def hidden_for(self, d_model: int) -> int:
+        return self.hidden or round_up(8 * d_model // 3, 64)
+
+    def params(self, d_model: int) -> int:
+        return 3 * d_model * self.hidden_for(d_model)
+
+    def active_params(self, d_model: int) -> int:
+        return self.params(d_model)
+
+    def flops_per_token(self, d_model: int) -> int:
+        return 2 * self.params(d_model)
+
+    def build(self, d_model: int, init_std: float) -> nn.Module:
+        return SwiGLUFFN(d_model, self.hidden_for(d_model))
 
 
 class SwiGLUFFN(nn.Module):
@@ -19,6 +45,31 @@ class SwiGLUFFN(nn.Module):
     def forward(self, x: torch.Tensor, aux_losses: list) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
+
+
+class MoE(Strict):
+    """Top-k routed SwiGLU experts plus always-on shared experts, with a load-balancing loss."""
+
+    type: Literal["moe"]
+    n_experts: Size
+    top_k: Size
+    n_shared: int = Field(0, ge=0, le=MAX_SIZE)
+    expert_hidden: Size
+    aux_loss_weight: float = Field(0.01, ge=0)
+
+    def params(self, d_model: int) -> int:
+        """Router, every routed expert and the shared experts."""
+        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.n_experts + self.n_shared)
+
+    def active_params(self, d_model: int) -> int:
+        """What one token uses: the router, its top-k experts and the shared ones."""
+        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.top_k + self.n_shared)
+
+    def flops_per_token(self, d_model: int) -> int:
+        return 2 * self.active_params(d_model)
+
+    def build(self, d_model: int, init_std: float) -> nn.Module:
+        return MoEFFN(d_model, self, init_std)
 
 
 class MoEFFN(nn.Module):
@@ -68,9 +119,3 @@ class MoEFFN(nn.Module):
         self.last_load = routed.detach()  # fraction of routed slots per expert, for utilisation logs
         aux_losses.append(self.aux_weight * n_experts * (routed * probs.mean(dim=0)).sum())
         return out.view_as(x)
-
-
-def build_ffn(spec: FFN, d_model: int, init_std: float) -> nn.Module:
-    if isinstance(spec, SwiGLU):
-        return SwiGLUFFN(d_model, spec.hidden_for(d_model))
-    return MoEFFN(d_model, spec, init_std)

@@ -15,7 +15,6 @@ from torch import nn
 from archlab.block import BlockSpec, BuildContext, MixerInput
 from archlab.cache import Cache, State
 from archlab.cost import Cost
-from archlab.ffn import build_ffn
 from archlab.kv import KVRows, PagedKV, PageTable
 from archlab.loss import linear_cross_entropy
 from archlab.memory import check_room
@@ -25,13 +24,7 @@ from archlab.ops.dispatch import Kernels, trains_on
 from archlab.plan import Plan, Step
 from archlab.registry import RegistryError, named
 from archlab.rope import Rotary
-from archlab.spec import ModelSpec, Norm, ParScale, RMSNorm, RoPE, YocoLayout, revalidated
-
-
-def build_norm(spec: Norm, dim: int) -> nn.Module:
-    if isinstance(spec, RMSNorm):
-        return nn.RMSNorm(dim, eps=spec.eps)
-    return nn.LayerNorm(dim, eps=spec.eps, bias=False)
+from archlab.spec import ModelSpec, ParScale, RoPE, YocoLayout, revalidated
 
 
 class Layer(nn.Module):
@@ -39,8 +32,8 @@ class Layer(nn.Module):
 
     def __init__(self, spec: ModelSpec, mixer: nn.Module):
         super().__init__()
-        self.mixer_norm, self.mixer = build_norm(spec.norm, spec.d_model), mixer
-        self.ffn_norm, self.ffn = build_norm(spec.norm, spec.d_model), build_ffn(spec.ffn, spec.d_model, spec.init_std)
+        self.mixer_norm, self.mixer = spec.norm.build(spec.d_model), mixer
+        self.ffn_norm, self.ffn = spec.norm.build(spec.d_model), spec.ffn.build(spec.d_model, spec.init_std)
 
     def forward(self, x: torch.Tensor, inp: MixerInput, aux_losses: list) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), inp)
@@ -55,7 +48,7 @@ class GlobalKVProjection(nn.Module):
         super().__init__()
         shape = spec.layout.global_kv
         self.heads, self.head_dim = shape.n_kv_heads, shape.head_dim
-        self.norm = build_norm(spec.norm, spec.d_model)
+        self.norm = spec.norm.build(spec.d_model)
         self.k_proj = nn.Linear(spec.d_model, self.heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(spec.d_model, self.heads * self.head_dim, bias=False)
         position = spec.layout.cross_decoder.position
@@ -140,7 +133,7 @@ class Model(nn.Module):
         self.global_kv = GlobalKVProjection(spec) if isinstance(spec.layout, YocoLayout) else None
         self.streams = spec.streams
         self.stream_mix = StreamMix(spec.d_model, spec.parscale) if spec.parscale else None
-        self.norm = build_norm(spec.norm, spec.d_model)
+        self.norm = spec.norm.build(spec.d_model)
         self.head = nn.Linear(spec.d_model, spec.vocab_size, bias=False)
         if self.head.weight.device.type != "meta":  # shapes alone: drawing nothing is much faster there
             self.apply(self._init)

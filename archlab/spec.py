@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_a
 import yaml
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, PositiveFloat, PositiveInt, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+from torch import nn
 
-from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Size, Strict, round_up
+from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Size, Strict
+from archlab.ffn import MoE, SwiGLU
 from archlab.files import path_kind
 from archlab.registry import block_specs, raised
 
@@ -64,54 +66,19 @@ class RMSNorm(Strict):
     type: Literal["rmsnorm"] = "rmsnorm"
     eps: PositiveFloat = 1e-6
 
+    def build(self, dim: int) -> nn.Module:
+        return nn.RMSNorm(dim, eps=self.eps)
+
 
 class LayerNorm(Strict):
     type: Literal["layernorm"]
     eps: PositiveFloat = 1e-5
 
+    def build(self, dim: int) -> nn.Module:
+        return nn.LayerNorm(dim, eps=self.eps, bias=False)
+
 
 Norm = Annotated[Union[RMSNorm, LayerNorm], Field(discriminator="type"), _tag_shorthand("type")]
-
-
-class SwiGLU(Strict):
-    """Dense gated FFN; ``hidden`` defaults to 8/3 of the width rounded up to a multiple of 64."""
-
-    type: Literal["swiglu"] = "swiglu"
-    hidden: Size | None = None
-
-    def hidden_for(self, d_model: int) -> int:
-        return self.hidden or round_up(8 * d_model // 3, 64)
-
-    def params(self, d_model: int) -> int:
-        return 3 * d_model * self.hidden_for(d_model)
-
-    def active_params(self, d_model: int) -> int:
-        return self.params(d_model)
-
-    def flops_per_token(self, d_model: int) -> int:
-        return 2 * self.params(d_model)
-
-
-class MoE(Strict):
-    """Top-k routed SwiGLU experts plus always-on shared experts, with a load-balancing loss."""
-
-    type: Literal["moe"]
-    n_experts: Size
-    top_k: Size
-    n_shared: int = Field(0, ge=0, le=MAX_SIZE)
-    expert_hidden: Size
-    aux_loss_weight: float = Field(0.01, ge=0)
-
-    def params(self, d_model: int) -> int:
-        """Router, every routed expert and the shared experts."""
-        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.n_experts + self.n_shared)
-
-    def active_params(self, d_model: int) -> int:
-        """What one token uses: the router, its top-k experts and the shared ones."""
-        return d_model * self.n_experts + 3 * d_model * self.expert_hidden * (self.top_k + self.n_shared)
-
-    def flops_per_token(self, d_model: int) -> int:
-        return 2 * self.active_params(d_model)
 
 
 FFN = Annotated[Union[SwiGLU, MoE], Field(discriminator="type"), _tag_shorthand("type")]
@@ -320,6 +287,9 @@ class ParScale(Strict):
 # --- the model ------------------------------------------------------------------------------
 
 
+InferenceDtype = Literal["float32", "bfloat16", "float16"]  # the dtypes a model runs inference in: a cache's bytes, --dtype
+
+
 class ModelSpec(HoldsBlocks):
     """A whole architecture. Field order is the order ``archlab show`` prints."""
 
@@ -335,7 +305,7 @@ class ModelSpec(HoldsBlocks):
     parscale: ParScale | None = None
     tie_embeddings: bool = False
     init_std: PositiveFloat = 0.02
-    inference_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    inference_dtype: InferenceDtype = "float32"
 
     @field_validator("name")
     @classmethod

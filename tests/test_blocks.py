@@ -160,7 +160,7 @@ def test_moe_routes_bf16_tokens_as_float64_would(autocast):
     autocast (to train). In bfloat16 their rounding sent a few tokens in a thousand to another
     set of experts than the same weights and tokens do in float64."""
     from archlab.ffn import MoEFFN
-    from archlab.spec import MoE
+    from archlab.ffn import MoE
 
     torch.manual_seed(0)
     moe = MoEFFN(64, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=16), init_std=0.02)
@@ -223,7 +223,7 @@ def test_windowed_attention_with_parscale_prefix_matches_dense():
 def test_moe_balance_loss_is_the_share_of_routed_slots_times_the_mean_probability(top_k):
     """w * E * sum_e f_e P_e, counted token by token; a float64 model's shares were rounded to float32 (7e-9 off)."""
     from archlab.ffn import MoEFFN
-    from archlab.spec import MoE
+    from archlab.ffn import MoE
 
     torch.manual_seed(0)
     moe = MoEFFN(16, MoE(type="moe", n_experts=8, top_k=top_k, expert_hidden=8, aux_loss_weight=0.01), 0.5).double()
@@ -246,7 +246,7 @@ def test_moe_balance_loss_trains_the_router_through_its_mean_probabilities():
     with no gradient): its gradient is that of w * E * sum_e f_e P_e with f_e held constant, worked
     token by token from a copy of the router's weight. Without it the loss balances nothing."""
     from archlab.ffn import MoEFFN
-    from archlab.spec import MoE
+    from archlab.ffn import MoE
 
     torch.manual_seed(0)
     moe = MoEFFN(16, MoE(type="moe", n_experts=8, top_k=2, expert_hidden=8, aux_loss_weight=0.01), 0.5).double()
@@ -271,7 +271,7 @@ def test_moe_matches_a_token_by_token_reference_and_trains_its_router(top_k):
     loss alone reaches the router. Renormalising a single expert made its weight 1, and the
     router then learnt from the balance loss only."""
     from archlab.ffn import MoEFFN
-    from archlab.spec import MoE
+    from archlab.ffn import MoE
 
     torch.manual_seed(0)
     moe = MoEFFN(16, MoE(type="moe", n_experts=4, top_k=top_k, expert_hidden=8, aux_loss_weight=0.0), 0.5).double()
@@ -294,7 +294,7 @@ def test_moe_adds_its_shared_experts_swiglu_to_every_token():
     """n_shared experts every token uses, one SwiGLU of n_shared times the expert width: its
     output added to the routed experts' (the first half of gate_up is the gate, through SiLU)."""
     from archlab.ffn import MoEFFN
-    from archlab.spec import MoE
+    from archlab.ffn import MoE
 
     torch.manual_seed(0)
     spec = MoE(type="moe", n_experts=4, top_k=2, expert_hidden=8, n_shared=2, aux_loss_weight=0.0)

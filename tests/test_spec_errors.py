@@ -5,6 +5,7 @@ import textwrap
 import pytest
 
 import archlab
+import archlab.ffn
 from archlab.train.config import load_config
 from conftest import ROOT
 
@@ -313,7 +314,7 @@ def test_an_override_inside_a_kind_left_at_its_default_sets_that_default(tmp_pat
     """It said "missing 'type'": the kind was not given, and the override's mapping stood alone."""
     (tmp_path / "s.yaml").write_text(BASE)  # no norm, ffn, loop, or position given
     spec = archlab.load_spec(tmp_path / "s.yaml", ["norm.eps=1e-5", "ffn.hidden=64", "layout.self_decoder.position.theta=500"])
-    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.spec.SwiGLU(hidden=64))
+    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.ffn.SwiGLU(hidden=64))
     assert spec.layout.self_decoder.position == archlab.spec.RoPE(type="rope", theta=500)
     with pytest.raises(archlab.SpecError) as caught:  # the cross-decoder's default is no position, which has no theta
         archlab.load_spec(tmp_path / "s.yaml", ["layout.cross_decoder.position.theta=500"])
@@ -325,7 +326,7 @@ def test_a_mapping_without_its_kind_in_a_spec_is_its_defaults_kind(tmp_path):
     A mapping with a key its default's kind lacks still needs its kind said."""
     (tmp_path / "s.yaml").write_text(BASE + "norm: {eps: 1.0e-5}\nffn: {hidden: 64}\n")
     spec = archlab.load_spec(tmp_path / "s.yaml")
-    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.spec.SwiGLU(hidden=64))
+    assert (spec.norm, spec.ffn) == (archlab.spec.RMSNorm(eps=1e-5), archlab.ffn.SwiGLU(hidden=64))
     for given, said in (("norm: {eps: 0}", "norm.eps: Input should be greater than 0 (got 0)"),
                         ("loop: {times: 3}", "loop: missing 'position', which says what kind this is"),  # the default, none, has no times
                         ("ffn: {n_experts: 4}", "ffn: missing 'type', which says what kind this is (one of: swiglu, moe)"),

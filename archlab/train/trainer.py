@@ -33,13 +33,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from archlab.checks import first_forward, params_problems
 from archlab.cost import Cost, peak_flops
 from archlab.environment import SETTINGS_FILE, SettingsError, environment, read_settings, setting_of, write_settings
-from archlab.ffn import MoEFFN
+from archlab.ffn import MoE, MoEFFN
 from archlab.files import REFUSED, make_folder, path_kind, write_text_whole, written_as
 from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, MoE, describe_differences, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 from torch import nn
@@ -220,15 +219,6 @@ def whole_number(value: object) -> bool:
 def round_up(n: int, multiple: int) -> int:
     """n rounded up to a multiple, e.g. the tokens a chunked op computes on (n padded to whole chunks)."""
     return ceil_div(n, multiple) * multiple
-
-
-def gated_head_output(mixer: nn.Module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """RetNet's and Gated DeltaNet's output: their heads o [B, N, H, V] through the mixer's per-head
-    ``head_norm``, gated by silu(``gate_proj`` x), then ``o_proj`` back to the width. The norm
-    reads the heads in its weight's dtype: under autocast they come in bfloat16, which PyTorch's
-    fused RMSNorm refuses beside a float32 weight (a warning, and its slower path)."""
-    o = mixer.head_norm(o.to(mixer.head_norm.weight.dtype)) * F.silu(mixer.gate_proj(x)).view_as(o)
-    return mixer.o_proj(o.flatten(2))
 
 
 def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:

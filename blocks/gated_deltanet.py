@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from pydantic import PositiveFloat
 from torch import nn
 
-from archlab.block import MAX_SIZE, BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, gated_head_output, round_up
-from archlab.ops.common import decay_parameters, float32_or_wider, linear_recurrence
+from archlab.block import MAX_SIZE, BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, round_up
+from archlab.ops.common import decay_parameters, float32_or_wider, gated_head_output, linear_recurrence
 from archlab.ops.conv import short_conv
 from archlab.ops.dispatch import Kernels, check_chunk_size
 

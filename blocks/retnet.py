@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, gated_head_output, round_up
-from archlab.ops.common import float32_or_wider, linear_recurrence
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, round_up
+from archlab.ops.common import float32_or_wider, gated_head_output, linear_recurrence
 from archlab.ops.dispatch import Kernels, check_chunk_size
 from archlab.rope import Rotary
 

@@ -1,5 +1,5 @@
 """Pieces shared by the ops and the blocks (the dtype they compute in, state setup, chunking,
-decay masks, decay parameter init, running a linear recurrence)."""
+decay masks, decay parameter init, running a linear recurrence, a gated heads' output)."""
 import functools
 import math
 
@@ -84,3 +84,12 @@ def linear_recurrence(ops: dict, chunk_op: str, step_op: str, q, k, v, state, ch
         o, final = ops[chunk_op](q, k, v, **gates, **carry, chunk_size=chunk_size)
     state.copy_(final)
     return o
+
+
+def gated_head_output(mixer: nn.Module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """RetNet's and Gated DeltaNet's output: their heads o [B, N, H, V] through the mixer's per-head
+    ``head_norm``, gated by silu(``gate_proj`` x), then ``o_proj`` back to the width. The norm
+    reads the heads in its weight's dtype: under autocast they come in bfloat16, which PyTorch's
+    fused RMSNorm refuses beside a float32 weight (a warning, and its slower path)."""
+    o = mixer.head_norm(o.to(mixer.head_norm.weight.dtype)) * F.silu(mixer.gate_proj(x)).view_as(o)
+    return mixer.o_proj(o.flatten(2))

@@ -578,6 +578,15 @@ def test_another_tokenizer_than_the_starting_runs_is_refused(cli, pretrained, ex
     assert code == 0, stderr
 
 
+def test_a_starting_runs_tokenizer_that_does_not_load_stops_the_start_before_it_writes(cli, pretrained, examples, tmp_path):
+    """It was first read as the corpus was tokenized, after the new run's spec, config and settings were written."""
+    start = tmp_path / "start"
+    shutil.copytree(pretrained, start)
+    (start / "tokenizer.json").write_text("garbage")
+    refused_unwritten(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--init", start, "--data", examples],
+                      f"tokenizer {str(start / 'tokenizer.json')!r} could not be read")
+
+
 def test_a_run_on_token_ids_gives_no_tokenizer_to_fine_tune_on_text(cli, examples, tmp_path_factory, tmp_path):
     on_mqar = finished_run(tmp_path_factory, "--data", "mqar", "--set", "seq_len=32", "--set", "batch_size=4",
                            "--set", "micro_batch_size=4", "--steps", "1")

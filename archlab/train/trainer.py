@@ -328,6 +328,7 @@ class Trainer:
                     raise TrainError(f"{run_dir} trained on token ids or a recall task, with no tokenizer to read"
                                      f" {data.source!r} as its ids meant; give data.tokenizer, the one its ids came from")
             elif data.tokenizer is None:
+                load_tokenizer(str(theirs), self.spec.vocab_size)  # one that does not load stops the start before it writes a file
                 data = data.model_copy(update={"tokenizer": absolute(str(theirs))})
             elif load_tokenizer(data.tokenizer, self.spec.vocab_size).to_str() != load_tokenizer(str(theirs), self.spec.vocab_size).to_str():
                 raise TrainError(f"data.tokenizer {data.tokenizer} is not the tokenizer of {run_dir} ({theirs}), whose"

@@ -1383,6 +1383,23 @@ def test_a_data_cache_holding_a_tokenizer_no_run_wrote_is_refused_not_written_ov
     assert [p.name for p in cache.iterdir()] == ["tokenizer.json"] and (cache / "tokenizer.json").read_text() == "one's own"
 
 
+def test_a_tokenizer_that_reads_much_of_the_text_as_unknown_is_said(cli, tmp_path):
+    """A word-level tokenizer from other text trained on [UNK] for most of the corpus, without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "def": 1, "return": 2, "self": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "run", *SMALL, "--steps", "1",
+                          "--set", f"data.tokenizer={tmp_path / 'words.json'}")
+    said = " ".join(stderr.split())
+    assert code == 0 and "of the tokens of data source 'stdlib' are the tokenizer's unknown token '[UNK]': it does not cover" in said, said
+    share = float(said.split("% of the tokens of data source")[0].rsplit(" ", 1)[-1])
+    assert 50 < share < 100, said  # the stdlib is not all def, return and self
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "bpe", *SMALL, "--steps", "1")
+    assert code == 0 and "unknown token" not in stderr, stderr  # archlab's own byte-level BPE has none
+
+
 def test_curves_names_metrics_that_are_no_regular_file(cli, trained_on_text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)

@@ -790,10 +790,20 @@ def encode(tokenizer, texts: list[str], what: str) -> list:
         raise DataError(f"the tokenizer cannot encode {what}: {exc}") from None
 
 
+UNKNOWN_SAID = 0.01  # the share of a text's tokens past which a tokenizer's unknown token is said: it does not cover the text
+
+
 def _encoded(source: str, texts: list[str], tokenizer) -> np.ndarray:
+    """The token ids of ``texts``. A tokenizer whose unknown token stands for much of them (a
+    word-level one from other text) is said: the characters it stands for are lost to training."""
     ids = np.concatenate([np.asarray(e.ids, dtype=np.uint32) for e in encode(tokenizer, texts, f"data source {source!r}")])
     if len(ids) == 0:
         raise DataError(f"data source {source!r} tokenized to nothing")
+    unknown = getattr(tokenizer.model, "unk_token", None)
+    unknown_id = tokenizer.token_to_id(unknown) if unknown else None
+    if unknown_id is not None and (share := float(np.mean(ids == unknown_id))) > UNKNOWN_SAID:
+        warnings.warn(f"{share:.1%} of the tokens of data source {source!r} are the tokenizer's unknown token {unknown!r}: it does"
+                      " not cover this text, whose characters that token stands for are lost to training", stacklevel=2)
     return ids
 
 

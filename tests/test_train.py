@@ -1400,6 +1400,24 @@ def test_a_tokenizer_that_reads_much_of_the_text_as_unknown_is_said(cli, tmp_pat
     assert code == 0 and "unknown token" not in stderr, stderr  # archlab's own byte-level BPE has none
 
 
+def test_a_tokenizer_json_swapped_for_another_is_refused(cli, trained_on_text, tmp_path):
+    """Another tokenizer of no more tokens than the model's read the run's ids as other text:
+    generate printed it, and a resume went on to record it as the run's."""
+    from tokenizers import Tokenizer, models
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(200)}, unk_token="w0")).save(str(run / "tokenizer.json"))
+    said = f"{run / 'tokenizer.json'} is not the tokenizer checkpoint {run / 'checkpoints/step-00000004'} trained with"
+    for command in (["generate", run, "--max-new-tokens", "2"], ["evaluate", run, "--seq-len", "32", "--last", "8"]):
+        code, out, stderr = cli(*command)
+        assert code == 1 and said in " ".join(stderr.split()), stderr
+    refused_untouched(cli, run, said)
+    shutil.copy(trained_on_text / "tokenizer.json", run / "tokenizer.json")
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "2")
+    assert code == 0, stderr
+
+
 def test_curves_names_metrics_that_are_no_regular_file(cli, trained_on_text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)

@@ -302,18 +302,14 @@ def load_checkpoint(run_dir: Path, used: Path):
         raise CheckpointError(f"{spec.name}, the model of {run_dir}, does not fit in memory here ({exc})") from None
     load_weights(used, model)
     _say_an_edited_spec(run_dir / RUN_SPEC, spec, used)
-    return spec, model.eval(), used, tokenizer_of(run_dir)
+    return spec, model.eval(), used, trained_tokenizer(run_dir, used)
 
 
 def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
     """A notice where ``file`` (``spec``) is not the spec checkpoint ``used`` trained, but its weights
     still fit (another window, loop count or RoPE base): the edited spec is what runs, as one may
     mean (a longer window at inference), or not."""
-    try:
-        trained = json.loads(regular(used / "state.json").read_text()).get("spec")
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: JSON nested past Python's limit
-        return
-    if changed := changes_since_trained(trained, spec, used / "state.json"):
+    if changed := changes_since_trained(recorded(used).get("spec"), spec, used / "state.json"):
         warnings.warn(f"{file} is not the spec checkpoint {used} trained ({changed}); it runs as edited", stacklevel=3)
 
 
@@ -333,14 +329,38 @@ def changes_since_trained(trained: object, spec: ModelSpec, state: Path) -> str 
     return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
 
 
+def recorded(used: Path) -> dict:
+    """What checkpoint ``used``'s state.json records, for what reads it only to compare: empty where
+    it does not read as a mapping (a checkpoint that loads needs no more of it)."""
+    try:
+        info = json.loads(regular(used / "state.json").read_text())
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested past Python's limit
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
 def _recorded_source(run_dir: Path) -> str | None:
     """The data source the latest checkpoint of ``run_dir`` records training on; None where it
     records none that reads."""
     try:
-        source = json.loads(regular(checkpoints(run_dir)[-1] / "state.json").read_text())["config"]["data"]["source"]
-    except (IndexError, OSError, ValueError, RecursionError, KeyError, TypeError):
+        source = recorded(checkpoints(run_dir)[-1])["config"]["data"]["source"]
+    except (IndexError, KeyError, TypeError):
         return None
     return source if isinstance(source, str) else None
+
+
+TOKENIZER_HASH = "tokenizer_blake2b"  # in state.json: a hash of the run's tokenizer.json as it trained
+
+
+def trained_tokenizer(run_dir: Path, used: Path) -> Path | None:
+    """``tokenizer_of(run_dir)``, refused where it is not the file checkpoint ``used`` trained with
+    (one of the same size from another run reads the run's ids as other text, in silence)."""
+    tokenizer = tokenizer_of(run_dir)
+    wanted = recorded(used).get(TOKENIZER_HASH)
+    if tokenizer is not None and wanted is not None and wanted != file_hash(tokenizer):
+        raise CheckpointError(f"{tokenizer} is not the tokenizer checkpoint {used} trained with (a hash of its bytes differs);"
+                              " put back the run's own")
+    return tokenizer
 
 
 def tokenizer_of(run_dir: Path) -> Path | None:

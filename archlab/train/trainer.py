@@ -322,7 +322,7 @@ class Trainer:
         run_dir, used = checkpoint.latest_read(init, read)  # of a run still training, its latest checkpoint whole
         data = self.cfg.data
         if tokenized(data.source):
-            theirs = checkpoint.tokenizer_of(run_dir)
+            theirs = checkpoint.trained_tokenizer(run_dir, used)
             if theirs is None:
                 if data.tokenizer is None:
                     raise TrainError(f"{run_dir} trained on token ids or a recall task, with no tokenizer to read"
@@ -361,6 +361,8 @@ class Trainer:
         if refusal:
             raise TrainError(refusal)
         trainer_state, info = checkpoint.load(latest, self.model)
+        if (self.run_dir / "tokenizer.json").is_file():  # else trained again from the text, its tokens then checked
+            checkpoint.trained_tokenizer(self.run_dir, latest)
         self._refuse_another_spec(latest, info.get("spec"))
         self._refuse_another_config(latest, info.get("config"), resumable(bool(self.moe_layers)))
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it
@@ -522,6 +524,8 @@ class Trainer:
             state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
             info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint, "spec": self.spec.model_dump(mode="json"),
                     "config": self.cfg.model_dump(mode="json")}
+            if (tokenizer := self.run_dir / "tokenizer.json").is_file():  # the run's own, which reads its text back
+                info[checkpoint.TOKENIZER_HASH] = checkpoint.file_hash(tokenizer)
             checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints)
 
         self.world.from_main(save)

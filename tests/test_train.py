@@ -400,7 +400,7 @@ def test_a_token_or_examples_file_that_is_no_regular_file_is_said_to_be_what_it_
         with pytest.raises(DataError, match=re.escape(f"data source '{tmp_path / name}': {said}")):
             prepare(Data(source=str(tmp_path / name)), 256, 32, 0, tmp_path / "run")
     (tmp_path / "cache").write_text("")  # was "File exists"
-    with pytest.raises(DataError, match=re.escape(f"data.cache '{tmp_path / 'cache'}' is a file, not a folder")):
+    with pytest.raises(DataError, match=re.escape(f"data.cache '{tmp_path / 'cache'}': not a folder")):
         prepare(Data(source=str(tmp_path / "folder.npy" / "a.txt"), cache=str(tmp_path / "cache")), 256, 32, 0, tmp_path / "cache")
 
 

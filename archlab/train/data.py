@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.files import locked, path_kind, regular, write_text_whole, write_whole
+from archlab.files import locked, make_folder, path_kind, regular, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
@@ -873,9 +873,10 @@ CORPUS_LOCK = ".corpus.lock"
 @contextlib.contextmanager
 def _corpus_lock(data_dir: Path) -> Iterator[None]:
     """The shared cache ``data_dir``'s lock (made, with the folder, if need be), held while the body runs."""
-    if data_dir.exists() and not data_dir.is_dir():
-        raise DataError(f"data.cache {str(data_dir)!r} is a file, not a folder")
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        make_folder(data_dir)
+    except NotADirectoryError as exc:  # a file, a FIFO or a link to nothing in its place
+        raise DataError(f"data.cache {str(data_dir)!r}: {exc.strerror}") from None
     with open(data_dir / CORPUS_LOCK, "ab") as handle, locked(handle):
         yield
 

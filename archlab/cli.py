@@ -1337,7 +1337,8 @@ StudyName = Annotated[str, typer.Argument(help="a study file, or the name of a s
 Scale = Annotated[str, typer.Option(help="a scale of the study: tiny (CPU, the default) or gpu")]
 Storage = Annotated[str | None, typer.Option(help="Optuna storage URL (postgresql://... for several workers); default: SQLite in --out")]
 StudyOut = Annotated[Path | None, typer.Option("--out", file_okay=False, help="study directory; default runs/studies/NAME-SCALE")]
-GracePeriod = Annotated[int, typer.Option(min=1, help="seconds without a heartbeat before a trial counts as dead")]
+MAX_GRACE_PERIOD = 7 * 24 * 3600  # a week: Optuna's check of a heartbeat's age overflows past about 8.6e13 s
+GracePeriod = Annotated[int, typer.Option(min=1, max=MAX_GRACE_PERIOD, help="seconds without a heartbeat before a trial counts as dead")]
 StudyData = Annotated[str | None, typer.Option(help="override the study's data source (give the report the same one)",
                                                callback=_data_given)]
 

@@ -947,6 +947,14 @@ def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
                       "variants.yoco.init.variant: names a variant of a study: give the study too, or drop it"),
         "no-run": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"run": str(tmp_path / "nowhere")}}}, {},
                    f"variants.yoco.init.run: {tmp_path / 'nowhere'} is not a training run with a checkpoint"),
+        # empty names: a KeyError traceback, and a train.init of "" read as the current folder as each trial failed
+        "empty-run": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"run": ""}}}, {},
+                      "variants.yoco.init.run: is empty; give a training run's folder, or leave it out"),
+        "empty-study": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": " "}}}, {},
+                        "variants.yoco.init.study: is empty; give a study file or name, or leave it out"),
+        "empty-variant": ({**both, "yoco": {"spec": "yoco.yaml", "init": {"study": "pre.yaml", "variant": ""}}}, {},
+                          "variants.yoco.init.variant: is empty; give a variant's name, or leave it out"),
+        "empty-init": (both, {"init": ""}, "init: is empty; give a path, or leave it out"),
     }
     for name, (variants, train, message) in cases.items():
         code, _, stderr = cli("study", "run", study_file(tmp_path / f"{name}.yaml", variants, seeds=[0], **train), "--out", tmp_path / name)

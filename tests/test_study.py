@@ -648,8 +648,11 @@ def test_a_pruned_trial_is_logged_with_where_it_was_cut(tmp_path, monkeypatch):
     assert trial.state.name == "COMPLETE" and trial.value == trial.intermediate_values[2]  # its last evaluation: trained whole
 
 
-def test_a_grace_period_under_a_second_is_refused_before_anything_is_written(tmp_path, cli):
-    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", tmp_path / "out", "--grace-period", "0")
+@pytest.mark.parametrize("given", ["0", "604801", str(10**20)])
+def test_a_grace_period_under_a_second_or_over_a_week_is_refused_before_anything_is_written(tmp_path, cli, given):
+    """10**20 s was stored with the study, and then overflowed Optuna's check of a heartbeat's age
+    in every later run and report: a traceback, and advice to give that value again."""
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", tmp_path / "out", "--grace-period", given)
     assert code == 2 and "--grace-period" in stderr and "Traceback" not in stderr, stderr
     assert not (tmp_path / "out").exists()
 
@@ -683,6 +686,9 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         ({"variants": {**data["variants"], "a|b": data["variants"]["yoco"]}}, "variants.a|b: a variant's name is letters, digits"),
         ({"name": "../../outside"}, "name: a study's name is letters, digits"),  # it names the default --out folder
         ({"scales": {**data["scales"], "a/b": data["scales"]["tiny"]}}, "scales.a/b: a scale's name is letters, digits"),
+        # study kk-x at scale tiny and study kk at scale x-tiny were one study: one key, kk-x-tiny, and one default --out
+        ({"scales": {**data["scales"], "x-tiny": data["scales"]["tiny"]}}, "scales.x-tiny: a scale's name is letters, digits, '.' and '_'"
+                                                                          " only: the study's key joins it to the study's name with '-'"),
         ({"lr": {"low": 0.001, "high": 0.003, "points": 100_000_000}}, "lr.points: Input should be less than or equal to 1000"),
         ({"lr": {"low": 1e-200, "high": 1e200, "points": 3}}, "lr: low=1e-200 and high=1e+200 are too far apart"),  # a grid of inf
         ({"lr": {"low": 1e-300, "high": 1e-200, "points": 1}}, "lr: low=1e-300 and high=1e-200 are too far apart"),  # their mean 0

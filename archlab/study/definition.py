@@ -124,10 +124,18 @@ class StudySpec(Strict):
         for what, at, name in named:
             if not FOLDER_NAME.fullmatch(name):
                 at.add(f"a {what}'s name is letters, digits, '.', '_' and '-' only")
+            elif what == "scale" and "-" in name:  # the key name-scale of study a-b at scale c would be study a's at scale b-c
+                at.add("a scale's name is letters, digits, '.' and '_' only: the study's key joins it to the study's name with '-'")
         for name, variant in self.variants.items():
             for scale in sorted(set(variant.scale_set) - set(self.scales)):  # a misspelt scale would be ignored
                 root.at("variants").at(name).at("scale_set").at(scale).add(f"no scale {scale!r}; this study has {sorted(self.scales)}")
             init = variant.init
+            blank = [key for key in ("run", "study", "variant") if init and getattr(init, key) is not None and not getattr(init, key).strip()]
+            for key in blank:  # a run read as the current folder; a study, a variant of no name
+                given = {"run": "a training run's folder", "study": "a study file or name", "variant": "a variant's name"}[key]
+                root.at("variants").at(name).at("init").at(key).add(f"is empty; give {given}, or leave it out")
+            if blank:
+                continue
             if init and (init.run is None) == (init.study is None):
                 root.at("variants").at(name).at("init").add("give one of run (a training run every seed starts from) and study (a"
                                                              " study whose trial of each seed that seed starts from)")

@@ -137,9 +137,10 @@ class TrainConfig(Strict):
             root.at("data").at("source").add("is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
         elif self.data.source.startswith("hf:") and not self.data.source[3:].partition(":")[0].strip():
             root.at("data").at("source").add(f"{self.data.source!r} names no dataset; give hf:NAME[:split]")
-        for name in ("tokenizer", "cache"):  # read as a path, the current folder
-            if (path := getattr(self.data, name)) is not None and not path.strip():
-                root.at("data").at(name).add("is empty; give a path, or leave it out")
+        for at, path in ((root.at("data").at("tokenizer"), self.data.tokenizer), (root.at("data").at("cache"), self.data.cache),
+                         (root.at("init"), self.init)):
+            if path is not None and not path.strip():  # read as a path, the current folder
+                at.add("is empty; give a path, or leave it out")
         if self.data.cache and holds_examples(self.data.source):
             root.at("data").at("cache").add(f"{self.data.cache!r}: a {EXAMPLES} file's examples are tokenized at each start,"
                                             " into no cache; drop data.cache")

@@ -1394,6 +1394,12 @@ def test_a_corpus_in_the_study_folder_is_refused_without_blaming_the_data(tmp_pa
     with pytest.raises(Exception, match=f"{out / 'data'} holds a corpus tokenized with vocab_size 256") as refused:
         join(bigger, out, storage_url(out, None), grace_period=60)
     assert "--data" not in str(refused.value)
+    mine = tmp_path / "mine"  # a folder of one's own as --out: its tokenizer.json was replaced by the study's
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text("one's own")
+    with pytest.raises(Exception, match=f"{mine} holds a tokenizer.json that no run tokenizing there wrote") as refused:
+        join(load_study(str(path)), mine, storage_url(mine, None), grace_period=60)
+    assert "--data" not in str(refused.value) and (mine / "tokenizer.json").read_text() == "one's own"
     (out / "data" / "corpus.json").write_text("garbage")  # a record gone bad: nor is that the data's fault
     with pytest.raises(Exception, match=f"the tokenized corpus in {out / 'data'} is damaged") as refused:
         join(load_study(str(path)), out, storage_url(out, None), grace_period=60)

@@ -493,7 +493,8 @@ def _read_data(study: Study, out: Path, say: Callable[[str], None] | None) -> st
     try:
         if study.shares_corpus:  # tokenize the corpus once for this worker's trials
             vocab = next(iter(study.specs.values())).vocab_size
-            return prepare(cfg.data, vocab, cfg.seq_len, cfg.seed, out, say=say).fingerprint
+            shared = cfg.data.model_copy(update={"cache": str(out.resolve())})  # as its trials read it, under the cache's lock
+            return prepare(shared, vocab, cfg.seq_len, cfg.seed, out, say=say).fingerprint
         if holds_examples(cfg.data.source):  # each trial tokenizes them, with its starting run's tokenizer
             read_examples(cfg.data.source, cfg.data.max_bytes)
         else:

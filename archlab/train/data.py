@@ -852,8 +852,8 @@ def prepare(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Path,
         text = _text_fingerprint(texts, cfg.tokenizer)
     foreign = cfg.cache and not (data_dir / CORPUS_LOCK).exists() and path_kind(data_dir / "tokenizer.json")
     if foreign and not (cache / "train.npy").is_file():  # a folder of one's own, given as data.cache
-        raise DataError(f"data.cache {data_dir} holds a tokenizer.json that no run tokenizing there wrote (it holds no {CORPUS_LOCK}),"
-                        " which tokenizing would replace: give another data.cache, or that file as data.tokenizer")
+        raise CacheError(f"{data_dir} holds a tokenizer.json that no run tokenizing there wrote (no {CORPUS_LOCK} beside it), which"
+                         " tokenizing would replace: give another data.cache (a study: another --out), or that file as data.tokenizer")
     with _corpus_lock(data_dir) if cfg.cache else contextlib.nullcontext():
         _drop_other_corpus(cfg, vocab_size, data_dir, replace, text)  # on a resume (replace never), leaves train.npy as it found it
         if texts is not None and not (cache / "train.npy").is_file():

@@ -280,6 +280,9 @@ def test_a_report_mid_study_says_it_is_incomplete(tmp_path):
     text = report(study, optuna_study, out, url)
     assert "4 planned: 1 complete, 1 running, 2 waiting, 0 failed, 0 pruned; **incomplete**: the table covers only the 1 of 4 that have finished" in text
     assert "Failed trials" not in text
+    for fmt in (Format.json, Format.csv):  # no header to say so: a notice does (a script read a table of nulls, as if whole)
+        with pytest.warns(UserWarning, match="study partial-tiny is incomplete: the table covers only the 1 of 4 planned trials that have finished"):
+            report(study, optuna_study, out, url, fmt)
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options

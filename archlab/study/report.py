@@ -4,6 +4,7 @@ study run across machines reports the same way)."""
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections import Counter
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -194,18 +195,27 @@ def stopped_by_its_worker(trial: optuna.trial.FrozenTrial) -> bool:
     return STOPPED in trial.user_attrs and trial.user_attrs[STOPPED] == trial.user_attrs.get("worker")
 
 
+FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+
+
+def _attempts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The latest attempt at each planned trial (a trial whose worker died counts as its retry)."""
+    planned = study.planned()
+    return [t for key, t in latest(trials).items() if key in planned]
+
+
 def progress(study: Study, trials: list[optuna.trial.FrozenTrial], silent: Collection[int] = ()) -> str:
     """How far the study has got, counting each planned trial once, by its latest attempt (a trial
     whose worker died counts as its retry), so the header agrees with the table. ``silent``: the
     numbers of running trials that have sent no heartbeat for longer than the workers' grace period
     (``silent_trials``): their worker was killed (or is paused), and no live worker has failed them yet."""
     planned = study.planned()
-    attempts = [t for key, t in latest(trials).items() if key in planned]
+    attempts = _attempts(study, trials)
     count = Counter(t.state.name.lower() for t in attempts)
     is_stopped = [t.state == TrialState.RUNNING and stopped_by_its_worker(t) for t in attempts]
     stopped = sum(is_stopped)
     gone = sum(t.state == TrialState.RUNNING and t.number in silent and not mark for t, mark in zip(attempts, is_stopped))
-    finished = count["complete"] + count["fail"] + count["pruned"]
+    finished = sum(t.state in FINISHED for t in attempts)
     waiting = len(planned) - finished - count["running"]  # queued, or not yet queued by any worker
     line = (f"- trials: {len(planned)} planned: {count['complete']} complete, {count['running'] - stopped - gone} running, {waiting} waiting,"
             f" {count['fail']} failed, {count['pruned']} pruned")
@@ -325,6 +335,10 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
     try:
         markdown, rows = _markdown(study, optuna_study, trials, plots, storage)
         text = markdown if fmt is Format.md else render(rows, fmt)
+        finished = sum(t.state in FINISHED for t in _attempts(study, trials))
+        if fmt is not Format.md and finished < len(study.planned()):  # markdown's header says so; CSV and JSON have none
+            warnings.warn(f"study {study.key} is incomplete: the table covers only the {finished} of {len(study.planned())} planned"
+                          " trials that have finished", stacklevel=2)
         show(text)
         out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
         write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it

@@ -1409,6 +1409,18 @@ def test_a_corpus_in_the_study_folder_is_refused_without_blaming_the_data(tmp_pa
     assert "--data" not in str(refused.value)
 
 
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")  # the storage's heartbeat options
+def test_a_metric_of_the_other_direction_is_refused_with_advice_that_works(tmp_path):
+    """Renamed as advised, the study was refused again by the --out it was given, which holds the first."""
+    path, out = mini(tmp_path, "direction", variants={"yoco": {"spec": "yoco.yaml"}}), tmp_path / "out"
+    join(load_study(str(path)), out, storage_url(out, None), grace_period=60)
+    path.write_text(yaml.safe_dump({**yaml.safe_load(path.read_text()), "metric": "accuracy"}))
+    with pytest.raises(StorageError, match=re.escape("was created to minimize its metric, and its metric is now accuracy, which it would"
+                                                     " maximize; a study keeps the direction of its metric: give this one another"
+                                                     " name (and another --out, where one was given)")):
+        join(load_study(str(path), data="mqar"), out, storage_url(out, None), grace_period=60)
+
+
 def test_the_report_says_which_trials_lost_their_worker_and_what_became_of_them(tmp_path):
     """A trial whose worker was stopped counted as running; trials lost with their worker were
     said to have run again while their retries waited."""

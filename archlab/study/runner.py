@@ -275,7 +275,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     if opened.direction.name.lower() != direction:  # kept from its creation: pruners, TPE and the dashboard read it
         raise StorageError(f"study {name} in {shown(url)} was created to {opened.direction.name.lower()} its metric, and its"
                            f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
-                           " of its metric: give this one another name")
+                           " of its metric: give this one another name (and another --out, where one was given)")
     return opened
 
 

@@ -235,6 +235,18 @@ def test_an_in_memory_storage_is_refused(tmp_path, cli):
     assert "sqlite:// is an in-memory database: the study would end with this process" in stderr
 
 
+def test_a_sqlite_storage_with_no_file_to_be_is_refused_before_the_corpus_is_tokenized(tmp_path, cli):
+    """A folder, or a file in a folder not there: the first worker tokenized the corpus, then said
+    SQLite's "unable to open database file"; the report said "no SQLite database" of the folder."""
+    (tmp_path / "dbdir").mkdir()
+    for url, said in ((f"sqlite:///{tmp_path / 'dbdir'}", f"names a folder, {tmp_path / 'dbdir'}, not a SQLite database file"),
+                      (f"sqlite:///{tmp_path / 'nodir/x.db'}", f"there is no folder {tmp_path / 'nodir'} to hold its database; make it first")):
+        for command in ("run", "report"):
+            code, _, stderr = cli("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+            assert code == 1 and said in " ".join(stderr.split()), stderr
+        assert not (tmp_path / "out" / "data").exists() and not (tmp_path / "nodir").exists()
+
+
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path, cli):
     # one planned trial, long enough to be caught training: the next run has its retry alone to train
     path = mini(tmp_path, "killed", {"yoco": {"spec": "yoco.yaml"}}, steps=150, lr={"low": 0.003, "high": 0.003, "points": 1})

@@ -236,6 +236,11 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
     database = _sqlite_database(url)
+    if database not in (None, *IN_MEMORY) and not database.startswith("file:"):  # a path, not a URI SQLite reads itself
+        if Path(database).is_dir():  # said before a first worker tokenizes, not as SQLite's "unable to open database file" after
+            raise StorageError(f"{shown(url)} names a folder, {database}, not a SQLite database file")
+        if not Path(database).parent.is_dir():
+            raise StorageError(f"{shown(url)}: there is no folder {Path(database).parent} to hold its database; make it first")
     if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
         raise NotThere(f"no SQLite database {database}; give the --storage the study ran with")
     if database in IN_MEMORY:

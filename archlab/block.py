@@ -221,16 +221,19 @@ def round_up(n: int, multiple: int) -> int:
     return ceil_div(n, multiple) * multiple
 
 
-def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None) -> None:
-    """Heads must tile the width when the head size is derived from it."""
+def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None, kv_heads: int = 1,
+                rope_theta: float | None = None) -> None:
+    """Heads must tile the width when the head size is derived from it. The counts offered instead
+    are those this block can use too: a multiple of its ``kv_heads``, and under RoPE (``rope_theta``),
+    heads of an even size."""
     if head_dim is None and d_model % n_heads:
         small = [h for h in range(1, math.isqrt(d_model) + 1) if d_model % h == 0]  # not a loop over a huge width
         divisors = sorted({*small, *(d_model // h for h in small)})
-        problems.at("n_heads").add(
-            f"{n_heads} heads do not divide d_model={d_model}; allowed: one of {divisors[:12]}"
-            + (" ..." if len(divisors) > 12 else "")
-            + ", or set head_dim explicitly"
-        )
+        usable = [n for n in divisors if n % kv_heads == 0 and (rope_theta is None or (d_model // n) % 2 == 0)]
+        needs = [*([f"a multiple of n_kv_heads={kv_heads}"] if kv_heads > 1 else []), *(["heads of an even size, for RoPE"] if rope_theta else [])]
+        offered = (f"allowed: one of {usable[:12]}" + (" ..." if len(usable) > 12 else "") + ", or set head_dim explicitly" if usable
+                   else f"none that does gives {' and '.join(needs)}: set head_dim explicitly")
+        problems.at("n_heads").add(f"{n_heads} heads do not divide d_model={d_model}; {offered}")
 
 
 def check_rope_head_dim(problems: Problems, ctx: BuildContext, n_heads: int, head_dim: int, given: bool) -> None:

@@ -41,7 +41,7 @@ class AttentionSpec(BlockSpec):
         return self.n_heads, self.n_kv_heads or self.n_heads, self.head_dim or d_model // self.n_heads
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
-        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim, self.n_kv_heads or 1, ctx.rope_theta)
         heads, kv_heads, head_dim = self.shape(ctx.d_model)
         if heads % kv_heads:
             problems.at("n_kv_heads").add(f"n_kv_heads={kv_heads} must divide n_heads={heads}")

@@ -33,7 +33,7 @@ class RetentionSpec(BlockSpec):
         return head_dim, self.value_dim or 2 * head_dim
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
-        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim, rope_theta=ctx.rope_theta)
         check_rope_head_dim(problems, ctx, self.n_heads, self.dims(ctx.d_model)[0], given=self.head_dim is not None)
         check_chunk_size(problems, "chunk_simple_gla" if self.gated else "chunk_retention", self.chunk_size, self.backend)
 

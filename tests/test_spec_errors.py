@@ -1,5 +1,6 @@
 """Malformed specs get a precise message: file, field path, what is wrong, what is allowed."""
 
+import re
 import textwrap
 
 import pytest
@@ -74,7 +75,7 @@ CASES = [
     ("huge vocabulary", {"s.yaml": BASE.replace("vocab_size: 64", "vocab_size: 99999999999999999999999")}, "s.yaml",
      ["vocab_size:", "less than or equal to 2147483647"]),
     ("heads vs width", {"s.yaml": BASE.replace("n_heads: 4", "n_heads: 5")}, "s.yaml",
-     ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16, 32]"]),
+     ["layout.self_decoder.blocks[0].n_heads", "5 heads do not divide d_model=32", "allowed: one of [1, 2, 4, 8, 16], or set"]),  # 32 heads of 1 channel: odd, under RoPE
     ("odd retnet head_dim under rope", {"s.yaml": STACK.replace("{type: attention, n_heads: 4}", "{type: retnet, n_heads: 4, head_dim: 7}")},
      "s.yaml", ["layout.layers.blocks[0].head_dim: RoPE needs an even head_dim, got 7"]),
     ("extends a path with a NUL byte", {"s.yaml": 'extends: "a\\0b.yaml"\nname: e\n'}, "s.yaml",
@@ -422,6 +423,23 @@ def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, di
     check_heads(problems, d_model, next(h for h in range(3, 100) if d_model % h), None)
     (problem,) = problems.found
     assert f"allowed: one of {divisors}{' ...' if more else ''}, or set head_dim explicitly" in problem.msg
+
+
+def test_the_head_counts_offered_are_those_the_block_can_use():
+    """d_model=65 offered [1, 5, 13, 65]: with 2 K,V heads and RoPE, each of them failed again."""
+    from archlab.block import Problems, check_heads
+
+    for d_model, kv_heads, offered in [(96, 2, "allowed: one of [2, 4, 6, 8, 12, 16, 24, 48], or set head_dim explicitly"),
+                                       (66, 2, "none that does gives a multiple of n_kv_heads=2 and heads of an even size, for RoPE:"
+                                               " set head_dim explicitly"),
+                                       (65, 1, "none that does gives heads of an even size, for RoPE: set head_dim explicitly")]:
+        problems = Problems()
+        check_heads(problems, d_model, 5 if d_model % 5 else 7, None, kv_heads, rope_theta=10_000.0)
+        (problem,) = problems.found
+        assert problem.msg.endswith(offered), problem.msg
+    spec = ROOT / "specs" / "tiny" / "yoco-u.yaml"
+    with pytest.raises(archlab.SpecError, match=re.escape("4 heads do not divide d_model=65; none that does gives a multiple of n_kv_heads=2")):
+        archlab.load_spec(spec, ["d_model=65"])
 
 
 def test_heads_that_do_not_tile_the_width_are_allowed_with_their_head_dim_given():

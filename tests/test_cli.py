@@ -1210,7 +1210,7 @@ BAD_RUNS = [
     ("steps: 1\n", Tokenizer(WordLevel({}, unk_token="w0")).to_str(), None, "tokenizer.json' has no tokens"),  # was blamed on the prompt
     ("steps: 1\n", None, None, "the run's tokenizer is not at"),  # a run on text, its tokenizer gone
     ("steps: 1\n", WIDE_TOKENIZER, None, "tokenizer.json' has 300 tokens; the spec's vocab_size is 256"),
-    (RECALL, None, lambda t: torch.full_like(t, float("nan")), "step-00000001 holds non-finite weights (embed.weight"),
+    (RECALL, None, lambda t: torch.full_like(t, float("nan")), "step-00000001 is damaged (non-finite weights: embed.weight"),
     (RECALL, None, lambda t: t.long(), "does not fit this model (weights of another dtype: embed.weight: torch.int64, not torch.float32; head.weight: "),
     (RECALL, None, lambda t: t.half(), "weights of another dtype: embed.weight: torch.float16, not torch.float32; "),
 ]

@@ -1418,6 +1418,27 @@ def test_a_tokenizer_json_swapped_for_another_is_refused(cli, trained_on_text, t
     assert code == 0, stderr
 
 
+def test_non_finite_weights_are_refused_with_advice_each_command_can_follow(cli, trained_on_text, tmp_path):
+    """evaluate advised "give an earlier checkpoint folder", which it refuses (it scores a run's latest)."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    weights = run / "checkpoints/step-00000004/model.safetensors"
+    tensors = load_file(weights)
+    tensors["head.weight"][0, 0] = float("nan")
+    save_file(tensors, weights)
+    damaged = f"checkpoint {run / 'checkpoints/step-00000004'} is damaged (non-finite weights: head.weight)"
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1")
+    assert code == 1 and f"{damaged}; remove it to score the one before" in " ".join(stderr.split()), stderr
+    earlier = run / "checkpoints/step-00000002"
+    code, _, stderr = cli("generate", run, "--max-new-tokens", "2")
+    assert code == 1 and f"{damaged}; give the one before it, {earlier}" in " ".join(stderr.split()), stderr
+    assert cli("generate", earlier, "--max-new-tokens", "2")[0] == 0
+    shutil.move(run / "checkpoints/step-00000004", tmp_path / "removed")
+    assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1")[0] == 0
+
+
 def test_curves_names_metrics_that_are_no_regular_file(cli, trained_on_text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)

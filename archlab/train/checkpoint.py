@@ -194,13 +194,14 @@ def _check_hash(path: Path, info: dict, name: str, use: str = "resume") -> None:
 
 def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps
-    one. ``use``: what it was read for (``resume``, ``init`` or ``score``), which says how."""
+    one. ``use``: what it was read for (``resume``, ``init``, ``score`` or ``generate``), which says how."""
     step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
     earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     said = f"checkpoint {path} is damaged ({why})"
     if earlier:
         return CheckpointError(said + {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
-                                       "init": f"; give --init the one before it, {earlier[-1]}"}[use])
+                                       "init": f"; give --init the one before it, {earlier[-1]}",
+                                       "generate": f"; give the one before it, {earlier[-1]}"}[use])
     if use == "resume" and step is not None:
         return CheckpointError(f"{said}, and no checkpoint before it is kept: train the run again into a new --out (or remove"
                                " this one's checkpoints and metrics.jsonl)")
@@ -269,10 +270,11 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     return run_dir, found[-1]
 
 
-def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -> None:
+def load_weights(path: Path, model: torch.nn.Module, use: str = "generate", check_hash: bool = False) -> None:
     """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape;
-    ``check_hash``: checked against the hash its state.json records, where it has one (a run
-    fine-tuned from them would train on bytes changed on the disk in silence)."""
+    ``use``: what for (as ``damaged`` takes it); ``check_hash``: checked against the hash its
+    state.json records, where it has one (a run fine-tuned from them would train on bytes changed
+    on the disk in silence)."""
     try:
         if check_hash and (path / "state.json").is_file():
             _check_hash(path, info_of(path, "init"), "model.safetensors", "init")
@@ -281,7 +283,7 @@ def load_weights(path: Path, model: torch.nn.Module, check_hash: bool = False) -
         raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None
     broken = non_finite(model)
     if broken:  # generating from it would print garbage and succeed
-        raise CheckpointError(f"checkpoint {path} holds non-finite weights ({', '.join(broken[:3])}); give an earlier checkpoint folder")
+        raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}", use)
 
 
 def load_trained(path: str | Path):
@@ -290,8 +292,9 @@ def load_trained(path: str | Path):
     return latest_read(path, load_checkpoint)
 
 
-def load_checkpoint(run_dir: Path, used: Path):
-    """``load_trained`` of checkpoint ``used`` of the run ``run_dir``, as ``latest_read`` reads it."""
+def load_checkpoint(run_dir: Path, used: Path, use: str = "generate"):
+    """``load_trained`` of checkpoint ``used`` of the run ``run_dir``, as ``latest_read`` reads it;
+    ``use``: what for, as ``damaged`` takes it."""
     from archlab.model import build_model
     from archlab.spec import load_spec
 
@@ -300,9 +303,9 @@ def load_checkpoint(run_dir: Path, used: Path):
         model = build_model(spec)
     except NoRoom as exc:
         raise CheckpointError(f"{spec.name}, the model of {run_dir}, does not fit in memory here ({exc})") from None
-    load_weights(used, model)
+    load_weights(used, model, use)
     _say_an_edited_spec(run_dir / RUN_SPEC, spec, used)
-    return spec, model.eval(), used, trained_tokenizer(run_dir, used)
+    return spec, model.eval(), used, trained_tokenizer(run_dir, used, spec.vocab_size)
 
 
 def _say_an_edited_spec(file: Path, spec: ModelSpec, used: Path) -> None:
@@ -352,15 +355,27 @@ def _recorded_source(run_dir: Path) -> str | None:
 TOKENIZER_HASH = "tokenizer_blake2b"  # in state.json: a hash of the run's tokenizer.json as it trained
 
 
-def trained_tokenizer(run_dir: Path, used: Path) -> Path | None:
-    """``tokenizer_of(run_dir)``, refused where it is not the file checkpoint ``used`` trained with
-    (one of the same size from another run reads the run's ids as other text, in silence)."""
+def trained_tokenizer(run_dir: Path, used: Path, vocab_size: int) -> Path | None:
+    """``tokenizer_of(run_dir)``, refused where it does not load, and where it is not the file
+    checkpoint ``used`` trained with (another run's reads the run's ids as other text, in silence)."""
+    from archlab.train.data import DataError, load_tokenizer
+
     tokenizer = tokenizer_of(run_dir)
+    if tokenizer is not None:
+        try:
+            load_tokenizer(str(tokenizer), vocab_size)  # damage said as such, before the hash that damage changes
+        except DataError as exc:
+            raise CheckpointError(str(exc)) from None
+        check_tokenizer(used, tokenizer)
+    return tokenizer
+
+
+def check_tokenizer(used: Path, tokenizer: Path) -> None:
+    """A CheckpointError where ``tokenizer`` is not the file checkpoint ``used`` records training with."""
     wanted = recorded(used).get(TOKENIZER_HASH)
-    if tokenizer is not None and wanted is not None and wanted != file_hash(tokenizer):
+    if wanted is not None and wanted != file_hash(tokenizer):
         raise CheckpointError(f"{tokenizer} is not the tokenizer checkpoint {used} trained with (a hash of its bytes differs);"
                               " put back the run's own")
-    return tokenizer
 
 
 def tokenizer_of(run_dir: Path) -> Path | None:

@@ -112,7 +112,7 @@ class Loaded:
         scorable(run)
 
         def read(run_dir: Path, used: Path) -> tuple:  # the weights and the corpus they trained on, of one checkpoint
-            _, model, used, tokenizer = load_checkpoint(run_dir, used)
+            _, model, used, tokenizer = load_checkpoint(run_dir, used, "score")
             return model, used, tokenizer, info_of(used, "score").get("corpus")
 
         model, used, tokenizer, corpus = latest_read(run, read)

@@ -43,7 +43,7 @@ from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yam
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
-from archlab.train.data import (CORPUS_FILES, Batch, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, remove_advice,
+from archlab.train.data import (CORPUS_FILES, Batch, DataError, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, remove_advice,
                                 undo_tokenizing)
 
 
@@ -313,7 +313,7 @@ class Trainer:
         embeddings learned."""
         def read(run_dir: Path, used: Path) -> tuple[Path, Path]:
             try:
-                checkpoint.load_weights(used, self.model, check_hash=True)
+                checkpoint.load_weights(used, self.model, "init", check_hash=True)
             except checkpoint.WeightsDoNotFit as exc:
                 raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
                                                  f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None
@@ -322,13 +322,12 @@ class Trainer:
         run_dir, used = checkpoint.latest_read(init, read)  # of a run still training, its latest checkpoint whole
         data = self.cfg.data
         if tokenized(data.source):
-            theirs = checkpoint.trained_tokenizer(run_dir, used)
+            theirs = checkpoint.trained_tokenizer(run_dir, used, self.spec.vocab_size)
             if theirs is None:
                 if data.tokenizer is None:
                     raise TrainError(f"{run_dir} trained on token ids or a recall task, with no tokenizer to read"
                                      f" {data.source!r} as its ids meant; give data.tokenizer, the one its ids came from")
             elif data.tokenizer is None:
-                load_tokenizer(str(theirs), self.spec.vocab_size)  # one that does not load stops the start before it writes a file
                 data = data.model_copy(update={"tokenizer": absolute(str(theirs))})
             elif load_tokenizer(data.tokenizer, self.spec.vocab_size).to_str() != load_tokenizer(str(theirs), self.spec.vocab_size).to_str():
                 raise TrainError(f"data.tokenizer {data.tokenizer} is not the tokenizer of {run_dir} ({theirs}), whose"
@@ -361,8 +360,13 @@ class Trainer:
         if refusal:
             raise TrainError(refusal)
         trainer_state, info = checkpoint.load(latest, self.model)
-        if (self.run_dir / "tokenizer.json").is_file():  # else trained again from the text, its tokens then checked
-            checkpoint.trained_tokenizer(self.run_dir, latest)
+        own = self.run_dir / "tokenizer.json"
+        try:  # one that does not load (or is gone) is said as the data is prepared, with how to train one again
+            load_tokenizer(str(own), self.spec.vocab_size)
+        except DataError:
+            pass
+        else:
+            checkpoint.check_tokenizer(latest, own)
         self._refuse_another_spec(latest, info.get("spec"))
         self._refuse_another_config(latest, info.get("config"), resumable(bool(self.moe_layers)))
         self.resumed_corpus = info.get("corpus")  # absent from checkpoints written before they recorded it

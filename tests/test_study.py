@@ -239,11 +239,13 @@ def test_a_sqlite_storage_with_no_file_to_be_is_refused_before_the_corpus_is_tok
     """A folder, or a file in a folder not there: the first worker tokenized the corpus, then said
     SQLite's "unable to open database file"; the report said "no SQLite database" of the folder."""
     (tmp_path / "dbdir").mkdir()
-    for url, said in ((f"sqlite:///{tmp_path / 'dbdir'}", f"names a folder, {tmp_path / 'dbdir'}, not a SQLite database file"),
-                      (f"sqlite:///{tmp_path / 'nodir/x.db'}", f"there is no folder {tmp_path / 'nodir'} to hold its database; make it first")):
+    folder = f"names a folder, {tmp_path / 'dbdir'}, not a SQLite database file"
+    for url, said in ((f"sqlite:///{tmp_path / 'dbdir'}", {"run": folder, "report": folder}),
+                      (f"sqlite:///{tmp_path / 'nodir/x.db'}", {"run": f"there is no folder {tmp_path / 'nodir'} to hold its database; make it first",
+                                                               "report": f"no SQLite database {tmp_path / 'nodir/x.db'}"})):
         for command in ("run", "report"):
             code, _, stderr = cli("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
-            assert code == 1 and said in " ".join(stderr.split()), stderr
+            assert code == 1 and said[command] in " ".join(stderr.split()), stderr
         assert not (tmp_path / "out" / "data").exists() and not (tmp_path / "nodir").exists()
 
 

@@ -232,15 +232,24 @@ for _name, _method in vars(RDBStorage).items():  # the private ones too: optuna'
         setattr(WholeCallsStorage, _name, _whole(_method))
 
 
+def refuse_no_file_to_be(url: str, create: bool = True) -> None:
+    """A SQLite storage naming a folder, or (to be ``create``d) a file in a folder that is not
+    there, refused in words: SQLite says "unable to open database file", and a first worker says
+    it only once it has tokenized the corpus."""
+    database = _sqlite_database(url)
+    if database in (None, *IN_MEMORY) or database.startswith("file:"):  # not a path: a URI SQLite reads itself
+        return
+    if Path(database).is_dir():
+        raise StorageError(f"{shown(url)} names a folder, {database}, not a SQLite database file")
+    if create and not Path(database).parent.is_dir():
+        raise StorageError(f"{shown(url)}: there is no folder {Path(database).parent} to hold its database; make it first")
+
+
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
     """The study in the storage at ``url``; created there if ``create``, else it must be there
     already (a report of a study that never ran, or was renamed, would be an empty one)."""
     database = _sqlite_database(url)
-    if database not in (None, *IN_MEMORY) and not database.startswith("file:"):  # a path, not a URI SQLite reads itself
-        if Path(database).is_dir():  # said before a first worker tokenizes, not as SQLite's "unable to open database file" after
-            raise StorageError(f"{shown(url)} names a folder, {database}, not a SQLite database file")
-        if not Path(database).parent.is_dir():
-            raise StorageError(f"{shown(url)}: there is no folder {Path(database).parent} to hold its database; make it first")
+    refuse_no_file_to_be(url, create)
     if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
         raise NotThere(f"no SQLite database {database}; give the --storage the study ran with")
     if database in IN_MEMORY:
@@ -429,6 +438,7 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         try:
             optuna_study = open_study(study, url, grace_period, create=False)
         except NotThere:  # the first worker: created below, once nothing has refused the run
+            refuse_no_file_to_be(url)
             optuna_study = None
             refuse_earlier_trials(out, study.key, url)
         agreed = optuna_study and optuna_study.user_attrs.get("grace_period")  # the running workers'

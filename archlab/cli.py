@@ -733,14 +733,30 @@ def _check_paging(page_size: int | None, page_kernel: PageKernel) -> None:
                                  " serving stack uses 256)")
 
 
-def _check_plot_path(path: Path) -> None:
-    """Refuse a plot that could not be written, before the benchmark spends its time."""
+def _check_output(option: str, path: Path, suffix: str, what: str, ours: Callable[[bytes], bool]) -> None:
+    """Refuse a file the command writes (``option``'s ``path``) that could not be written, or that
+    would replace a file it did not write (``ours``: whether a file's first bytes are its own), before
+    the command spends its time."""
     if path.is_dir():
-        raise typer.BadParameter(f"--plot {path} is a folder; give a file in it, such as {path / 'plot.png'}")
-    if path.suffix.lower() != ".png":
-        raise typer.BadParameter(f"--plot {path}: the plot is a PNG; give a file name ending in .png")
+        raise typer.BadParameter(f"{option} {path} is a folder; give a file in it, such as {path / (what.split()[-1] + suffix)}")
+    if path.suffix.lower() != suffix:
+        raise typer.BadParameter(f"{option} {path}: the {what} is a {suffix} file; give a file name ending in {suffix}")
+    if path.is_file() and not ours(_first_bytes(path)):  # a README, notes, a photo: replaced by the command's output
+        raise typer.BadParameter(f"{option} {path} holds another file than a {what} archlab wrote; give a new file, or remove it first")
     if not path.parent.is_dir():
-        raise typer.BadParameter(f"--plot {path}: no folder {path.parent}")
+        raise typer.BadParameter(f"{option} {path}: no folder {path.parent}")
+
+
+def _first_bytes(path: Path) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(256)
+    except OSError:
+        return b""  # said when it is written
+
+
+def _check_plot_path(path: Path) -> None:
+    _check_output("--plot", path, ".png", "plot", lambda head: head.startswith(b"\x89PNG") and b"Matplotlib" in head)
 
 
 @app.command()
@@ -815,13 +831,8 @@ def cost(
     the others' rows still given; exit 1 if any was."""
 
     lengths = _lengths(seq_len, SHORTEST_TRAINING_LENGTH)
-    if doc is not None and not doc.is_dir() and doc.suffix.lower() != ".md":  # not a run's config.yaml, overwritten
-        raise typer.BadParameter(f"--doc {doc}: the cost page is markdown; give a file name ending in .md")
-    if doc is not None and doc.is_file() and not _is_cost_page(doc):  # a README, notes: replaced by an 11-line page
-        raise typer.BadParameter(f"--doc {doc} holds another page than a cost page `archlab cost --doc` wrote; give a new"
-                                 " file, or remove it first")
-    if doc is not None and not doc.is_dir() and not doc.parent.is_dir():  # refused before the specs are costed, as --plot is
-        raise typer.BadParameter(f"--doc {doc}: no folder {doc.parent}")
+    if doc is not None:  # not a run's config.yaml, a README or notes, overwritten with an 11-line page
+        _check_output("--doc", doc, ".md", "cost page", lambda head: head.decode(errors="replace").startswith(COST_PAGE_TITLE + "\n"))
     good, bad = _load_all(paths)
     if not good or (bad and doc is not None):  # a page of some of the specs would read as a page of them all
         raise typer.Exit(1)
@@ -1083,15 +1094,6 @@ def evaluate(
     if plot_path is not None:
         plot(rows, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)
-
-
-def _is_cost_page(path: Path) -> bool:
-    """Whether ``path`` is a cost page (``cost_doc``'s first line), which ``--doc`` may write over."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as page:
-            return page.readline().rstrip("\n") == COST_PAGE_TITLE
-    except OSError:
-        return False  # said when it is written
 
 
 def _scoring_device(name: str | None) -> torch.device:

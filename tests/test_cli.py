@@ -849,14 +849,16 @@ BAD_PATHS = [
     ("train data.cache unwritable", ["train", SPEC, "--out", "{run}", "--steps", "1", "--data", "{text}", "--set", "data.cache=/proc/archlab"], 1,
      "error: /proc/archlab: No such file or directory"),
     ("cost --doc in no folder", ["cost", SPEC, "--doc", "{dir}/absent/cost.md"], 2, "--doc {dir}/absent/cost.md: no folder {dir}/absent"),  # as --plot
-    ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 1, "error: {dir}: Is a directory"),
-    ("cost --doc the current folder", ["cost", SPEC, "--doc", "."], 1, "error: .: Is a directory"),  # a ValueError's traceback
-    ("cost --doc the folder above", ["cost", SPEC, "--doc", "{dir}/.."], 1, "error: {dir}/..: Is a directory"),
-    ("cost --doc not md", ["cost", SPEC, "--doc", "{file}"], 2, "--doc {file}: the cost page is markdown; give a file name ending in .md"),  # a run's config.yaml was overwritten
+    ("cost --doc a folder", ["cost", SPEC, "--doc", "{dir}"], 2, "--doc {dir} is a folder; give a file in it, such as {dir}/page.md"),  # said after the costs
+    ("cost --doc the current folder", ["cost", SPEC, "--doc", "."], 2, "--doc . is a folder"),  # a ValueError's traceback
+    ("cost --doc the folder above", ["cost", SPEC, "--doc", "{dir}/.."], 2, "--doc {dir}/.. is a folder"),
+    ("cost --doc not md", ["cost", SPEC, "--doc", "{file}"], 2, "--doc {file}: the cost page is a .md file; give a file name ending in .md"),  # a run's config.yaml was overwritten
     ("cost --doc as csv", ["cost", SPEC, "--doc", "{dir}/cost.md", "--format", "csv"], 2,
      "--doc writes a markdown page; --format csv goes with a table on stdout"),
     ("bench --plot in no folder", ["bench", SPEC, "--plot", "{dir}/absent/bench.png"], 2, "--plot {dir}/absent/bench.png: no folder {dir}/absent"),
-    ("bench --plot not png", ["bench", SPEC, "--plot", "{dir}/bench.txt"], 2, "the plot is a PNG; give a file name ending in .png"),
+    ("bench --plot not png", ["bench", SPEC, "--plot", "{dir}/bench.txt"], 2, "the plot is a .png file; give a file name ending in .png"),
+    ("bench --plot over another file", ["bench", SPEC, "--plot", "{png}"], 2,
+     "--plot {png} holds another file than a plot archlab wrote; give a new file, or remove it first"),  # replaced by the plot
     ("bench --plot a folder", ["bench", SPEC, "--plot", "{dir}"], 2, "--plot {dir} is a folder"),
     ("cost an empty folder", ["cost", "{dir}"], 1, "error: no spec files found in {dir}"),
     ("bench an empty folder", ["bench", "{dir}"], 1, "error: no spec files found in {dir}"),
@@ -870,7 +872,7 @@ def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
     notes = tmp_path / "notes.md"
     notes.write_text("# Notes\n\nkept\n")
     code, _, stderr = cli("cost", SPEC, "--seq-len", "1K", "--doc", notes)
-    assert code == 2 and f"--doc {notes} holds another page than a cost page `archlab cost --doc` wrote" in " ".join(stderr.split()), stderr
+    assert code == 2 and f"--doc {notes} holds another file than a cost page archlab wrote" in " ".join(stderr.split()), stderr
     assert notes.read_text() == "# Notes\n\nkept\n"
     page = tmp_path / "costs.md"
     for lengths in (["1K"], ["2K"]):  # written, then written over
@@ -893,14 +895,15 @@ def test_a_cost_page_the_disk_cannot_hold_leaves_the_page_that_was_there(cli, tm
 @pytest.mark.parametrize("args,code,message", [c[1:] for c in BAD_PATHS], ids=[c[0] for c in BAD_PATHS])
 def test_a_path_that_cannot_be_used_is_named(cli, tmp_path, args, code, message):
     paths = {"dir": tmp_path / "empty", "file": tmp_path / "file", "run": tmp_path / "run", "text": tmp_path / "corpus.txt",
-             "nowhere": tmp_path / "nowhere", "gone": tmp_path / "gone"}
+             "nowhere": tmp_path / "nowhere", "gone": tmp_path / "gone", "png": tmp_path / "notes.png"}
     paths["dir"].mkdir()
     paths["nowhere"].symlink_to(paths["gone"])
     paths["file"].write_text("kept\n")
+    paths["png"].write_text("kept\n")
     paths["text"].write_text("a small corpus\n" * 100)
     code_, _, stderr = cli(*expand(args, **paths))
     assert code_ == code and message.format(**paths) in stderr, stderr
-    assert paths["file"].read_text() == "kept\n" and not any(paths["dir"].iterdir())  # nothing there was touched
+    assert paths["file"].read_text() == paths["png"].read_text() == "kept\n" and not any(paths["dir"].iterdir())  # nothing there was touched
 
 
 # (the commands run in turn, each with what it must print); {spec}: a spec named x[/] in a folder br[/]x, {run}: a run

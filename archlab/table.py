@@ -43,7 +43,7 @@ def _cell(value) -> str:
         return f"{value:,.1f}" if abs(value) >= 10 else _three_digits(value)
     if isinstance(value, int):
         return f"{value:,}"
-    return str(value)
+    return str(value).replace("|", "\\|")  # a name holding | (a run's folder, a spec's name) would split the row
 
 
 def render(rows: list[dict], fmt: Format) -> str:
@@ -59,7 +59,7 @@ def render(rows: list[dict], fmt: Format) -> str:
         writer.writeheader()
         writer.writerows(rows)
         return out.getvalue()
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(map(_cell, columns)) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,6 @@
 """Analytic costs against the built model, torch's FLOP counter, the engine's cache and the paper."""
 
+import json
 import re
 
 import numpy as np
@@ -292,6 +293,21 @@ def test_the_readable_table_keeps_a_small_cache_visible():
     cells = dict(zip(*(line.strip("|").split(" | ") for line in render([readable(row)], Format.md).splitlines()[::2])))
     assert 0 < row.kv_local_bytes < 2**20 / 20
     assert float(cells["KV local MiB"]) == pytest.approx(row.kv_local_bytes / 2**20, rel=1e-2)
+
+
+def test_a_name_holding_a_pipe_keeps_its_markdown_row_whole(tmp_path, cli):
+    """A run folder or spec named x|y gave its row an extra column in every markdown table."""
+    from archlab.table import Format, render
+
+    rows = [{"spec": "a|b", "note|s": None, "params": 3}]
+    table = render(rows, Format.md)
+    assert table.splitlines()[0] == "| spec | note\\|s | params |" and table.splitlines()[2] == "| a\\|b | - | 3 |"
+    assert {len(re.split(r"(?<!\\)\|", line)) for line in table.splitlines()} == {5}  # four unescaped pipes on each line
+    assert "a|b" in render(rows, Format.csv) and json.loads(render(rows, Format.json))[0]["spec"] == "a|b"  # escaped in markdown alone
+    spec = tmp_path / "piped.yaml"
+    spec.write_text(f"extends: {ROOT / 'specs/tiny/yoco-u.yaml'}\nname: 'x|y'\n")
+    code, out, stderr = cli("cost", spec, "--seq-len", "64")
+    assert code in (0, None) and "| x\\|y |" in out, stderr
 
 
 @pytest.mark.parametrize(

@@ -1038,10 +1038,11 @@ def curves(
 
     if plot_path is not None:
         _check_plot_path(plot_path)
-    folders = runs if baseline is None or baseline in runs else [baseline, *runs]
+    given = runs if baseline is None or baseline.resolve() in {run.resolve() for run in runs} else [baseline, *runs]
+    folders = _each_once(given)
     try:
         read = [Run.read(folder, label) for folder, label in zip(folders, labels(folders))]
-        against = read[folders.index(baseline)] if baseline is not None else None
+        against = read[[folder.resolve() for folder in folders].index(baseline.resolve())] if baseline is not None else None
         rows = [run.row() | (run.against(against) if against else {}) for run in read]
         if plot_path is not None:
             plot(read, x, plot_path, against)
@@ -1100,6 +1101,14 @@ def _scoring_device(name: str | None) -> torch.device:
     return _check_device(name) if name is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _each_once(paths: list[Path]) -> list[Path]:
+    """``paths``, each folder once, by the first spelling given: r1, ./r1 and r1/ were three rows of one run."""
+    found: dict[Path, Path] = {}
+    for path in paths:
+        found.setdefault(path.resolve(), path)
+    return list(found.values())
+
+
 def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list],
                       check: Callable[[Path], object] = resolve) -> dict[str, list]:
     """``score(run, label)`` of each run, by its label; ``--data``, ``--plot`` and ``check`` of every
@@ -1112,7 +1121,7 @@ def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None
         raise typer.BadParameter("--data is empty; give a corpus, or leave it out for each run's held-out split")
     if plot_path is not None:
         _check_plot_path(plot_path)
-    scored, label = {}, None
+    scored, label, runs = {}, None, _each_once(runs)
     try:
         for run in runs:  # each path before any is scored
             check(run)

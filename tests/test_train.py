@@ -2274,6 +2274,16 @@ def test_a_fine_tuning_start_from_a_run_whose_checkpoint_is_removed_as_it_is_rea
     assert load_config(str(tmp_path / "tuned" / "config.yaml")).init == str(run / "checkpoints" / "step-00000004")
 
 
+def test_a_run_given_twice_is_one_row(cli, trained_on_text, monkeypatch):
+    """r1, ./r1 and r1/ were three identical rows (and lines on the plot) of curves and evaluate."""
+    monkeypatch.chdir(trained_on_text.parent)
+    spellings = [trained_on_text.name, f"./{trained_on_text.name}", f"{trained_on_text.name}/", str(trained_on_text)]
+    for command in (["curves", *spellings], ["curves", *spellings, "--baseline", f"./{trained_on_text.name}/"],
+                    ["evaluate", *spellings, "--seq-len", "32", "--last", "8", "--sequences", "1", "--format", "json"]):
+        code, out, stderr = cli(*command, *(["--format", "json"] if command[0] == "curves" else []))
+        assert code in (0, None) and [row["run"] for row in json.loads(out)] == [trained_on_text.name], (command, stderr)
+
+
 def test_curves_put_runs_side_by_side_as_their_metrics_logged_them(cli, trained_on_text, trained_on_mqar, tmp_path):
     code, out, stderr = cli("curves", trained_on_text, trained_on_mqar, "--format", "json", "--plot", tmp_path / "steps.png")
     assert code in (0, None), stderr

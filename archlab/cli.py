@@ -1060,6 +1060,7 @@ def curves(
 # 1e12 depths): far more than any measurement needs, refused as the command line's.
 MAX_SEQUENCES = 100_000
 MAX_DEPTHS = 1_000
+NAMED_DEPTHS = 5  # of the depths a needle could not be put near, those a notice names; the table has each
 
 
 @app.command()
@@ -1210,9 +1211,10 @@ def niah(
     for label, some in found.items():
         _say(summary(label, some))
         if far := misplaced(some):
-            _notice(f"{label}: the needle sits far from the depth asked at " + "; ".join(
-                f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far)
-                + ": a haystack this short has few lines to put it between; give longer lengths, or read `placed %`")
+            said = "; ".join(f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far[:NAMED_DEPTHS])
+            more = f"; and {len(far) - NAMED_DEPTHS:,} more depths" if len(far) > NAMED_DEPTHS else ""
+            _notice(f"{label}: the needle sits far from the depth asked at {said}{more}: a haystack this short has few lines to"
+                    " put it between; give longer lengths, or read `placed %`")
     if plot_path is not None:
         plot(found, plot_path)
         err.print(f"plot written to {plot_path}", markup=False)

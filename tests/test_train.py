@@ -2766,6 +2766,10 @@ def test_niah_scores_greedy_answers_and_their_loss_as_a_full_recompute_does(cli,
     assert "512 tokens" not in stderr  # refused before the line that begins a run's probes
     refused(cli("niah", trained_on_text, "--seq-len", "300"), "--seq-len 300: the question and the needle alone take")
     refused(cli("niah", trained_on_text, "--data", "README.md"), "--data is the text haystack; give --haystack text")
+    code, _, stderr = cli("niah", trained_on_text, "--seq-len", "512", "--depths", "40", "--sequences", "1", "--new-tokens", "12",
+                          "--batch", "64")  # a notice of some 40 KB named each of a thousand depths
+    notice = next(line for line in stderr.splitlines() if "the needle sits far from the depth asked" in line)
+    assert code in (0, None) and notice.count("% (placed at") == 5 and re.search(r"; and \d+ more depths: a haystack this short", notice), stderr
 
 
 def test_needles_placed_far_from_the_depth_asked_are_named_and_a_gain_of_nothing_has_no_sign():

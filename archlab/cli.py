@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -744,7 +745,13 @@ def _check_output(option: str, path: Path, suffix: str, what: str, ours: Callabl
     if path.is_file() and not ours(_first_bytes(path)):  # a README, notes, a photo: replaced by the command's output
         raise typer.BadParameter(f"{option} {path} holds another file than a {what} archlab wrote; give a new file, or remove it first")
     if not path.parent.is_dir():
-        raise typer.BadParameter(f"{option} {path}: no folder {path.parent}")
+        raise typer.BadParameter(f"{option} {path}: {path.parent} is not a folder" if path.parent.exists() else
+                                 f"{option} {path}: no folder {path.parent}")
+    try:  # a folder that takes no file (read-only, or /proc): said now, not once the work is done
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise typer.BadParameter(f"{option} {path}: no file can be written in {path.parent} ({exc.strerror})") from None
 
 
 def _first_bytes(path: Path) -> bytes:

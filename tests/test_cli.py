@@ -860,6 +860,9 @@ BAD_PATHS = [
     ("bench --plot over another file", ["bench", SPEC, "--plot", "{png}"], 2,
      "--plot {png} holds another file than a plot archlab wrote; give a new file, or remove it first"),  # replaced by the plot
     ("bench --plot a folder", ["bench", SPEC, "--plot", "{dir}"], 2, "--plot {dir} is a folder"),
+    ("bench --plot under a file", ["bench", SPEC, "--plot", "{file}/bench.png"], 2, "--plot {file}/bench.png: {file} is not a folder"),  # "no folder"
+    ("bench --plot where no file is made", ["bench", SPEC, "--plot", "/proc/bench.png"], 2,
+     "--plot /proc/bench.png: no file can be written in /proc"),  # said after the benchmark had run
     ("cost an empty folder", ["cost", "{dir}"], 1, "error: no spec files found in {dir}"),
     ("bench an empty folder", ["bench", "{dir}"], 1, "error: no spec files found in {dir}"),
     ("show a folder", ["show", "{dir}"], 1, "<file>: is a folder, not a YAML file"),

@@ -76,8 +76,8 @@ def scorable(run: Path) -> None:
     scored: a run's folder, holding the config.yaml that says what it held out."""
     resolve(run)
     if run.parent.name == "checkpoints":
-        raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says what data"
-                              " it held out (its latest checkpoint is scored)")
+        raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says how it"
+                              " trained (its latest checkpoint is scored)")
     if not (run / "config.yaml").is_file():
         raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
 

@@ -12,6 +12,7 @@ import math
 import numbers
 from abc import abstractmethod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args, get_origin
 
@@ -221,24 +222,29 @@ def round_up(n: int, multiple: int) -> int:
     return ceil_div(n, multiple) * multiple
 
 
-def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None, kv_heads: int = 1,
-                rope_theta: float | None = None) -> None:
+def check_heads(problems: Problems, d_model: int, n_heads: int, head_dim: int | None,
+                unfit: Callable[[int, int], str | None] = lambda heads, size: None) -> None:
     """Heads must tile the width when the head size is derived from it. The counts offered instead
-    are those this block can use too: a multiple of its ``kv_heads``, and under RoPE (``rope_theta``),
-    heads of an even size."""
+    are those the block can use too: ``unfit(heads, head size)`` says what one lacks (None: nothing)."""
     if head_dim is None and d_model % n_heads:
         small = [h for h in range(1, math.isqrt(d_model) + 1) if d_model % h == 0]  # not a loop over a huge width
         divisors = sorted({*small, *(d_model // h for h in small)})
-        usable = [n for n in divisors if n % kv_heads == 0 and (rope_theta is None or (d_model // n) % 2 == 0)]
-        needs = [*([f"a multiple of n_kv_heads={kv_heads}"] if kv_heads > 1 else []), *(["heads of an even size, for RoPE"] if rope_theta else [])]
+        lacking = {n: unfit(n, d_model // n) for n in divisors}
+        usable = [n for n, lack in lacking.items() if lack is None]
+        needs = " and ".join(dict.fromkeys(lack for lack in lacking.values() if lack is not None))
         offered = (f"allowed: one of {usable[:12]}" + (" ..." if len(usable) > 12 else "") + ", or set head_dim explicitly" if usable
-                   else f"none that does gives {' and '.join(needs)}: set head_dim explicitly")
+                   else f"none that does suits this block, which needs {needs}: set head_dim explicitly")
         problems.at("n_heads").add(f"{n_heads} heads do not divide d_model={d_model}; {offered}")
+
+
+def odd_under_rope(ctx: BuildContext, head_size: int) -> str | None:
+    """What a head of ``head_size`` lacks under RoPE, which turns its channels in pairs (None: nothing)."""
+    return "an even head size, for RoPE" if ctx.rope_theta is not None and head_size % 2 else None
 
 
 def check_rope_head_dim(problems: Problems, ctx: BuildContext, n_heads: int, head_dim: int, given: bool) -> None:
     """RoPE turns a head's channels in pairs: under it, a head's size must be even. One derived from
     d_model is said to be, as the spec does not give it."""
-    if ctx.rope_theta is not None and head_dim % 2:
+    if odd_under_rope(ctx, head_dim):
         derived = "" if given else f" (d_model={ctx.d_model} // n_heads={n_heads}); set head_dim, or n_heads that leave it even"
         problems.at("head_dim").add(f"RoPE needs an even head_dim, got {head_dim}{derived}")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, odd_under_rope
 from archlab.ops.attention import append_kv, attend, attention_pairs, band_mask, causal_kernels, local_attend, with_prefix, write_rows
 from archlab.ops.dispatch import Kernels
 from archlab.rope import Rotary
@@ -41,7 +41,9 @@ class AttentionSpec(BlockSpec):
         return self.n_heads, self.n_kv_heads or self.n_heads, self.head_dim or d_model // self.n_heads
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
-        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim, self.n_kv_heads or 1, ctx.rope_theta)
+        kv = self.n_kv_heads or 1
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim,
+                    lambda heads, size: f"n_heads a multiple of n_kv_heads={kv}" if heads % kv else odd_under_rope(ctx, size))
         heads, kv_heads, head_dim = self.shape(ctx.d_model)
         if heads % kv_heads:
             problems.at("n_kv_heads").add(f"n_kv_heads={kv_heads} must divide n_heads={heads}")

@@ -36,7 +36,8 @@ class GatedDeltaNetSpec(BlockSpec):
         return head_dim, int(head_dim * self.expand_v)
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
-        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim)
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim,
+                    lambda heads, size: None if (size * self.expand_v) % 1 == 0 else "expand_v * head_dim a whole number")
         value = self.dims(ctx.d_model)[0] * self.expand_v
         if value % 1:
             problems.at("expand_v").add(f"expand_v * head_dim = {value} must be a whole number")

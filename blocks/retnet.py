@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, round_up
+from archlab.block import BlockSpec, BuildContext, Flops, MixerInput, Problems, Size, check_heads, check_rope_head_dim, odd_under_rope, round_up
 from archlab.ops.common import float32_or_wider, gated_head_output, linear_recurrence
 from archlab.ops.dispatch import Kernels, check_chunk_size
 from archlab.rope import Rotary
@@ -33,7 +33,7 @@ class RetentionSpec(BlockSpec):
         return head_dim, self.value_dim or 2 * head_dim
 
     def check(self, ctx: BuildContext, problems: Problems) -> None:
-        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim, rope_theta=ctx.rope_theta)
+        check_heads(problems, ctx.d_model, self.n_heads, self.head_dim, lambda heads, size: odd_under_rope(ctx, size))
         check_rope_head_dim(problems, ctx, self.n_heads, self.dims(ctx.d_model)[0], given=self.head_dim is not None)
         check_chunk_size(problems, "chunk_simple_gla" if self.gated else "chunk_retention", self.chunk_size, self.backend)
 

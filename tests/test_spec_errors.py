@@ -1,6 +1,5 @@
 """Malformed specs get a precise message: file, field path, what is wrong, what is allowed."""
 
-import re
 import textwrap
 
 import pytest
@@ -425,21 +424,21 @@ def test_heads_that_do_not_tile_the_width_list_its_smallest_divisors(d_model, di
     assert f"allowed: one of {divisors}{' ...' if more else ''}, or set head_dim explicitly" in problem.msg
 
 
-def test_the_head_counts_offered_are_those_the_block_can_use():
-    """d_model=65 offered [1, 5, 13, 65]: with 2 K,V heads and RoPE, each of them failed again."""
-    from archlab.block import Problems, check_heads
-
-    for d_model, kv_heads, offered in [(96, 2, "allowed: one of [2, 4, 6, 8, 12, 16, 24, 48], or set head_dim explicitly"),
-                                       (66, 2, "none that does gives a multiple of n_kv_heads=2 and heads of an even size, for RoPE:"
-                                               " set head_dim explicitly"),
-                                       (65, 1, "none that does gives heads of an even size, for RoPE: set head_dim explicitly")]:
-        problems = Problems()
-        check_heads(problems, d_model, 5 if d_model % 5 else 7, None, kv_heads, rope_theta=10_000.0)
-        (problem,) = problems.found
-        assert problem.msg.endswith(offered), problem.msg
-    spec = ROOT / "specs" / "tiny" / "yoco-u.yaml"
-    with pytest.raises(archlab.SpecError, match=re.escape("4 heads do not divide d_model=65; none that does gives a multiple of n_kv_heads=2")):
-        archlab.load_spec(spec, ["d_model=65"])
+@pytest.mark.parametrize("spec,changes,said", [
+    # d_model=65 offered [1, 5, 13, 65]: with 2 K,V heads and RoPE, each of them failed again
+    ("yoco-u.yaml", ["d_model=65"], "4 heads do not divide d_model=65; none that does suits this block, which needs n_heads a multiple"
+                                    " of n_kv_heads=2: set head_dim explicitly"),  # 65's divisors are all odd
+    ("yoco-u.yaml", ["d_model=66"], "4 heads do not divide d_model=66; none that does suits this block, which needs n_heads a multiple"
+                                    " of n_kv_heads=2 and an even head size, for RoPE: set head_dim explicitly"),  # 2, 6, 22, 66: heads of 33, 11, 3, 1
+    ("yoco-u.yaml", ["d_model=96", "layout.self_decoder.blocks.0.n_heads=5"],
+     "allowed: one of [2, 4, 6, 8, 12, 16, 24, 48], or set head_dim explicitly"),  # 32 heads of 3 channels: odd
+    ("yoco-u-gdn.yaml", ["d_model=96", "layout.self_decoder.blocks.0.n_heads=5", "layout.self_decoder.blocks.0.expand_v=1.5"],
+     "allowed: one of [1, 2, 3, 4, 6, 8, 12, 16, 24, 48], or set head_dim explicitly"),  # 32 heads of 3: value heads of 4.5
+])
+def test_the_head_counts_offered_are_those_the_block_can_use(spec, changes, said):
+    with pytest.raises(archlab.SpecError) as raised:
+        archlab.load_spec(ROOT / "specs" / "tiny" / spec, changes)
+    assert said in str(raised.value), raised.value
 
 
 def test_heads_that_do_not_tile_the_width_are_allowed_with_their_head_dim_given():

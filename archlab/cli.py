@@ -742,7 +742,7 @@ def _check_output(option: str, path: Path, suffix: str, what: str, ours: Callabl
         raise typer.BadParameter(f"{option} {path} is a folder; give a file in it, such as {path / (what.split()[-1] + suffix)}")
     if path.suffix.lower() != suffix:
         raise typer.BadParameter(f"{option} {path}: the {what} is a {suffix} file; give a file name ending in {suffix}")
-    if path.is_file() and not ours(_first_bytes(path)):  # a README, notes, a photo: replaced by the command's output
+    if path.is_file() and (head := _first_bytes(path)) is not None and not ours(head):  # a README, notes, a photo
         raise typer.BadParameter(f"{option} {path} holds another file than a {what} archlab wrote; give a new file, or remove it first")
     if not path.parent.is_dir():
         raise typer.BadParameter(f"{option} {path}: {path.parent} is not a folder" if path.parent.exists() else
@@ -754,12 +754,13 @@ def _check_output(option: str, path: Path, suffix: str, what: str, ours: Callabl
         raise typer.BadParameter(f"{option} {path}: no file can be written in {path.parent} ({exc.strerror})") from None
 
 
-def _first_bytes(path: Path) -> bytes:
+def _first_bytes(path: Path) -> bytes | None:
+    """The first bytes of ``path``; None where it cannot be read (whether it may be written over is said when it is)."""
     try:
         with open(path, "rb") as f:
             return f.read(256)
     except OSError:
-        return b""  # said when it is written
+        return None
 
 
 def _check_plot_path(path: Path) -> None:
@@ -839,7 +840,7 @@ def cost(
 
     lengths = _lengths(seq_len, SHORTEST_TRAINING_LENGTH)
     if doc is not None:  # not a run's config.yaml, a README or notes, overwritten with an 11-line page
-        _check_output("--doc", doc, ".md", "cost page", lambda head: head.decode(errors="replace").startswith(COST_PAGE_TITLE + "\n"))
+        _check_output("--doc", doc, ".md", "cost page", lambda head: head.decode(errors="replace").splitlines()[:1] == [COST_PAGE_TITLE])
     good, bad = _load_all(paths)
     if not good or (bad and doc is not None):  # a page of some of the specs would read as a page of them all
         raise typer.Exit(1)
@@ -1045,11 +1046,11 @@ def curves(
 
     if plot_path is not None:
         _check_plot_path(plot_path)
-    given = runs if baseline is None or baseline.resolve() in {run.resolve() for run in runs} else [baseline, *runs]
+    given = runs if baseline is None or _real(baseline) in map(_real, runs) else [baseline, *runs]
     folders = _each_once(given)
     try:
         read = [Run.read(folder, label) for folder, label in zip(folders, labels(folders))]
-        against = read[[folder.resolve() for folder in folders].index(baseline.resolve())] if baseline is not None else None
+        against = read[[_real(folder) for folder in folders].index(_real(baseline))] if baseline is not None else None
         rows = [run.row() | (run.against(against) if against else {}) for run in read]
         if plot_path is not None:
             plot(read, x, plot_path, against)
@@ -1111,10 +1112,15 @@ def _scoring_device(name: str | None) -> torch.device:
 
 def _each_once(paths: list[Path]) -> list[Path]:
     """``paths``, each folder once, by the first spelling given: r1, ./r1 and r1/ were three rows of one run."""
-    found: dict[Path, Path] = {}
+    found: dict[str, Path] = {}
     for path in paths:
-        found.setdefault(path.resolve(), path)
+        found.setdefault(_real(path), path)
     return list(found.values())
+
+
+def _real(path: Path) -> str:
+    """Where ``path`` leads; a link in a loop, which Path.resolve raises on, is taken as it is (and refused as no run)."""
+    return os.path.realpath(path)
 
 
 def _each_trained_run(runs: list[Path], data: str | None, plot_path: Path | None, score: Callable[[Path, str], list],
@@ -1219,7 +1225,7 @@ def niah(
         _say(summary(label, some))
         if far := misplaced(some):
             said = "; ".join(f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far[:NAMED_DEPTHS])
-            more = f"; and {len(far) - NAMED_DEPTHS:,} more depths" if len(far) > NAMED_DEPTHS else ""
+            more = f"; and {len(far) - NAMED_DEPTHS:,} more" if len(far) > NAMED_DEPTHS else ""
             _notice(f"{label}: the needle sits far from the depth asked at {said}{more}: a haystack this short has few lines to"
                     " put it between; give longer lengths, or read `placed %`")
     if plot_path is not None:

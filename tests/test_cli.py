@@ -881,6 +881,8 @@ def test_cost_doc_writes_over_a_cost_page_alone(cli, tmp_path):
     for lengths in (["1K"], ["2K"]):  # written, then written over
         assert cli("cost", SPEC, "--seq-len", *lengths, "--doc", page)[0] in (0, None)
     assert "| 2,048 |" in page.read_text() and "| 1,024 |" not in page.read_text()
+    page.write_bytes(page.read_bytes().replace(b"\n", b"\r\n"))  # checked out with CRLF line ends: still a cost page
+    assert cli("cost", SPEC, "--seq-len", "1K", "--doc", page)[0] in (0, None)
 
 
 def test_a_cost_page_the_disk_cannot_hold_leaves_the_page_that_was_there(cli, tmp_path):

@@ -1439,13 +1439,37 @@ def test_non_finite_weights_are_refused_with_advice_each_command_can_follow(cli,
     assert cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1")[0] == 0
 
 
-def test_curves_names_metrics_that_are_no_regular_file(cli, trained_on_text, tmp_path):
+@pytest.mark.parametrize("name", ["metrics.jsonl", "environment.yaml"])
+def test_curves_names_the_run_file_that_is_no_regular_file(cli, trained_on_text, tmp_path, name):
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)
-    (run / "metrics.jsonl").unlink()
-    (run / "metrics.jsonl").symlink_to(os.devnull)
+    (run / name).unlink()
+    (run / name).symlink_to(os.devnull)
     code, _, stderr = cli("curves", run)
-    assert code == 1 and f"{run / 'metrics.jsonl'} is not a regular file (a FIFO, a device or a socket)" in " ".join(stderr.split()), stderr
+    assert code == 1 and f"{run / name} is not a regular file (a FIFO, a device or a socket)" in " ".join(stderr.split()), stderr
+
+
+def test_a_run_folder_that_is_a_link_in_a_loop_is_refused_in_words(cli, tmp_path):
+    """Taking each run once resolved its path first, which raises on a loop: a traceback."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    code, _, stderr = cli("evaluate", loop, "--seq-len", "32")
+    assert code == 1 and f"{loop} is not a training run with a checkpoint" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_shared_caches_tokenizer_copy_that_does_not_load_stops_a_resume(cli, tmp_path):
+    """The data's checks read the cache's tokenizer, not the run's copy: the resume trained on and
+    recorded the damaged copy's hash, and generate then refused the right one put back."""
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    shared = ["--set", f"data.cache={cache}", *SMALL]
+    assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *shared, "--steps", "2")[0] in (0, None)
+    (run / "tokenizer.json").write_text("garbage")
+    stderr = " ".join(refused_untouched(cli, run).split())
+    assert "it is the run's copy of data.cache's tokenizer: remove it, and the resume copies the cache's again" in stderr, stderr
+    (run / "tokenizer.json").unlink()
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--resume", "--steps", "4")
+    assert code in (0, None) and (run / "tokenizer.json").read_bytes() == (cache / "tokenizer.json").read_bytes(), stderr
+    assert cli("generate", run, "--max-new-tokens", "2")[0] in (0, None)
 
 
 def test_a_run_keeps_each_setting_it_trained_in_from_the_step_it_began_at(cli, trained_on_text, tmp_path):
@@ -2465,7 +2489,7 @@ def test_evaluate_names_what_it_cannot_score(cli, trained_on_text, tmp_path):
                                                                       f" {held_out + 1:,} a window of {held_out:,}"),
                            ([trained_on_text, "--seq-len", "16", "64", "--last", "32"], "--last 32 is longer than the shortest length, 16"),
                            ([tmp_path, "--seq-len", "64"], f"{tmp_path} is not a training run with a checkpoint"),
-                           ([configless, "--seq-len", "64"], "has no config.yaml, which says what data it held out"),
+                           ([configless, "--seq-len", "64"], "has no config.yaml, which says how it trained"),
                            ([checkpoints(trained_on_text)[-1], "--seq-len", "64"],
                             f"{checkpoints(trained_on_text)[-1]} is a checkpoint; give its run's folder, {trained_on_text}, whose")):
         refused(cli("evaluate", *args), fragment)

@@ -280,7 +280,7 @@ def load_weights(path: Path, model: torch.nn.Module, use: str = "generate", chec
             _check_hash(path, info_of(path, "init"), "model.safetensors", "init")
         _load_weights(path, model)
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:  # ValueError: a state.json that is not JSON
-        raise CheckpointError(f"checkpoint {path} is damaged ({type(exc).__name__}: {exc})") from None
+        raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     broken = non_finite(model)
     if broken:  # generating from it would print garbage and succeed
         raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}", use)

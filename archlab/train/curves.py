@@ -93,8 +93,8 @@ class Run:
             records = read_metrics(file)[0]
         except SettingsError as exc:
             raise RunError(f"{exc}; mend or remove it") from None
-        except OSError as exc:  # a FIFO, a folder or a link to nothing in its place, or unreadable
-            raise RunError(f"{file} {exc.strerror}") from None
+        except OSError as exc:  # a FIFO, a folder or a link to nothing in the place of one of its files, or unreadable
+            raise RunError(f"{exc.filename or file} {exc.strerror}") from None
         return cls(label, folder, records, settings)
 
     def setting(self) -> str:

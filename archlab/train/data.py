@@ -714,6 +714,8 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         made_from = json.loads(regular(cache / "corpus.json").read_text())
     except (ValueError, RecursionError):  # not JSON, or JSON nested past Python's limit: no record of what it was made from
         made_from = None
+    except OSError as exc:  # a FIFO, a folder or a link to nothing in its place
+        raise _damaged_corpus(cache, f"its corpus.json {exc.strerror}") from None
     try:  # paths an older run recorded relative mean what they meant from here
         made_from |= {"source": anchored_source(made_from["source"]), "tokenizer": absolute(made_from["tokenizer"])}
     except (TypeError, KeyError, AttributeError):

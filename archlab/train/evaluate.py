@@ -79,7 +79,7 @@ def scorable(run: Path) -> None:
         raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says how it"
                               " trained (its latest checkpoint is scored)")
     if not (run / "config.yaml").is_file():
-        raise EvaluationError(f"{run} has no config.yaml, which says what data it held out; restore it to score the run")
+        raise EvaluationError(f"{run} has no config.yaml, which says how it trained; restore it to score the run")
 
 
 def _say_an_earlier_step(run: Path, used: Path) -> None:

@@ -361,10 +361,12 @@ class Trainer:
             raise TrainError(refusal)
         trainer_state, info = checkpoint.load(latest, self.model)
         own = self.run_dir / "tokenizer.json"
-        try:  # one that does not load (or is gone) is said as the data is prepared, with how to train one again
+        try:  # in the run's folder, one that does not load (or is gone) is said as the data is prepared, with how to train one again
             load_tokenizer(str(own), self.spec.vocab_size)
-        except DataError:
-            pass
+        except DataError as exc:
+            if self.cfg.data.cache and own.exists():  # a copy of a shared cache's, which the data's checks do not read
+                raise TrainError(f"{exc}; it is the run's copy of data.cache's tokenizer: remove it, and the resume copies the"
+                                 " cache's again") from None
         else:
             checkpoint.check_tokenizer(latest, own)
         self._refuse_another_spec(latest, info.get("spec"))

@@ -748,8 +748,7 @@ def _check_output(option: str, path: Path, suffix: str, what: str, ours: Callabl
         raise typer.BadParameter(f"{option} {path}: {path.parent} is not a folder" if path.parent.exists() else
                                  f"{option} {path}: no folder {path.parent}")
     try:  # a folder that takes no file (read-only, or /proc): said now, not once the work is done
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
+        tempfile.TemporaryFile(dir=path.parent).close()
     except OSError as exc:
         raise typer.BadParameter(f"{option} {path}: no file can be written in {path.parent} ({exc.strerror})") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import json
 import math
 import os
@@ -530,12 +531,19 @@ class Trainer:
             state = {"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
             info = {"tokens": step * self.tokens_per_step, "corpus": data.fingerprint, "spec": self.spec.model_dump(mode="json"),
                     "config": self.cfg.model_dump(mode="json")}
-            if (tokenizer := self.run_dir / "tokenizer.json").is_file():  # the run's own, which reads its text back
-                info[checkpoint.TOKENIZER_HASH] = checkpoint.file_hash(tokenizer)
+            if self._tokenizer_hash is not None:
+                info[checkpoint.TOKENIZER_HASH] = self._tokenizer_hash
             checkpoint.save(self.run_dir, step, self.model, state, info, self.cfg.keep_checkpoints)
 
         self.world.from_main(save)
         return checkpoint.folder(self.run_dir, step)
+
+    @functools.cached_property
+    def _tokenizer_hash(self) -> str | None:
+        """A hash of the run's own tokenizer.json, which reads its text back; hashed at the first
+        save, once the data is ready, and not again: it does not change while the run trains."""
+        own = self.run_dir / "tokenizer.json"
+        return checkpoint.file_hash(own) if own.is_file() else None
 
     @property
     def data_dir(self) -> Path:

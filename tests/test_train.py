@@ -2435,6 +2435,33 @@ def test_windows_past_every_place_in_the_split_are_each_place_once_found_at_once
     assert torch.equal(windows(tokens, [8], 33)[8].inputs, every.inputs)  # one more than there are places: the same
 
 
+def test_windows_whose_scored_tokens_overlap_say_how_many_distinct_tokens_they_are():
+    """evaluate's "tokens scored" counts a token once for each window whose last tokens hold it; with
+    windows closer together than that, it said more tokens than the split has, without a word."""
+    from archlab.train.evaluate import windows
+
+    tokens = np.arange(200)  # tokens that are their own positions: a window's targets say where they are
+    for sequences, overlapping in ((11, False), (12, True), (40, True)):  # ends 167 / (sequences - 1) apart
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            found = windows(tokens, [16, 32], sequences, last=16)
+        for length, batch in found.items():
+            assert batch.mask.sum(1).tolist() == [16] * sequences and not batch.mask[:, : length - 16].any()
+        distinct = len(set(found[32].targets[found[32].mask].tolist()))
+        assert (distinct < 16 * sequences) == overlapping
+        assert [str(w.message) for w in said] == ([f"the last 16 tokens of the {sequences} windows overlap: they are {distinct} distinct"
+                                                   f" tokens of the held-out split, not {16 * sequences}; --sequences 11 or fewer"
+                                                   " scores each once"] if overlapping else [])
+
+
+def test_evaluate_says_when_its_windows_score_tokens_more_than_once(cli, trained_on_text):
+    code, _, stderr = cli("evaluate", trained_on_text, "--seq-len", "32", "--last", "16", "--sequences", "2000")
+    assert code in (0, None), stderr
+    assert "windows overlap: they are" in stderr and "distinct tokens of the held-out split" in stderr
+    code, _, stderr = cli("evaluate", trained_on_text, "--seq-len", "32", "--last", "16", "--sequences", "3")
+    assert code in (0, None) and "overlap" not in stderr, stderr
+
+
 def test_evaluate_scores_the_same_last_tokens_given_each_length_of_context(cli, trained_on_text, tmp_path):
     from archlab.train.checkpoint import load_trained
     from archlab.train.evaluate import evaluate, windows

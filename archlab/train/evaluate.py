@@ -35,24 +35,39 @@ class EvaluationError(Exception):
 
 
 def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = "the held-out split",
-            counted: np.ndarray | None = None) -> dict[int, Batch]:
+            counted: np.ndarray | None = None, last: int | None = None) -> dict[int, Batch]:
     """For each length L, ``sequences`` windows of L input tokens and their next tokens, ending at
     the same positions for every length: evenly spread over ``tokens`` as far as the longest allows
     (fewer where the split has fewer distinct places to end). With ``counted`` (beside the tokens:
-    the responses of examples), the windows' targets count where it says."""
+    the responses of examples), the windows' targets count where it says; with ``last``, only
+    among their last ``last`` targets, and a notice says where those overlap."""
     longest = max(lengths)
     if len(tokens) < longest + 1:
         raise EvaluationError(f"{what} has {len(tokens):,} tokens, fewer than the {longest + 1:,} a window of"
                               f" {longest:,} and its next token need; give lengths up to {len(tokens) - 1:,}")
-    last = len(tokens) - 1  # the last position a window's next token may reach
-    sequences = min(sequences, last - longest + 1)  # past that, every place is taken: the same ends, without a loop over the rest
-    ends = sorted({longest + i * (last - longest) // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
+    span = len(tokens) - 1 - longest  # from the first place a window's input may end to the last
+    sequences = min(sequences, span + 1)  # past that, every place is taken: the same ends, without a loop over the rest
+    ends = sorted({longest + i * span // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
+    if last is not None:
+        _say_overlap(ends, last, span, what)
     found = {}
     for length in lengths:
         rows = torch.from_numpy(np.stack([np.asarray(tokens[end - length : end + 1], dtype=np.int64) for end in ends]))
         mask = None if counted is None else torch.from_numpy(np.stack([counted[end - length + 1 : end + 1] for end in ends]))
+        if last is not None:
+            in_last = torch.arange(length) >= length - last  # of each window's targets
+            mask = in_last.repeat(len(ends), 1) if mask is None else mask & in_last
         found[length] = Batch(rows[:, :-1], rows[:, 1:], mask)
     return found
+
+
+def _say_overlap(ends: list[int], last: int, span: int, what: str) -> None:
+    """A notice where windows end closer together than ``last`` tokens: a token is then scored in
+    more than one window (each time after another context), and "tokens scored" counts it each time."""
+    distinct = last + sum(min(last, end - before) for before, end in zip(ends, ends[1:]))
+    if distinct < last * len(ends):
+        warnings.warn(f"the last {last:,} tokens of the {len(ends):,} windows overlap: they are {distinct:,} distinct tokens of {what},"
+                      f" not {last * len(ends):,}; --sequences {span // last + 1:,} or fewer scores each once", stacklevel=3)
 
 
 @dataclass
@@ -134,9 +149,10 @@ class Loaded:
         accuracy is then scored too, as training's evaluations do."""
         return self.recall or holds_examples(self.source)
 
-    def sequences(self, lengths: list[int], sequences: int) -> dict[int, Batch]:
+    def sequences(self, lengths: list[int], sequences: int, last: int | None = None) -> dict[int, Batch]:
         """For each length, ``sequences`` windows of the held-out split (or of all of ``data``, read
-        with the run's tokenizer) ending at the same tokens; on a recall task, fresh sequences."""
+        with the run's tokenizer) ending at the same tokens, counting their ``last`` targets (None:
+        all); on a recall task, fresh sequences, counting their answers."""
         if self.recall:
             vocab, seed = self.model.spec.vocab_size, self.config.seed
             tasks = {n: RecallTask(self.source, vocab, n, seed) for n in lengths}
@@ -146,7 +162,7 @@ class Loaded:
                                       " put the run's data back, or give --data to score other data")
             return {n: task.batch("val", 0, sequences) for n, task in tasks.items()}
         tokens, counted, what = self.stream()
-        return windows(tokens, lengths, sequences, what, counted)
+        return windows(tokens, lengths, sequences, what, counted, last)
 
     def stream(self) -> tuple[np.ndarray, np.ndarray | None, str]:
         """The held-out split's tokens (or all of ``data``'s, read with the run's tokenizer), which
@@ -181,9 +197,7 @@ def evaluate(run: Path, lengths: list[int], last: int, sequences: int, device: t
     if not loaded.recall and last > min(lengths):
         raise EvaluationError(f"--last {last:,} is longer than the shortest length, {min(lengths):,}: every length scores the same"
                               " last tokens")
-    batches = loaded.sequences(lengths, sequences)
-    if not loaded.recall:
-        batches = {n: _last_only(windows, last) for n, windows in batches.items()}
+    batches = loaded.sequences(lengths, sequences, last)
     model, autocast = loaded.on(device)
     found = []
     with torch.no_grad(), autocast:
@@ -218,13 +232,6 @@ def continuation_scores(model: Model, sequences: list[list[int]], scored: list[i
     hidden = model.hidden(inputs.to(device))
     return [scores(hidden[row, len(sequence) - 1 - n : len(sequence) - 1], model.head.weight,
                    torch.tensor(sequence[len(sequence) - n :], device=device)).tolist() for row, (sequence, n) in enumerate(zip(sequences, scored))]
-
-
-def _last_only(batch: Batch, last: int) -> Batch:
-    """The batch with only its last ``last`` positions counted (of those it counts)."""
-    mask = torch.zeros_like(batch.targets, dtype=torch.bool)
-    mask[:, -last:] = True
-    return Batch(batch.inputs, batch.targets, mask if batch.mask is None else mask & batch.mask)
 
 
 def plot(rows: list[dict], path: Path) -> None:

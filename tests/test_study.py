@@ -938,17 +938,23 @@ def test_a_loss_studys_report_gives_the_chosen_rates_accuracy_and_a_dash_where_a
 
 
 def test_a_reports_flops_and_cache_columns_are_the_cost_tables_own(tmp_path):
-    """Each row's training FLOPs are a step's (per token x batch x sequence length) times its steps,
-    and its cache column the whole cache, global and local, at the report's length: the
-    comparisons between variants scale them all alike, so a dropped factor shows only here."""
+    """Each row's training FLOPs are a step's (a sequence's x batch) times its steps, and its cache
+    column the whole cache, global and local, at the report's length: the comparisons between
+    variants scale them all alike, so a dropped factor shows only here. At 17 tokens a sequence's
+    FLOPs are not a whole number of FLOPs a token: they were rounded down to one, unlike the
+    budgets that set the steps."""
     from archlab.table import MIB, si, tokens_label
 
-    study = load_study(str(mini(tmp_path, "columns")))
+    path = mini(tmp_path, "columns")
+    definition = yaml.safe_load(path.read_text())
+    definition["scales"]["tiny"]["train"]["seq_len"] = 17
+    path.write_text(yaml.safe_dump(definition))
+    study = load_study(str(path))
     trials = [finished("yoco", 0, 0, 3.0, 0.002), finished("yoco-u", 0, 0, 2.9, 0.002)]
     n = study.definition.report_seq_len
     for row in summarize(study, trials):
         cost = Cost(study.specs[row["variant"]])
-        per_step = sum(cost.forward_flops(32).values()) * 3 // 32 * 4 * 32  # batch 4 of 32 tokens
+        per_step = sum(cost.forward_flops(17).values()) * 3 * 4  # batch 4 of 17 tokens
         assert row["train FLOPs"] == per_step * 4  # 4 steps
         assert readable(row, maximize=False)["train FLOPs"] == si(per_step * 4)
         size = cost.cache_bytes(n)
@@ -1026,7 +1032,7 @@ def test_a_report_compares_each_variant_with_the_baseline_at_its_loss_and_at_its
     yoco, yoco_u = summarize(study, trials)
     target = 2.1  # yoco's mean last loss; yoco-u's mean curve is 2.5 at step 2, 1.5 at step 4
     assert yoco_u["share of baseline tokens"] == pytest.approx((2 + 2 * (2.5 - target) / (2.5 - 1.5)) / 4)  # 0.7
-    per_step = {v: Cost(spec).train_flops_per_token(32) * 4 * 32 for v, spec in study.specs.items()}
+    per_step = {v: Cost(spec).train_flops_per_sequence(32) * 4 for v, spec in study.specs.items()}
     at = 4 * per_step["yoco"] / per_step["yoco-u"]  # the step at which yoco-u has spent yoco's FLOPs: between 2 and 4
     assert 2 < at < 4 and yoco_u["vs baseline at its FLOPs"] == pytest.approx(2.5 + (1.5 - 2.5) * (at - 2) / 2 - target)
     assert (yoco["share of baseline tokens"], yoco["vs baseline at its FLOPs"]) == (1.0, 0.0)

@@ -601,7 +601,7 @@ def test_token_files_tokenizer_and_budgets(cli, tmp_path):
     from archlab.cost import Cost
     import archlab as lab
 
-    per_step = Cost(lab.load_spec(ROOT / "specs/tiny/transformer.yaml")).train_flops_per_token(64) * 8 * 64
+    per_step = Cost(lab.load_spec(ROOT / "specs/tiny/transformer.yaml")).train_flops_per_sequence(64) * 8
     code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", run, "--data", text, *SMALL, "--flops", str(3.5 * per_step))
     assert code == 0, stderr
     assert len(losses(run)) == 3
@@ -1239,10 +1239,11 @@ def test_logged_speed_is_over_every_step_since_the_last_log(tmp_path, monkeypatc
 
 
 def test_logged_mfu_is_the_models_training_flops_at_the_logged_speed_over_the_peak(tmp_path, monkeypatch):
-    """MFU compares the model's own training FLOPs (the cost model's, per token of every sequence in
-    the batch) at the logged speed with what the hardware could do: the number a study reads to tell
-    a fast architecture from a well-fed one. It is the logged tokens/s times the FLOPs per token,
-    over the peak (here a made-up one, as the CPU has none)."""
+    """MFU compares the model's own training FLOPs (the cost model's, of every sequence in the
+    batch) at the logged speed with what the hardware could do: the number a study reads to tell a
+    fast architecture from a well-fed one. It is the logged sequences/s times the FLOPs of a
+    sequence, over the peak (here a made-up one, as the CPU has none). At 17 tokens those are not a
+    whole number of FLOPs a token, which were rounded down."""
     import types
 
     import archlab
@@ -1257,14 +1258,14 @@ def test_logged_mfu_is_the_models_training_flops_at_the_logged_speed_over_the_pe
 
     monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=perf_counter))
     spec = archlab.load_spec(ROOT / "specs" / "tiny" / "yoco.yaml")
-    cfg = TrainConfig.model_validate({"batch_size": 4, "micro_batch_size": 2, "seq_len": 16, "data": {"source": "mqar"},
+    cfg = TrainConfig.model_validate({"batch_size": 4, "micro_batch_size": 2, "seq_len": 17, "data": {"source": "mqar"},
                                       "eval_interval": 100, "eval_batches": 1, "log_interval": 2})
     trainer = Trainer(spec, cfg, tmp_path / "run", Console(quiet=True))
     trainer.peak = 1e9
     records = trainer.fit(2)
     (record,) = [r for r in records if "mfu" in r]
-    assert record["tok_s"] == pytest.approx(4 * 16 / 0.5)
-    assert record["mfu"] == pytest.approx(4 * 16 / 0.5 * Cost(spec).train_flops_per_token(16) / 1e9)
+    assert record["tok_s"] == pytest.approx(4 * 17 / 0.5)
+    assert record["mfu"] == pytest.approx(4 / 0.5 * 3 * sum(Cost(spec).forward_flops(17).values()) / 1e9, rel=1e-12)
     assert f"MFU {record['mfu']:.1%}" in trainer_module.status_line(record)
 
 

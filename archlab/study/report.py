@@ -83,7 +83,7 @@ def summarize(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict
         complete = _complete(done, variant)
         cost = Cost(spec)
         steps = study.steps(variant)
-        flops_per_step = cost.train_flops_per_token(study.config.seq_len) * study.config.batch_size * study.config.seq_len
+        flops_per_step = cost.train_flops_per_sequence(study.config.seq_len) * study.config.batch_size
         row = {
             "variant": variant,
             "params": cost.params_total,

@@ -269,7 +269,7 @@ class Trainer:
             fused=True,  # one kernel for the whole update, on the CPU as on CUDA
         )
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.flops_per_step = cost.train_flops_per_token(cfg.seq_len) * self.tokens_per_step
+        self.flops_per_step = cost.train_flops_per_sequence(cfg.seq_len) * cfg.batch_size  # exact, as a --flops budget counts them
         peak = peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.peak = peak * self.world.size if peak else None
         self.moe_layers = [m for m in self.model.modules() if isinstance(m, MoEFFN)]

@@ -1429,6 +1429,8 @@ def test_non_finite_weights_are_refused_with_advice_each_command_can_follow(cli,
     tensors = load_file(weights)
     tensors["head.weight"][0, 0] = float("nan")
     save_file(tensors, weights)
+    state = json.loads((weights.parent / "state.json").read_text())
+    (weights.parent / "state.json").write_text(json.dumps({**state, "weights_blake2b": file_hash(weights)}))  # as a run that diverged saved it
     damaged = f"checkpoint {run / 'checkpoints/step-00000004'} is damaged (non-finite weights: head.weight)"
     code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1")
     assert code == 1 and f"{damaged}; remove it to score the one before" in " ".join(stderr.split()), stderr
@@ -1705,7 +1707,7 @@ def test_a_kill_while_old_checkpoints_are_removed_leaves_each_whole_or_gone(monk
         checkpoint.save(tmp_path, 3, model, {"optimizer": {}}, {}, keep=2)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
     for kept in checkpoint.checkpoints(tmp_path):
-        checkpoint.load_weights(kept, model, check_hash=True)
+        checkpoint.load_weights(kept, model)
     monkeypatch.setattr(checkpoint.shutil, "rmtree", deleting)
     checkpoint.save(tmp_path, 4, model, {"optimizer": {}}, {}, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000003", "step-00000004"]
@@ -3260,17 +3262,22 @@ def test_a_missing_tokenizer_for_text_is_named_as_the_tokenizer(cli, tmp_path):
 
 def test_weights_changed_on_the_disk_are_found_before_training_goes_on_from_them(cli, tmp_path):
     """A bit of a weight flipped still reads as a number; the hash state.json records finds it, on
-    resuming and on fine-tuning. A checkpoint saved before hashes were recorded loads as it did."""
+    resuming and on fine-tuning, and in a command that scores or samples the run (which had
+    scored the changed weights as the run's). A checkpoint saved before hashes were recorded loads
+    as it did."""
     run = tmp_path / "run"
     assert cli("train", "specs/tiny/transformer.yaml", "--out", run, *SMALL, "--steps", "2")[0] in (0, None)
     saved = checkpoints(run)[-1]
     weights = bytearray((saved / "model.safetensors").read_bytes())
     weights[-1] ^= 1  # the lowest bit of the last weight
     (saved / "model.safetensors").write_bytes(weights)
+    changed = f"checkpoint {saved} is damaged (its model.safetensors is not the file saved with it: a hash of its bytes differs)"
     for target, given in ((run, ["--resume", "--steps", "3"]), (tmp_path / "tuned", ["--init", saved, "--steps", "1"])):
-        refused(cli("train", "specs/tiny/transformer.yaml", "--out", target, *SMALL, *given),
-                f"checkpoint {saved} is damaged (its model.safetensors is not the file saved with it: a hash of its bytes differs)")
+        refused(cli("train", "specs/tiny/transformer.yaml", "--out", target, *SMALL, *given), changed)
     assert not (tmp_path / "tuned").exists() and checkpoints(run) == [saved]
+    for command in (["generate", run, "--max-new-tokens", "2"], ["evaluate", run, "--seq-len", "16", "--last", "8", "--sequences", "1"]):
+        code, _, stderr = cli(*command)
+        assert code == 1 and changed in " ".join(stderr.split()), stderr
     state = json.loads((saved / "state.json").read_text())
     del state["weights_blake2b"]
     (saved / "state.json").write_text(json.dumps(state))

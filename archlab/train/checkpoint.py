@@ -224,12 +224,7 @@ def info_of(path: Path, use: str = "resume") -> dict:
 
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
-    try:
-        _load_weights(path, model)
-    except CheckpointError:
-        raise
-    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise damaged(path, f"{type(exc).__name__}: {exc}") from None
+    load_weights(path, model, "resume")
     info = info_of(path)
     try:
         trainer_state = torch.load(regular(path / "trainer.pt"), weights_only=True)
@@ -244,10 +239,6 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         raise damaged(path, f"state.json gives no step count: {str(info)[:60]}")
     if step != step_of(path):
         raise damaged(path, f"its state.json is at step {step}")
-    _check_hash(path, info, "model.safetensors")
-    broken = non_finite(model)
-    if broken:  # resuming would train on from NaN
-        raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}")
     return trainer_state, info
 
 
@@ -270,19 +261,18 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     return run_dir, found[-1]
 
 
-def load_weights(path: Path, model: torch.nn.Module, use: str = "generate", check_hash: bool = False) -> None:
-    """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape;
-    ``use``: what for (as ``damaged`` takes it); ``check_hash``: checked against the hash its
-    state.json records, where it has one (a run fine-tuned from them would train on bytes changed
-    on the disk in silence)."""
+def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> None:
+    """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape, and
+    finite (resumed, a run would train on from NaN; generating, print garbage and succeed), and
+    the bytes saved, where its state.json records their hash (a run would go on from, or a score
+    be of, weights changed on the disk in silence); ``use``: what for (as ``damaged`` takes it)."""
     try:
-        if check_hash and (path / "state.json").is_file():
-            _check_hash(path, info_of(path, "init"), "model.safetensors", "init")
+        if (path / "state.json").is_file():
+            _check_hash(path, info_of(path, use), "model.safetensors", use)
         _load_weights(path, model)
-    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:  # ValueError: a state.json that is not JSON
+    except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
-    broken = non_finite(model)
-    if broken:  # generating from it would print garbage and succeed
+    if broken := non_finite(model):
         raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}", use)
 
 

@@ -314,7 +314,7 @@ class Trainer:
         embeddings learned."""
         def read(run_dir: Path, used: Path) -> tuple[Path, Path]:
             try:
-                checkpoint.load_weights(used, self.model, "init", check_hash=True)
+                checkpoint.load_weights(used, self.model, "init")
             except checkpoint.WeightsDoNotFit as exc:
                 raise checkpoint.WeightsDoNotFit(f"{exc}; fine-tuning needs a spec whose weights are those of the run it starts"
                                                  f" from, shape for shape ({run_dir / checkpoint.RUN_SPEC}, or a spec that extends it)") from None

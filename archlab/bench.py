@@ -180,12 +180,10 @@ def device_name(device: torch.device) -> str:
 
 def plot(rows: list[BenchRow], path: str) -> None:
     """Prefill and decode throughput and cache memory against length, one line per spec."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig = Figure(figsize=(15, 4.2))
+    axes = fig.subplots(1, 3)
     panels = [
         ("prefill_tok_s", "prefill tokens/s"),
         ("decode_tok_s", "decode tokens/s"),
@@ -205,5 +203,4 @@ def plot(rows: list[BenchRow], path: str) -> None:
     fig.suptitle(f"archlab bench: batch {batch}, {gen} new tokens, {rows[0].device}")
     fig.tight_layout()
     save_figure_whole(fig, path, dpi=120)
-    plt.close(fig)
 

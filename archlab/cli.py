@@ -44,8 +44,8 @@ from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
-from archlab.registry import RegistryError, block_specs, plugin
-from archlab.spec import InferenceDtype, ModelSpec, SpecError, describe_differences, load_spec, spec_to_yaml
+from archlab.registry import RegistryError, block_specs, plugin, said
+from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, spec_changes, spec_to_yaml
 from archlab.table import Format, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
@@ -976,10 +976,8 @@ def train(
                 held = "it holds checkpoints but its config.yaml is gone; restore that file to resume" if checkpoints(out) else "no config.yaml"
                 raise TrainError(f"nothing to resume in {out}: {held}")
             trained = load_spec(out / RUN_SPEC)
-            if trained != spec:
-                changed = describe_differences(trained.model_dump(mode="json"), spec.model_dump(mode="json"))
-                raise TrainError(f"{out} was trained with a different spec than {spec_path}: {'; '.join(changed[:5])}"
-                                 f"{'; ...' if len(changed) > 5 else ''}")
+            if changed := spec_changes(trained, spec):
+                raise TrainError(f"{out} was trained with a different spec than {spec_path}: {changed}")
             try:
                 cfg = load_config(str(saved), set_ or [])  # the trainer refuses what a resume may not change
             except SpecError:  # set beside what the run keeps (batch_size=3 against its micro-batches): name that first
@@ -1281,8 +1279,7 @@ def downstream(
                 if isinstance(exc, OSError):  # a dataset that cannot be fetched or read
                     raise EvaluationError(f"the tasks could not be loaded: {exc}") from None
                 # a task the harness cannot run: a template naming no field, a target past the choices, no documents
-                detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                raise EvaluationError(f"lm-evaluation-harness could not run {', '.join(names)} ({detail})") from None
+                raise EvaluationError(f"lm-evaluation-harness could not run {', '.join(names)} ({said(exc)})") from None
         mean, left_out = average(label, results, names, preferred)
         if mean is not None and left_out:
             err.print(f"{label}: the average leaves out {', '.join(left_out)}, which report none of {', '.join(preferred)}",

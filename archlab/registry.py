@@ -94,7 +94,7 @@ def _load(ep: EntryPoint) -> type[BlockSpec] | str:
     try:
         cls = ep.load()
     except (Exception, SystemExit) as exc:  # a broken plugin names itself instead of killing every command
-        return f"failed to import: {type(exc).__name__}: {exc}"
+        return f"failed to import: {said(exc)}"
     if not (isinstance(cls, type) and issubclass(cls, BlockSpec)):
         return "is not a subclass of archlab.BlockSpec"
     if inspect.isabstract(cls):

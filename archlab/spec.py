@@ -664,6 +664,13 @@ def describe_differences(old: Any, new: Any) -> list[str]:
     return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in differences(old, new).items()]
 
 
+def spec_changes(old: ModelSpec, new: ModelSpec) -> str:
+    """How spec ``new`` differs from ``old``, on one line: at most five changes, then "..."; empty
+    where they are equal."""
+    changed = describe_differences(old.model_dump(mode="json"), new.model_dump(mode="json"))
+    return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
+
+
 def _loc(parts: tuple, data: Any) -> str:
     """pydantic's loc as a dotted path through the input, without the union tags it inserts."""
     out, key = "", None

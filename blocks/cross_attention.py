@@ -34,9 +34,9 @@ class CrossAttentionSpec(BlockSpec):
             problems.at("n_heads").add(f"d_model={ctx.d_model} is not a multiple of the global K,V's head_dim"
                                        f" {ctx.global_head_dim}, so the query heads cannot be derived from it; give n_heads")
             return
-        if heads == 0 or heads % ctx.global_kv_heads:
+        if heads % ctx.global_kv_heads:  # heads >= 1: n_heads is a Size, and d_model a multiple of head_dim
             problems.at("n_heads").add(
-                f"{heads} query heads must be a positive multiple of the global K,V's"
+                f"{heads} query heads must be a multiple of the global K,V's"
                 f" {ctx.global_kv_heads} heads (layout.global_kv.n_kv_heads){derived}"
             )
 

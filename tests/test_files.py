@@ -141,26 +141,38 @@ def test_a_short_write_numpy_reports_without_an_errno_names_the_file_and_a_full_
 def test_a_figure_saved_whole_is_a_png_at_the_dpi_given_and_a_failed_save_keeps_the_last_one(tmp_path):
     import errno
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     path = tmp_path / "curves.png"
-    fig = plt.figure(figsize=(2, 1))
-    try:
+    fig = Figure(figsize=(2, 1))
+    save_figure_whole(fig, path, dpi=50)
+    saved = path.read_bytes()
+    assert saved[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (int.from_bytes(saved[16:20], "big"), int.from_bytes(saved[20:24], "big")) == (100, 50)  # IHDR: width, height
+
+    def cut_short(f, **kwargs):  # a disk that fills midway
+        f.write(b"\x89PNG part of it")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fig.savefig = cut_short
+    with pytest.raises(OSError) as raised:
         save_figure_whole(fig, path, dpi=50)
-        saved = path.read_bytes()
-        assert saved[:8] == b"\x89PNG\r\n\x1a\n"
-        assert (int.from_bytes(saved[16:20], "big"), int.from_bytes(saved[20:24], "big")) == (100, 50)  # IHDR: width, height
-
-        def cut_short(f, **kwargs):  # a disk that fills midway
-            f.write(b"\x89PNG part of it")
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        fig.savefig = cut_short
-        with pytest.raises(OSError) as raised:
-            save_figure_whole(fig, path, dpi=50)
-    finally:
-        plt.close(fig)
     assert raised.value.filename == str(path) and path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
+
+
+def test_a_plot_leaves_the_callers_matplotlib_as_it_was(tmp_path):
+    """The plots are figures of their own: they set no backend (a notebook calling one had its
+    backend switched to Agg for good) and leave no figure open in pyplot."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    from archlab.train.evaluate import plot
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        plot([{"run": "a", "length": 16, "loss": 2.0}, {"run": "a", "length": 32, "loss": 1.5}], tmp_path / "lengths.png")
+        assert matplotlib.get_backend() == "svg" and plt.get_fignums() == []
+    finally:
+        matplotlib.use(before)
+    assert (tmp_path / "lengths.png").read_bytes().startswith(b"\x89PNG")

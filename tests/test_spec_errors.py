@@ -166,7 +166,7 @@ CASES = [
      ["layout.cross_decoder.blocks[0].n_heads: d_model=32 is not a multiple of the global K,V's head_dim 12"]),
     ("global head wider than the model, heads given",
      {"s.yaml": BASE.replace("cross_decoder: {n_layers: 2}", "cross_decoder: {n_layers: 2, blocks: [{type: cross_attention, n_heads: 3}]}")},
-     "s.yaml", ["layout.cross_decoder.blocks[0].n_heads: 3 query heads must be a positive multiple of the global K,V's 2 heads"]),
+     "s.yaml", ["layout.cross_decoder.blocks[0].n_heads: 3 query heads must be a multiple of the global K,V's 2 heads"]),
     ("a pattern longer than its layers", {"s.yaml": STACK.replace("n_layers: 4, blocks: [{type: attention, n_heads: 4}]",
                                                                   "n_layers: 2, blocks: [attention, attention, swa]")},
      "s.yaml", ["layout.layers.blocks: 3 blocks for 2 layers: the pattern's blocks past layer 2 would never be built"]),

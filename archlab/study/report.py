@@ -292,14 +292,12 @@ def failures(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[dict]
 def draw(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[str, Figure]:
     """Validation curves of each variant's best learning rate (mean over seeds): against steps,
     and against training FLOPs; by the name of the PNG each is saved as."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     maximize = study.definition.maximize
     done = _reported(study, trials)
-    figures = {name: plt.subplots(figsize=(7, 4.5)) for name in PLOTS}
+    figures = {name: Figure(figsize=(7, 4.5)) for name in PLOTS}
+    axes = {name: figure.subplots() for name, figure in figures.items()}
     for variant in study.specs:
         complete = _complete(done, variant)
         if not complete:
@@ -307,18 +305,18 @@ def draw(study: Study, trials: list[optuna.trial.FrozenTrial]) -> dict[str, Figu
         best = chosen(complete, maximize, study.definition.sampler)
         steps, mean = _curve(best)
         per_step = best[0].user_attrs["flops_per_step"]
-        figures["curves"][1].plot(steps, mean, marker="o", label=variant)
-        figures["loss_vs_flops"][1].plot([s * per_step for s in steps], mean, marker="o", label=variant)
+        axes["curves"].plot(steps, mean, marker="o", label=variant)
+        axes["loss_vs_flops"].plot([s * per_step for s in steps], mean, marker="o", label=variant)
     label = "validation accuracy" if maximize else "validation loss"
-    for name, (fig, ax) in figures.items():
+    for name, ax in axes.items():
         ax.set_xlabel("training FLOPs" if name == "loss_vs_flops" else "step")
         ax.set_ylabel(label)
         ax.set_title(f"{study.name} ({study.scale}): {label}, best lr per variant, mean over seeds")
         ax.grid(True, alpha=0.3)
         if ax.lines:  # nothing completed yet: an empty plot, without matplotlib's warning of an empty legend
             ax.legend()
-        fig.tight_layout()
-    return {f"{name}.png": fig for name, (fig, _) in figures.items()}
+        figures[name].tight_layout()
+    return {f"{name}.png": figure for name, figure in figures.items()}
 
 
 def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fmt: Format = Format.md,
@@ -326,28 +324,22 @@ def report(study: Study, optuna_study: optuna.Study, out: Path, storage: str, fm
     """Write report.md and the plots into ``out``; return the markdown, or in CSV or JSON the
     variants' table alone, its figures as numbers. ``show`` is given that text before any file is
     written: a disk that refuses them leaves the report on screen."""
-    import matplotlib.pyplot as plt
-
     trials = optuna_study.get_trials(deepcopy=False)
     refuse_foreign_files(out)
     refuse_other_study(out, study)
     plots = draw(study, trials)
-    try:
-        markdown, rows = _markdown(study, optuna_study, trials, plots, storage)
-        text = markdown if fmt is Format.md else render(rows, fmt)
-        finished = sum(t.state in FINISHED for t in _attempts(study, trials))
-        if fmt is not Format.md and finished < len(study.planned()):  # markdown's header says so; CSV and JSON have none
-            warnings.warn(f"study {study.key} is incomplete: the table covers only the {finished} of {len(study.planned())} planned"
-                          " trials that have finished", stacklevel=2)
-        show(text)
-        out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
-        write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
-        for name, figure in plots.items():
-            save_figure_whole(figure, out / name, dpi=110)
-        write_text_whole(out / "report.md", markdown)  # whole: a full disk leaves the last report, not part of this one
-    finally:
-        for figure in plots.values():
-            plt.close(figure)
+    markdown, rows = _markdown(study, optuna_study, trials, plots, storage)
+    text = markdown if fmt is Format.md else render(rows, fmt)
+    finished = sum(t.state in FINISHED for t in _attempts(study, trials))
+    if fmt is not Format.md and finished < len(study.planned()):  # markdown's header says so; CSV and JSON have none
+        warnings.warn(f"study {study.key} is incomplete: the table covers only the {finished} of {len(study.planned())} planned"
+                      " trials that have finished", stacklevel=2)
+    show(text)
+    out.mkdir(parents=True, exist_ok=True)  # a report of a study on a shared storage may go anywhere
+    write_text_whole(out / OWNER, f"{study.key}\n")  # whole: a worker reporting beside this one reads it
+    for name, figure in plots.items():
+        save_figure_whole(figure, out / name, dpi=110)
+    write_text_whole(out / "report.md", markdown)  # whole: a full disk leaves the last report, not part of this one
     return text
 
 

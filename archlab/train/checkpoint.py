@@ -310,16 +310,15 @@ def changes_since_trained(trained: object, spec: ModelSpec, state: Path) -> str 
     """How ``spec`` differs from ``trained``, the spec a checkpoint's ``state`` records, in at most
     five changes; None where they are equal, or where the checkpoint records none (written before
     they did) or one this version of archlab no longer reads, which leave nothing to compare."""
-    from archlab.spec import SpecError, describe_differences, validate_spec
+    from archlab.spec import SpecError, spec_changes, validate_spec
 
     try:
         trained_spec = validate_spec(trained, str(state)) if isinstance(trained, dict) else None
     except (SpecError, RecursionError):
         return None
-    if trained_spec is None or trained_spec == spec:
+    if trained_spec is None:
         return None
-    changed = describe_differences(trained_spec.model_dump(mode="json"), spec.model_dump(mode="json"))
-    return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
+    return spec_changes(trained_spec, spec) or None
 
 
 def recorded(used: Path) -> dict:

@@ -279,12 +279,10 @@ def labels(folders: list[Path]) -> list[str]:
 def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -> None:
     """Training and evaluation loss against ``axis``, a line per run; with a baseline, a dotted
     line at its last evaluation loss."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, panels = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig = Figure(figsize=(13, 4.5))
+    panels = fig.subplots(1, 2)
     for ax, (key, title) in zip(panels, [("loss", "training loss"), ("eval_loss", "evaluation loss")]):
         for run in runs:
             logged = [r for r in run.records if key in r]
@@ -302,4 +300,3 @@ def plot(runs: list[Run], axis: Axis, path: Path, baseline: Run | None = None) -
             ax.legend()
     fig.tight_layout()
     save_figure_whole(fig, path, dpi=110)
-    plt.close(fig)

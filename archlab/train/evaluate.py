@@ -236,12 +236,10 @@ def continuation_scores(model: Model, sequences: list[list[int]], scored: list[i
 
 def plot(rows: list[dict], path: Path) -> None:
     """Loss against context length, a line per run."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
     for run in dict.fromkeys(row["run"] for row in rows):
         mine = [row for row in rows if row["run"] == run]
         ax.plot([row["length"] for row in mine], [row["loss"] for row in mine], marker="o", label=run)
@@ -253,4 +251,3 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     save_figure_whole(fig, path, dpi=110)
-    plt.close(fig)

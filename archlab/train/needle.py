@@ -288,15 +288,12 @@ def summary(run: str, found: list[Found]) -> str:
 def plot(runs: dict[str, list[Found]], path: Path) -> None:
     """A heat map per run of the share of probes found at each length (across) and depth (down),
     each cell also giving the gain from reading the needle, a digit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     columns = min(3, len(runs))
     lines_of_panels = math.ceil(len(runs) / columns)
-    fig, panels = plt.subplots(lines_of_panels, columns, figsize=(1.5 + 4.5 * columns, 0.5 + 3.7 * lines_of_panels), squeeze=False,
-                               layout="constrained")
+    fig = Figure(figsize=(1.5 + 4.5 * columns, 0.5 + 3.7 * lines_of_panels), layout="constrained")
+    panels = fig.subplots(lines_of_panels, columns, squeeze=False)
     for ax in panels.flat[len(runs) :]:
         ax.set_visible(False)
     for ax, (run, found) in zip(panels.flat, runs.items()):
@@ -318,4 +315,3 @@ def plot(runs: dict[str, list[Found]], path: Path) -> None:
         ax.set_ylabel("needle depth")
     fig.colorbar(image, ax=panels.flat[: len(runs)], label="share of probes found")
     save_figure_whole(fig, path, dpi=110)
-    plt.close(fig)

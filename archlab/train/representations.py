@@ -132,13 +132,11 @@ def plot(runs: dict[str, list[Measured]], path: Path) -> None:
     """Angular distance against depth in the unrolled pass, a line per run; a dashed line (the
     run's colour) where its cross-decoder begins; loop iterations shaded where every run has the
     same plan."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     for run, measured in runs.items():
         (line,) = ax.plot([m.application.depth for m in measured], [m.distance for m in measured], marker="o", markersize=4,
                           label=run)
@@ -161,4 +159,3 @@ def plot(runs: dict[str, list[Measured]], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     save_figure_whole(fig, path, dpi=110)
-    plt.close(fig)

@@ -40,7 +40,7 @@ from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, describe_differences, load_spec, spec_to_yaml
+from archlab.spec import ModelSpec, describe_differences, load_spec, spec_changes, spec_to_yaml
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
@@ -334,8 +334,8 @@ class Trainer:
                 raise TrainError(f"data.tokenizer {data.tokenizer} is not the tokenizer of {run_dir} ({theirs}), whose"
                                  " weights this run starts from and which read its text; drop data.tokenizer to use that one")
         self.cfg = self.cfg.model_copy(update={"init": str(used), "data": data})
-        differ = describe_differences(load_spec(run_dir / checkpoint.RUN_SPEC).model_dump(mode="json"), self.spec.model_dump(mode="json"))
-        spec = f"; its spec differs from this one, whose weights it fits ({escape('; '.join(differ))})" if differ else ""
+        differ = spec_changes(load_spec(run_dir / checkpoint.RUN_SPEC), self.spec)
+        spec = f"; its spec differs from this one, whose weights it fits ({escape(differ)})" if differ else ""
         step = checkpoint.step_of(used)
         at = f" (step {step})" if step is not None else ""
         self._say(f"starting from the weights of {escape(str(used))}{at}; the optimizer and"

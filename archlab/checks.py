@@ -23,6 +23,7 @@ from archlab.memory import ACTIVATIONS, Watched, out_of_memory
 from archlab.model import Model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, named, raised, said
+from archlab.table import first_few
 
 CACHE_CONTEXTS = (1, 17, 4097)  # tokens: one, a few past a typical tiny window, and past most windows
 DECODE_LENGTH = 24  # tokens, at least: prompts of 12, 12 and 9 in chunks of 4, then 12 decoding steps
@@ -57,7 +58,7 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
         return CpuCheck(passes, False, [f"the forward pass gives nan or inf: first {first_non_finite(model, tokens)}"])
     if broken := [name for name, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]:
         return CpuCheck(passes, False, [f"the forward pass is finite, the gradients of {len(broken)} parameter(s) are not:"
-                                        f" {', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}"])
+                                        f" {first_few(broken, 3)}"])
     problems = flops_problems(model)
     try:
         with shapes_checked(model):

@@ -46,7 +46,7 @@ from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin, said
 from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, spec_changes, spec_to_yaml
-from archlab.table import Format, parse_budget, parse_length, render, si
+from archlab.table import Format, first_few, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels, tokens_apart
@@ -1221,9 +1221,8 @@ def niah(
     for label, some in found.items():
         _say(summary(label, some))
         if far := misplaced(some):
-            said = "; ".join(f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far[:NAMED_DEPTHS])
-            more = f"; and {len(far) - NAMED_DEPTHS:,} more" if len(far) > NAMED_DEPTHS else ""
-            _notice(f"{label}: the needle sits far from the depth asked at {said}{more}: a haystack this short has few lines to"
+            said = first_few([f"{length:,} tokens, {asked:.1f}% (placed at {placed:.1f}%)" for length, asked, placed in far], NAMED_DEPTHS, "; ")
+            _notice(f"{label}: the needle sits far from the depth asked at {said}: a haystack this short has few lines to"
                     " put it between; give longer lengths, or read `placed %`")
     if plot_path is not None:
         plot(found, plot_path)

@@ -17,6 +17,11 @@ class Format(str, Enum):
     json = "json"
 
 
+def first_few(items: list[str], most: int, sep: str = ", ") -> str:
+    """Up to ``most`` of ``items``, then how many more: a message names a few of many, not each."""
+    return sep.join(items[:most]) + (f"{sep}and {len(items) - most:,} more" if len(items) > most else "")
+
+
 def _three_digits(value: float) -> str:
     """Three significant digits, trailing zeros kept so a column reads alike: 4.00 beside 16.0."""
     return f"{value:#.3g}".rstrip(".") if value else "0"

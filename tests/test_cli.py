@@ -1310,6 +1310,16 @@ def test_a_closed_stream_reads_as_empty_and_takes_what_is_written_nowhere(cli, t
         assert result.returncode == 0 and "Traceback" not in result.stderr, (command, result.stderr)
 
 
+def test_a_message_names_a_few_of_many_and_counts_the_rest():
+    """The one form of "the first few, and how many more" that messages share (six wrote their own:
+    ", ...", " and 4 more", "; and 4 more")."""
+    from archlab.table import first_few
+
+    assert first_few([f"f{i}" for i in range(1005)], 3) == "f0, f1, f2, and 1,002 more"
+    assert first_few(["a", "b", "c"], 3, "; ") == "a; b; c" and first_few(["a", "b", "c", "d"], 2, "; ") == "a; b; and 2 more"
+    assert first_few([], 3) == ""
+
+
 def test_a_number_rounded_to_zero_from_below_is_shown_as_zero():
     """niah's table said a gain of -0.0000 a digit, and its map -0.00."""
     rows = [{"run": "a", "gain/digit": Decimals(-0.00001, 4)}, {"run": "b", "gain/digit": Decimals(-0.5, 4)}]

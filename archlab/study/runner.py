@@ -43,6 +43,7 @@ from archlab.files import REFUSED, ShortWrite, locked, make_folder, write_text_w
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
+from archlab.table import first_few
 from archlab.train import checkpoint
 from archlab.train.config import holds_examples
 from archlab.train.data import CORPUS_LOCK, CacheError, DataError, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
@@ -496,7 +497,7 @@ def refuse_earlier_trials(out: Path, key: str, url: str) -> None:
     held = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     if held:
         raise StorageError(f"{shown(url)} holds no study {key}, but {folder} holds {len(held)} trial{'s' * (len(held) > 1)} of it"
-                           f" ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}) from a storage of that URL: was its database"
+                           f" ({first_few(held, 3)}) from a storage of that URL: was its database"
                            " dropped or made again? Give the study another --out to run it afresh, or move that folder away")
 
 
@@ -827,7 +828,7 @@ def refuse_foreign_files(out: Path) -> None:
     so a folder holding anything else is someone's: a run, notes, another tool's."""
     foreign = sorted(p.name for p in out.iterdir() if written_as(p.name) not in STUDY_FILES) if out.is_dir() else []
     if foreign:
-        raise StorageError(f"--out {out} holds files that are not a study's ({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}),"
+        raise StorageError(f"--out {out} holds files that are not a study's ({first_few(foreign, 5)}),"
                            " which its report and plots could overwrite; choose an empty or new --out")
 
 

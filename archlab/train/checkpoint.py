@@ -28,6 +28,7 @@ from safetensors.torch import load_model, save_model
 from archlab.block import whole_number
 from archlab.files import FULL, REFUSED, regular
 from archlab.memory import NoRoom
+from archlab.table import first_few
 
 if TYPE_CHECKING:
     from archlab.spec import ModelSpec
@@ -156,8 +157,7 @@ def _stored_form(f, name: str) -> tuple[torch.dtype, list[int]]:
 
 def _some(names: list[str], sep: str = ", ") -> str:
     """Up to three of ``names``, and how many more."""
-    listed = sorted(names)
-    return (sep.join(listed[:3]) or "none") + (f" and {len(listed) - 3:,} more" if len(listed) > 3 else "")
+    return first_few(sorted(names), 3, sep) or "none"
 
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:

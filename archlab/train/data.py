@@ -26,6 +26,7 @@ import torch
 
 from archlab.files import locked, make_folder, path_kind, regular, write_text_whole, write_whole
 from archlab.loss import IGNORE
+from archlab.table import first_few
 from archlab.train.config import NAMED_SOURCES, SYNTHETIC, Data, absolute, anchored_source, holds_examples, holds_token_ids, tokenized
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".json", ".csv", ".html", ".tex", ".c", ".h", ".js", ".yaml", ".yml"}
@@ -254,8 +255,7 @@ def regular_file(source: str, or_folder: bool = False) -> Path:
 def _unlisted_said(unreadable: list[tuple[str, str]], root: Path | None) -> str:
     """The folders of a text folder that could not be listed, named (the first few) and counted."""
     names = [f"{folder if root is None or Path(folder) == root else os.path.relpath(folder, root)} ({why})" for folder, why in unreadable]
-    named = ", ".join(names[:NAMED]) + (f", and {len(names) - NAMED} more" if len(names) > NAMED else "")
-    return f"could not list {len(names)} folder(s), whose files are left out: {named}"
+    return f"could not list {len(names)} folder(s), whose files are left out: {first_few(names, NAMED)}"
 
 
 def reads_files_in(source: str, folder: Path) -> bool:
@@ -307,9 +307,8 @@ def _any_text(files: list[Path]) -> bool:
 
 def _left_out_said(left_out: list[str]) -> str:
     """The files read_texts left out, named (the first few) and counted."""
-    named = ", ".join(left_out[:NAMED]) + (f", and {len(left_out) - NAMED} more" if len(left_out) > NAMED else "")
     convert = "; convert text in another encoding to UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-    return f"left out {len(left_out)} file(s) that are not UTF-8 text: {named}" + (
+    return f"left out {len(left_out)} file(s) that are not UTF-8 text: {first_few(left_out, NAMED)}" + (
         convert if any("(not UTF-8:" in said for said in left_out) else "")
 
 

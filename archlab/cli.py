@@ -46,6 +46,7 @@ from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin, said
 from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, spec_changes, spec_to_yaml
+from archlab.study.definition import shipped_studies
 from archlab.table import Format, first_few, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
@@ -1316,12 +1317,6 @@ def _kept_of(out: Path, memory: bool = False) -> str:
     return f"the checkpoints already written are intact (continue with --resume{how})"
 
 
-def _shipped_studies() -> list[str]:
-    from archlab.study.definition import STUDIES
-
-    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
-
-
 class StudyGroup(PathsGroup):
     """``archlab study NAME ...`` is ``archlab study run NAME ...`` for a shipped study or a study
     file; another word is neither, and is answered with both the commands and the shipped studies."""
@@ -1329,7 +1324,7 @@ class StudyGroup(PathsGroup):
     def resolve_command(self, ctx, args):
         word = args[0] if args else ""
         if word and word not in self.commands and not word.startswith("-"):
-            if word not in (shipped := _shipped_studies()) and not Path(word).exists() and not word.endswith((".yaml", ".yml")):
+            if word not in (shipped := shipped_studies()) and not Path(word).exists() and not word.endswith((".yaml", ".yml")):
                 _error(f"no command, shipped study or study file {word!r}: the commands are {', '.join(sorted(self.commands))};"
                        f" the shipped studies {', '.join(shipped)}")
                 raise typer.Exit(2)
@@ -1340,7 +1335,7 @@ class StudyGroup(PathsGroup):
 study_app = typer.Typer(
     cls=StudyGroup,
     help="Studies on Optuna: controlled architecture experiments. `archlab study NAME` runs a shipped"
-    f" study: {', '.join(_shipped_studies())}.",
+    f" study: {', '.join(shipped_studies())}.",
     no_args_is_help=True,
     rich_markup_mode="markdown",
 )

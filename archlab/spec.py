@@ -27,7 +27,8 @@ from archlab.ffn import MoE, SwiGLU
 from archlab.files import path_kind
 from archlab.registry import block_specs, raised
 
-SCHEMA_VERSION = 1
+SchemaVersion = Literal[1]  # of specs, training configs and studies alike
+SCHEMA_VERSION = get_args(SchemaVersion)[0]
 
 
 class SpecError(Exception):
@@ -293,7 +294,7 @@ InferenceDtype = Literal["float32", "bfloat16", "float16"]  # the dtypes a model
 class ModelSpec(HoldsBlocks):
     """A whole architecture. Field order is the order ``archlab show`` prints."""
 
-    schema_version: Literal[1]
+    schema_version: SchemaVersion
     name: str = Field(min_length=1)
     description: str = ""
     vocab_size: int = Field(gt=0, le=2**31 - 1)  # bounded, so that a typo is refused here rather than by the allocator

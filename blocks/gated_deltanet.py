@@ -35,6 +35,11 @@ class GatedDeltaNetSpec(BlockSpec):
         head_dim = self.head_dim or d_model // self.n_heads
         return head_dim, int(head_dim * self.expand_v)
 
+    def conv_channels(self, d_model: int) -> int:
+        """The channels of the short convolutions over q, k and v, together."""
+        key, value = self.dims(d_model)
+        return self.n_heads * (2 * key + value)
+
     def check(self, ctx: BuildContext, problems: Problems) -> None:
         check_heads(problems, ctx.d_model, self.n_heads, self.head_dim,
                     lambda heads, size: None if (size * self.expand_v) % 1 == 0 else "expand_v * head_dim a whole number")
@@ -51,14 +56,13 @@ class GatedDeltaNetSpec(BlockSpec):
     def params(self, ctx: BuildContext) -> int:
         key, value = self.dims(ctx.d_model)
         h, d = self.n_heads, ctx.d_model
-        conv_width = 2 * h * key + h * value
-        return d * h * (2 * key + 3 * value + 2) + conv_width * self.conv_size + 2 * h + value
+        return d * h * (2 * key + 3 * value + 2) + self.conv_channels(d) * self.conv_size + 2 * h + value
 
     def flops(self, ctx: BuildContext, n: int, start: int = 0, reuse_kv: bool = False) -> Flops:
         key, value = self.dims(ctx.d_model)
         h, d = self.n_heads, ctx.d_model
         dense = 2 * n * d * h * (2 * key + 3 * value + 2)
-        conv = 2 * (2 * h * key + h * value) * n * self.conv_size
+        conv = 2 * self.conv_channels(d) * n * self.conv_size
         if n == 1:  # conv tails; decay, read k S, write k u^T, read q S
             return Flops(matmul=dense, state_update=conv + 7 * h * key * value)
         padded, c = round_up(n, self.chunk_size), self.chunk_size
@@ -67,8 +71,7 @@ class GatedDeltaNetSpec(BlockSpec):
 
     def state_bytes(self, ctx: BuildContext, context: int, kv_bytes: int) -> int:
         key, value = self.dims(ctx.d_model)
-        h = self.n_heads
-        states = (2 * h * key + h * value) * (self.conv_size - 1) + h * key * value
+        states = self.conv_channels(ctx.d_model) * (self.conv_size - 1) + self.n_heads * key * value
         return max(4, kv_bytes) * states  # float32 or wider, as new_state keeps them
 
 

@@ -1,1 +1,3 @@
-"""Pure-PyTorch stand-ins for the CUDA/Triton sequence-mixing kernels (same names, arguments and layouts)."""
+"""The blocks' core ops: pure-PyTorch versions of the CUDA/Triton sequence-mixing kernels (same
+names, arguments and layouts), softmax attention and its masks, and ``dispatch``, which picks a
+kernel or the PyTorch op for each block."""

@@ -17,7 +17,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
-from archlab.spec import ModelSpec, PathName, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
+from archlab.spec import ModelSpec, PathName, SchemaVersion, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig, holds_examples, tokenized
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
@@ -82,7 +82,7 @@ def as_recorded_now(setup: dict) -> dict:
 
 
 class StudySpec(Strict):
-    schema_version: Literal[1]
+    schema_version: SchemaVersion
     name: str = Field(min_length=1)
     description: str = ""
     question: str = ""  # what the study answers, for the report
@@ -289,12 +289,17 @@ def find_study(name_or_path: str) -> Path:
         raise SpecError(name_or_path, [Problem("<study>", "is a folder; give a study file (.yaml) or the name of a shipped study")])
     shipped = STUDIES / f"{name_or_path}.yaml"
     if not shipped.is_file():
-        names = ", ".join(sorted(p.stem for p in STUDIES.glob("*.yaml")))
+        names = ", ".join(shipped_studies())
         if path.exists():  # a corpus, a spec without its suffix: there, but not read as a study
             raise SpecError(name_or_path, [Problem("<study>", f"is not a study file (.yaml or .yml), nor a shipped study's name;"
                                                               f" shipped: {names}")])
         raise SpecError(name_or_path, [Problem("<study>", f"no file or shipped study of that name; shipped: {names}")])
     return shipped
+
+
+def shipped_studies() -> list[str]:
+    """The names of the studies archlab ships, which ``archlab study NAME`` runs."""
+    return sorted(p.stem for p in STUDIES.glob("*.yaml"))
 
 
 def load_study(name_or_path: str, scale: str = "tiny", data: str | None = None) -> Study:

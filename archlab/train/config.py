@@ -12,7 +12,7 @@ from pydantic import Field, PositiveFloat, PositiveInt
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import SHORTEST_TRAINING_LENGTH
-from archlab.spec import PathName, SpecError, apply_overrides, differences, load_yaml, validate_as
+from archlab.spec import SCHEMA_VERSION, PathName, SchemaVersion, SpecError, apply_overrides, differences, load_yaml, validate_as
 
 SEED_LIMIT = 2**63  # seeds are 0 .. SEED_LIMIT - 1: what torch and numpy both take
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
@@ -99,7 +99,7 @@ def divisor_below(n: int, limit: int) -> int:
 
 
 class TrainConfig(Strict):
-    schema_version: Literal[1] = 1
+    schema_version: SchemaVersion = SCHEMA_VERSION
     steps: int = Field(200, gt=0, le=MAX_STEPS)
     batch_size: PositiveInt = 16  # sequences per optimizer step, over all processes
     micro_batch_size: PositiveInt = 16  # sequences per forward pass per process; left out, at most each process's share of the batch

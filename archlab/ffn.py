@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from archlab.block import MAX_SIZE, Size, Strict, round_up
+from archlab.block import MAX_SIZE, Problems, Size, Strict, round_up
 from archlab.ops.common import float32_or_wider
 
 
@@ -31,6 +31,9 @@ class SwiGLU(Strict):
 
     def flops_per_token(self, d_model: int) -> int:
         return 2 * self.params(d_model)
+
+    def check(self, problems: Problems) -> None:
+        """What the fields' own limits cannot say, as a block's ``check``: a dense FFN has nothing more."""
 
     def build(self, d_model: int, init_std: float) -> nn.Module:
         return SwiGLUFFN(d_model, self.hidden_for(d_model))
@@ -67,6 +70,10 @@ class MoE(Strict):
 
     def flops_per_token(self, d_model: int) -> int:
         return 2 * self.active_params(d_model)
+
+    def check(self, problems: Problems) -> None:
+        if self.top_k > self.n_experts:
+            problems.at("top_k").add(f"top_k={self.top_k} exceeds n_experts={self.n_experts}")
 
     def build(self, d_model: int, init_std: float) -> nn.Module:
         return MoEFFN(d_model, self, init_std)

@@ -403,8 +403,7 @@ class ModelSpec(HoldsBlocks):
                 "ParScale streams differ only through prefix K,V, but no block here supports it"
                 f" (blocks that do: {sorted(n for n, c in block_specs().items() if c.supports_streams)})"
             )
-        if isinstance(self.ffn, MoE) and self.ffn.top_k > self.ffn.n_experts:
-            root.at("ffn.top_k").add(f"top_k={self.ffn.top_k} exceeds n_experts={self.ffn.n_experts}")
+        self.ffn.check(root.at("ffn"))
         if yoco and isinstance(self.layout.cross_decoder.position, RoPE):
             if self.layout.global_kv.head_dim % 2:
                 root.at("layout.global_kv.head_dim").add(f"RoPE in the cross-decoder needs an even head_dim, got {self.layout.global_kv.head_dim}")

@@ -3474,10 +3474,13 @@ def test_a_run_file_whose_json_nests_past_reading_is_named(cli, trained_on_text,
     if file == "metrics.jsonl":  # which evaluate reads only for a note, as it reads another damaged line
         assert evaluated[0] == 0 and "Traceback" not in evaluated[2], evaluated[2]
         refused(cli("curves", run), said)
-    else:  # generating reads no corpus, and state.json only for the spec trained, to compare: nothing to say
+    elif file == "data/corpus.json":  # which generating does not read
         refused(evaluated, said)
         code, _, stderr = cli("generate", run, "--prompt", "def", "--max-new-tokens", "2")
         assert code == 0 and "Traceback" not in stderr, stderr
+    else:  # whose hash of the weights generating checks them against
+        refused(evaluated, said)
+        refused(cli("generate", run, "--prompt", "def", "--max-new-tokens", "2"), said)
 
 
 def test_a_run_is_refused_inside_another_runs_checkpoints_folder_which_it_would_break(cli, trained_on_text, tmp_path):

@@ -267,9 +267,9 @@ def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> N
     the bytes saved, where its state.json records their hash (a run would go on from, or a score
     be of, weights changed on the disk in silence); ``use``: what for (as ``damaged`` takes it)."""
     try:
+        _load_weights(path, model)  # first: a file that is no safetensors at all is said as such
         if (path / "state.json").is_file():
             _check_hash(path, info_of(path, use), "model.safetensors", use)
-        _load_weights(path, model)
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     if broken := non_finite(model):

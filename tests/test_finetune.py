@@ -963,6 +963,37 @@ def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
         assert not (tmp_path / name).exists() or name == "no-run", name  # refused as it loads (a run is looked for as it starts)
 
 
+def test_a_study_refuses_a_start_whose_weights_its_variants_cannot_load(cli, pretrained, tmp_path):
+    """Weights of another model, or changed on the disk, were found only as each trial failed on
+    them, the damage with advice to give --init, which a study has not."""
+    run = shutil.copytree(pretrained, tmp_path / "pretrained")
+    latest, earlier = run / "checkpoints/step-00000004", run / "checkpoints/step-00000002"
+    transformer, yoco = {"spec": "transformer.yaml"}, {"spec": "yoco.yaml"}
+    cases = {
+        "another-model": ({"transformer": transformer, "yoco": {**yoco, "init": {"run": str(run)}}}, {},
+                          f"variants.yoco.init.run: checkpoint {latest} does not fit this model"),
+        "every-variant": ({"transformer": transformer, "yoco": yoco}, {"init": str(run)},
+                          f"scales.tiny.train.init: variant yoco: checkpoint {latest} does not fit this model"),
+    }
+    for name, (variants, train, message) in cases.items():
+        code, _, stderr = cli("study", "run", study_file(tmp_path / f"{name}.yaml", variants, seeds=[0], baseline="transformer", **train),
+                              "--out", tmp_path / name)
+        said = " ".join(stderr.split())
+        assert code == 1 and message in said and "Traceback" not in said, (name, stderr)
+        assert not list((tmp_path / name).glob("trials/*/*")), name
+
+    weights = bytearray((latest / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (latest / "model.safetensors").write_bytes(weights)
+    path = study_file(tmp_path / "changed.yaml", {"transformer": transformer, "tuned": {**transformer, "init": {"run": str(run)}}},
+                      seeds=[0], baseline="transformer")
+    code, _, stderr = cli("study", "run", path, "--out", tmp_path / "changed")
+    said = " ".join(stderr.split())
+    assert code == 1 and (f"variants.tuned.init.run: checkpoint {latest} is damaged (its model.safetensors is not the file saved with"
+                          f" it: a hash of its bytes differs); give the one before it, {earlier}") in said, stderr
+    assert not list((tmp_path / "changed").glob("trials/*/*"))
+
+
 def test_a_variants_run_is_recorded_as_the_path_it_names_from_where_the_study_runs(tmp_path, monkeypatch):
     """``init: {run: ...}`` is read from where the study runs, as runs/ is: each trial's setup
     records it made absolute, so that a worker started in another folder is compared by the run

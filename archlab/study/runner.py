@@ -453,11 +453,8 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         if optuna_study:
             check_unchanged(study, optuna_study, starts)
         cfg = study.config
-        if cfg.init:  # every trial starts from it: a run that is not there fails them all
-            try:
-                checkpoint.resolve(cfg.init)
-            except checkpoint.CheckpointError as exc:
-                raise SpecError(str(study.source), [Problem(f"scales.{study.scale}.train.init", str(exc))]) from None
+        if cfg.init:  # every trial starts from it
+            check_start(study, list(study.specs), cfg.init, f"scales.{study.scale}.train.init")
         undo = undo_tokenizing(out)
         fingerprint = _read_data(study, out, say)
         optuna_study = optuna_study or open_study(study, url, grace_period)
@@ -545,10 +542,7 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
     storage (a server shared by studies), then in its own default folder."""
     init, seeds = study.definition.variants[variant].init, study.definition.seeds
     if init.run:
-        try:
-            used = checkpoint.resolve(init.run)[1]
-        except checkpoint.CheckpointError as exc:
-            raise SpecError(str(study.source), [Problem(f"variants.{variant}.init.run", str(exc))]) from None
+        used = check_start(study, [variant], init.run, f"variants.{variant}.init.run")
         return {seed: {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in seeds}
     pretraining, pretrained = study.pretraining[variant]
     stored, where = _stored(pretraining, url, variant)
@@ -574,6 +568,24 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts
+
+
+def check_start(study: Study, variants: list[str], run: str, field: str) -> Path:
+    """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variants``
+    start from, refused at the study's ``field`` where it is not there or its weights do not load
+    into a variant's model (another model's, damaged, not finite): every trial would fail on it."""
+    from archlab.model import build_model
+
+    try:
+        used = checkpoint.resolve(run)[1]
+        for variant in variants:
+            try:
+                checkpoint.load_weights(used, build_model(study.specs[variant]), "start")
+            except checkpoint.WeightsDoNotFit as exc:
+                raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(variants) > 1 else str(exc)) from None
+    except checkpoint.CheckpointError as exc:
+        raise SpecError(str(study.source), [Problem(field, str(exc))]) from None
+    return used
 
 
 def start_said(start: dict) -> str:

@@ -194,14 +194,15 @@ def _check_hash(path: Path, info: dict, name: str, use: str = "resume") -> None:
 
 def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps
-    one. ``use``: what it was read for (``resume``, ``init``, ``score`` or ``generate``), which says how."""
+    one. ``use``: what it was read for (``resume``, ``init``, ``score``, or a use that names the
+    checkpoint, such as ``generate`` or a study's ``start``), which says how."""
     step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
     earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     said = f"checkpoint {path} is damaged ({why})"
     if earlier:
-        return CheckpointError(said + {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
-                                       "init": f"; give --init the one before it, {earlier[-1]}",
-                                       "generate": f"; give the one before it, {earlier[-1]}"}[use])
+        advice = {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
+                  "init": f"; give --init the one before it, {earlier[-1]}"}
+        return CheckpointError(said + advice.get(use, f"; give the one before it, {earlier[-1]}"))
     if use == "resume" and step is not None:
         return CheckpointError(f"{said}, and no checkpoint before it is kept: train the run again into a new --out (or remove"
                                " this one's checkpoints and metrics.jsonl)")

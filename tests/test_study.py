@@ -249,6 +249,26 @@ def test_a_sqlite_storage_with_no_file_to_be_is_refused_before_the_corpus_is_tok
         assert not (tmp_path / "out" / "data").exists() and not (tmp_path / "nodir").exists()
 
 
+def test_a_study_in_a_database_opened_read_only_is_reported_and_not_run(tmp_path, cli):
+    """A ``file:`` URI read-only (``?mode=ro&uri=true``): the report said there was no database (the
+    URI read as a file's name) and, found, failed on loading the study with a write; a run trained
+    a trial, then said it had lost the storage."""
+    out = tmp_path / "out"
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out)
+    assert code in OK, stderr
+    database = out / "optuna.db"
+    saved = database.read_bytes()
+    read_only = f"sqlite:///file:{database}?mode=ro&uri=true"
+    code, stdout, stderr = cli("study", "report", mini(tmp_path), "--storage", read_only, "--out", tmp_path / "report")
+    assert code in OK and "| yoco-u |" in stdout, stderr
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", read_only, "--out", out)
+    assert code == 1 and "opens its database read-only (mode=ro), and a study run records its trials there" in " ".join(stderr.split()), stderr
+    assert database.read_bytes() == saved
+    code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///file:{tmp_path / 'none.db'}?mode=ro&uri=true",
+                          "--out", tmp_path / "report")
+    assert code == 1 and f"no SQLite database {tmp_path / 'none.db'}" in stderr, stderr
+
+
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path, cli):
     # one planned trial, long enough to be caught training: the next run has its retry alone to train
     path = mini(tmp_path, "killed", {"yoco": {"spec": "yoco.yaml"}}, steps=150, lr={"low": 0.003, "high": 0.003, "points": 1})

@@ -24,6 +24,7 @@ import socket
 import statistics
 import threading
 import time
+import urllib.parse
 import warnings
 import zlib
 from collections.abc import Callable, Collection
@@ -238,7 +239,7 @@ def refuse_no_file_to_be(url: str, create: bool = True) -> None:
     there, refused in words: SQLite says "unable to open database file", and a first worker says
     it only once it has tokenized the corpus."""
     database = _sqlite_database(url)
-    if database in (None, *IN_MEMORY) or database.startswith("file:"):  # not a path: a URI SQLite reads itself
+    if database in (None, *IN_MEMORY):
         return
     if Path(database).is_dir():
         raise StorageError(f"{shown(url)} names a folder, {database}, not a SQLite database file")
@@ -279,14 +280,10 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         "hyperband": SameVariantAndSeed(lambda: VariantHyperband(min_resource=study.config.eval_interval)),
     }
     direction = "maximize" if study.definition.maximize else "minimize"
-    opened = optuna.create_study(
-        study_name=name,
-        storage=storage,
-        direction=direction,
-        sampler=optuna.samplers.TPESampler(seed=0),  # replaced per trial where it draws (_train)
-        pruner=pruners[study.definition.pruner],
-        load_if_exists=True,
-    )
+    settings = dict(study_name=name, storage=storage, pruner=pruners[study.definition.pruner],
+                    sampler=optuna.samplers.TPESampler(seed=0))  # the sampler: replaced per trial where it draws (_train)
+    # one there is loaded without create_study's write, which a read-only database (a report's) refuses
+    opened = optuna.create_study(direction=direction, load_if_exists=True, **settings) if create else optuna.load_study(**settings)
     if opened.direction.name.lower() != direction:  # kept from its creation: pruners, TPE and the dashboard read it
         raise StorageError(f"study {name} in {shown(url)} was created to {opened.direction.name.lower()} its metric, and its"
                            f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
@@ -406,15 +403,36 @@ def storage_lock(url: str, out: Path):
 IN_MEMORY = ("", ":memory:")  # what a SQLite URL without a file names
 
 
-def _sqlite_database(url: str) -> str | None:
-    """The database a SQLite URL names: a file's path, or one of IN_MEMORY; None for other storages
-    and for a URL that does not parse (opening the storage then says what is wrong)."""
+def _sqlite_url(url: str) -> sqlalchemy.engine.URL | None:
+    """A SQLite URL parsed; None for other storages and for a URL that does not parse (opening the
+    storage then says what is wrong)."""
     if not url.startswith("sqlite"):
         return None
     try:
-        return sqlalchemy.engine.make_url(url).database or ""
+        return sqlalchemy.engine.make_url(url)
     except sqlalchemy.exc.ArgumentError:
         return None
+
+
+def _sqlite_database(url: str) -> str | None:
+    """The database a SQLite URL names: a file's path, or one of IN_MEMORY; None as ``_sqlite_url``.
+    With uri=true, the database is a URI that SQLite reads (``file:path``): its path."""
+    parsed = _sqlite_url(url)
+    if parsed is None:
+        return None
+    database = parsed.database or ""
+    if parsed.query.get("uri") != "true" or not database.startswith("file:"):
+        return database
+    path = urllib.parse.urlsplit(database).path
+    return "" if parsed.query.get("mode") == "memory" or path == ":memory:" else path
+
+
+def refuse_read_only(url: str) -> None:
+    """A SQLite URI opened read-only, refused to a run, which records its trials there: each
+    write failed, and was said as a lost storage."""
+    if (parsed := _sqlite_url(url)) is not None and parsed.query.get("uri") == "true" and parsed.query.get("mode") == "ro":
+        raise StorageError(f"{shown(url)} opens its database read-only (mode=ro), and a study run records its trials there; drop"
+                           " mode=ro to run the study (a report reads the database as it is)")
 
 
 def _beside_sqlite(url: str) -> Path | None:
@@ -434,6 +452,7 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
     Everything that may refuse the run comes before the study is created and its trials queued:
     a refused run leaves no empty study behind for ``report`` to show. ``say`` is told before a
     corpus is tokenized."""
+    refuse_read_only(url)
     with planning_lock(url, out, study.key):
         refuse_other_study(out, study)
         try:

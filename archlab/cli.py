@@ -38,7 +38,7 @@ from archlab.checks import SHAPE_CHECK_LENGTH, first_forward
 from archlab.cost import COST_PAGE_TITLE, SHORTEST_TRAINING_LENGTH, Cost, cost_doc, equal_flops_steps, readable
 from archlab.engine import Engine, Sampling, check_capturable
 from archlab.ffn import MoE
-from archlab.files import write_text_whole
+from archlab.files import path_kind, write_text_whole
 from archlab.interrupts import Terminated, held_signals, interrupted_status
 from archlab.kv import PAGE_KERNELS
 from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
@@ -902,7 +902,7 @@ def _trained_config(path: Path):
     """The training config of a run (its folder, or its spec.yaml), or None: a spec, or a run whose
     config.yaml is gone (a damaged one is said as such)."""
     run = _spec_file(path).parent
-    if not (_is_run(run) and (run / "config.yaml").is_file()):
+    if not _is_run(run) or path_kind(run / "config.yaml") is None:
         return None
     try:
         return load_config(str(run / "config.yaml"))
@@ -973,7 +973,7 @@ def train(
             if config or data or init:
                 raise TrainError("a resumed run keeps the config, data and starting weights it started with; drop --config,"
                                  " --data and --init (--set may change what a resume can, such as optimizer.lr)")
-            if not saved.is_file():
+            if path_kind(saved) is None:  # another kind of path is said as load_config reads it
                 held = "it holds checkpoints but its config.yaml is gone; restore that file to resume" if checkpoints(out) else "no config.yaml"
                 raise TrainError(f"nothing to resume in {out}: {held}")
             trained = load_spec(out / RUN_SPEC)

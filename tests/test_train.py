@@ -1339,7 +1339,7 @@ def test_a_resume_points_to_a_metrics_line_that_is_not_utf8(cli, trained_on_text
     refused_untouched(cli, run, f"{run / 'metrics.jsonl'}, line 5, is not a metrics record: \\xff\\xfe garbage;")
 
 
-RUN_FILES = ["metrics.jsonl", "environment.yaml", "data/val.npy", "data/corpus.json", "checkpoints/step-00000004/state.json",
+RUN_FILES = ["config.yaml", "metrics.jsonl", "environment.yaml", "data/val.npy", "data/corpus.json", "checkpoints/step-00000004/state.json",
              "checkpoints/step-00000004/trainer.pt"]
 
 
@@ -1348,14 +1348,25 @@ RUN_FILES = ["metrics.jsonl", "environment.yaml", "data/val.npy", "data/corpus.j
 def test_a_run_file_that_is_no_regular_file_is_refused_by_name_not_read(cli, trained_on_text, tmp_path, name, replaced):
     """A FIFO in a run file's place kept a resume waiting for a writer for ever; a device (here
     /dev/null, which reads as empty and so cannot hang the test) was read as the file, and a link
-    to itself was taken as no file at all (metrics.jsonl: none logged yet)."""
+    to itself was taken as no file at all (metrics.jsonl: none logged yet; config.yaml: "gone")."""
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)
     (run / name).unlink()
     (run / name).symlink_to(os.devnull if replaced == "device" else run / name)
-    said = "is not a regular file (a FIFO, a device or a socket)" if replaced == "device" else "is a symbolic link to nothing, or in a loop"
+    said = {"device": "is not a regular file (a FIFO, a device or a socket)", "loop": "is a symbolic link to nothing, or in a loop"}[replaced]
+    if (name, replaced) == ("config.yaml", "loop"):  # read as YAML is, by a reader that tells a loop from a link to nothing
+        said = "is a symbolic link that leads back to itself"
     stderr = " ".join(refused_untouched(cli, run).split())
     assert said in stderr and Path(name).name in stderr, stderr
+
+
+def test_evaluate_names_a_config_that_is_no_regular_file_rather_than_gone(cli, trained_on_text, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    (run / "config.yaml").unlink()
+    (run / "config.yaml").symlink_to(os.devnull)
+    code, _, stderr = cli("evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1")
+    assert code == 1 and "is not a regular file (a FIFO, a device or a socket)" in stderr and "no config.yaml" not in stderr, stderr
 
 
 def test_generate_refuses_a_run_on_text_whose_tokenizer_and_config_are_both_gone(cli, trained_on_text, trained_on_mqar, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.files import save_figure_whole
+from archlab.files import path_kind, save_figure_whole
 from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
@@ -93,7 +93,7 @@ def scorable(run: Path) -> None:
     if run.parent.name == "checkpoints":
         raise EvaluationError(f"{run} is a checkpoint; give its run's folder, {run.parents[1]}, whose config.yaml says how it"
                               " trained (its latest checkpoint is scored)")
-    if not (run / "config.yaml").is_file():
+    if path_kind(run / "config.yaml") is None:  # another kind of path is said as load_config reads it
         raise EvaluationError(f"{run} has no config.yaml, which says how it trained; restore it to score the run")
 
 

@@ -26,7 +26,6 @@ from typing import Annotated, NamedTuple, get_args
 
 import torch
 import typer
-import yaml
 from typer.core import TyperGroup
 from rich.console import Console
 from rich.markup import escape
@@ -45,7 +44,7 @@ from archlab.memory import ACTIVATIONS, NoRoom, Watched, out_of_memory
 from archlab.model import build_model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, block_specs, plugin, said
-from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, spec_changes, spec_to_yaml
+from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, load_yaml, spec_changes, spec_to_yaml
 from archlab.study.definition import shipped_studies
 from archlab.table import Format, first_few, parse_budget, parse_length, render, si
 from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
@@ -178,21 +177,25 @@ def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
         try:
             good.append((path, load_spec(path)))
         except SpecError as exc:
-            instead = _not_a_spec(path)
-            _error(f"{path} is {instead}, not a model spec") if instead else _report(exc)
+            _report_spec(path, exc)
             bad += 1
     return good, bad
 
 
+def _report_spec(path: Path, exc: SpecError) -> None:
+    """A spec file that does not load, said: as what it is instead where it is another of archlab's
+    files, whose schema errors would say only that every spec field is missing."""
+    instead = _not_a_spec(path)
+    _error(f"{path} is {instead}, not a model spec") if instead else _report(exc)
+
+
 def _not_a_spec(path: Path) -> str | None:
-    """What a YAML file given where a spec is due is instead, where it is one of archlab's others:
-    its schema errors would say only that every spec field is missing."""
+    """What a YAML file given where a spec is due is instead, where it is one of archlab's others."""
     from archlab.train.config import TrainConfig
 
     try:
-        loaded = yaml.safe_load(path.read_text())
-    # its SpecError says so, as for YAML nested past reading (RecursionError) or a number past Python's limit on digits
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError, ValueError):
+        loaded = load_yaml(path)  # what cannot be read (a FIFO, a YAML error) is said by the spec's own error
+    except SpecError:
         return None
     keys = set(loaded) if isinstance(loaded, dict) else set()
     if {"variants", "baseline"} <= keys:
@@ -297,9 +300,9 @@ def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
 
 def _load_one(path: Path) -> ModelSpec:
     try:
-        return load_spec(_spec_file(path))
+        return load_spec(spec_file := _spec_file(path))
     except SpecError as exc:
-        _report(exc)
+        _report_spec(spec_file, exc)
         raise typer.Exit(1) from None
 
 

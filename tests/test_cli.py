@@ -247,6 +247,33 @@ def test_a_study_or_training_config_given_as_a_spec_is_named_as_such_and_a_spec_
     assert len(out.strip().splitlines()) == 2, out  # a header and one row
 
 
+@pytest.mark.parametrize("command", ["show", "generate", "validate", "build"])
+def test_every_command_given_a_study_or_training_config_as_a_spec_names_it_as_such(cli, tmp_path, command):
+    """show and generate gave the page of schema errors that validate and cost had stopped giving."""
+    config = tmp_path / "config.yaml"
+    config.write_text("steps: 20\nbatch_size: 4\nseq_len: 32\n")
+    for path, said in ((config, "a training config (give it to `archlab train --config`)"),
+                       ("studies/architectures.yaml", "a study (run it with `archlab study run`)")):
+        code, _, stderr = cli(command, path)
+        assert code == 1 and f"error: {path} is {said}, not a model spec" in stderr and "Field required" not in stderr, stderr
+
+
+@pytest.mark.parametrize("command", [["validate"], ["cost", "--seq-len", "64"], ["build"]])
+def test_a_fifo_given_as_a_spec_is_refused_not_waited_on(tmp_path, command):
+    """The spec's reader refused it; then the check of whether it was a study or a training config
+    read it again with read_text, which waited for a writer for ever (validate, cost, build, bench),
+    also for a FIFO among the specs of a folder, whose other rows never came."""
+    folder = tmp_path / "zoo"
+    folder.mkdir()
+    shutil.copy(ROOT / SPEC, folder / "good.yaml")
+    os.mkfifo(folder / "pipe.yaml")
+    result = subprocess.run([sys.executable, "-m", "archlab", command[0], str(folder), *command[1:]], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    said = " ".join(result.stderr.split())
+    assert result.returncode == 1 and f"{folder / 'pipe.yaml'}: <file>: is not a regular file (a FIFO, a device or a socket)" in said, said
+    assert load_spec(ROOT / SPEC).name in result.stdout, result.stdout  # the good spec's row or line
+
+
 def test_cost_of_runs_names_one_it_cannot_read_and_gives_the_others(cli, tmp_path):
     """One run's spec that no longer loads (its plugin gone) gave no row at all."""
     runs = tmp_path / "runs"

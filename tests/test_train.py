@@ -1360,6 +1360,27 @@ def test_a_run_file_that_is_no_regular_file_is_refused_by_name_not_read(cli, tra
     assert said in stderr and Path(name).name in stderr, stderr
 
 
+def test_a_run_whose_spec_is_gone_is_said_to_hold_checkpoints_without_it(cli, trained_on_text, tmp_path):
+    """generate, chat, layers and niah said such a run was "not a training run with a checkpoint",
+    though it holds one; a tokenizer.json that is a folder was "not at" its place."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    recorded = json.loads((checkpoints(run)[-1] / "state.json").read_text())["spec"]
+    assert load_spec(run / "spec.yaml").model_dump(mode="json") == recorded  # what the advice points to
+    (run / "spec.yaml").unlink()
+    gone = f"{run} holds checkpoints, but its spec.yaml is gone; restore the spec it trained (each checkpoint's state.json records it"
+    for command in (["generate", run, "--max-new-tokens", "2"], ["layers", run, "--seq-len", "32"],
+                    ["evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1"]):
+        refused(cli(*command), gone)
+    (run / "spec.yaml").mkdir()
+    refused(cli("generate", run, "--max-new-tokens", "2"), f"{run} holds checkpoints, but its spec.yaml is a folder, not a file")
+    (run / "spec.yaml").rmdir()
+    shutil.copy(trained_on_text / "spec.yaml", run / "spec.yaml")
+    (run / "tokenizer.json").unlink()
+    (run / "tokenizer.json").mkdir()
+    refused(cli("generate", run, "--max-new-tokens", "2"), f"tokenizer '{run / 'tokenizer.json'}': not a file")
+
+
 def test_evaluate_names_a_config_that_is_no_regular_file_rather_than_gone(cli, trained_on_text, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)

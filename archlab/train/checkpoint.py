@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from archlab.block import whole_number
-from archlab.files import FULL, REFUSED, regular
+from archlab.files import FULL, REFUSED, path_kind, regular
 from archlab.memory import NoRoom
 from archlab.table import first_few
 
@@ -257,8 +257,16 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
         run_dir, found = path.parents[1], [path]
     else:
         run_dir, found = path, checkpoints(path)  # whole folders; one removed since it was listed is met as it is read (latest_read)
-    if not (run_dir / RUN_SPEC).is_file() or not found or named and not path.is_dir():
+    if not found or named and not path.is_dir():
         raise CheckpointError(f"{path} is not a training run with a checkpoint (expected spec.yaml and checkpoints/step-*)")
+    if not (spec := run_dir / RUN_SPEC).is_file():
+        try:
+            regular(spec)  # which names a folder, a FIFO or a dangling link as such
+            why = "is gone"
+        except OSError as exc:
+            why = exc.strerror
+        raise CheckpointError(f"{run_dir} holds checkpoints, but its {RUN_SPEC} {why}; restore the spec it trained (each"
+                              " checkpoint's state.json records it, under \"spec\")")
     return run_dir, found[-1]
 
 
@@ -376,10 +384,10 @@ def tokenizer_of(run_dir: Path) -> Path | None:
     is a SpecError."""
     from archlab.train.config import load_config, tokenized
 
-    if (run_dir / "tokenizer.json").is_file():
+    if path_kind(run_dir / "tokenizer.json") is not None:  # a folder or a FIFO there is said as it is read
         return run_dir / "tokenizer.json"
     config = run_dir / "config.yaml"
-    if not config.is_file():  # its latest checkpoint's record of the config says whether it read text
+    if path_kind(config) is None:  # its latest checkpoint's record of the config says whether it read text
         source = _recorded_source(run_dir)
         if source is not None and tokenized(source):
             raise CheckpointError(f"the run's tokenizer is not at {run_dir / 'tokenizer.json'}, and its config.yaml is gone"

@@ -26,6 +26,7 @@ from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem,
 from archlab.ffn import MoE, SwiGLU
 from archlab.files import path_kind
 from archlab.registry import block_specs, raised
+from archlab.table import first_few
 
 SchemaVersion = Literal[1]  # of specs, training configs and studies alike
 SCHEMA_VERSION = get_args(SchemaVersion)[0]
@@ -666,10 +667,10 @@ def describe_differences(old: Any, new: Any) -> list[str]:
 
 
 def spec_changes(old: ModelSpec, new: ModelSpec) -> str:
-    """How spec ``new`` differs from ``old``, on one line: at most five changes, then "..."; empty
+    """How spec ``new`` differs from ``old``, on one line: at most five changes, then how many more; empty
     where they are equal."""
     changed = describe_differences(old.model_dump(mode="json"), new.model_dump(mode="json"))
-    return "; ".join(changed[:5]) + ("; ..." if len(changed) > 5 else "")
+    return first_few(changed, 5, "; ")
 
 
 def _loc(parts: tuple, data: Any) -> str:

@@ -140,8 +140,7 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
             differences.insert(0, f"started from {start_said(was)}, would now start from {start_said(now)}")
             moved = True
         if differences:
-            changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {'; '.join(differences[:3])}"
-                           + (f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""))
+            changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {first_few(differences, 3, '; ')}")
     if changed:
         shown = changed[:5] + ([f"  ... and {len(changed) - 5} more trials"] if len(changed) > 5 else [])
         raise StudyChanged(

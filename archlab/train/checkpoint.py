@@ -282,7 +282,7 @@ def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> N
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     if broken := non_finite(model):
-        raise damaged(path, f"non-finite weights: {', '.join(broken[:3])}", use)
+        raise damaged(path, f"non-finite weights: {first_few(broken, 3)}", use)
 
 
 def load_trained(path: str | Path):

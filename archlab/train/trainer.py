@@ -41,6 +41,7 @@ from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, describe_differences, load_spec, spec_changes, spec_to_yaml
+from archlab.table import first_few
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
@@ -426,8 +427,8 @@ class Trainer:
         foreign += [p for p in corpus.iterdir() if written_as(p.name) not in CORPUS_FILES] if corpus.is_dir() else []
         if foreign:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
-            raise TrainError(f"{self.run_dir} holds files that are not a training run's ({', '.join(named[:5])}"
-                             f"{', ...' if len(named) > 5 else ''}); choose an empty or new --out")
+            raise TrainError(f"{self.run_dir} holds files that are not a training run's ({first_few(named, 5)});"
+                             " choose an empty or new --out")
 
     def _refuse_another_runs_checkpoints(self) -> None:
         """A run inside another run's checkpoints folder would be taken by that run for a checkpoint
@@ -721,7 +722,7 @@ class Trainer:
                     on_eval(done, record)
                 if done % self.cfg.checkpoint_interval == 0 or done == steps:
                     if broken := checkpoint.non_finite(self.model):  # a step past float range: finite loss, unusable weights
-                        raise TrainError(f"weights became non-finite by step {done} ({', '.join(broken[:3])}); training stopped"
+                        raise TrainError(f"weights became non-finite by step {done} ({first_few(broken, 3)}); training stopped"
                                          f" before saving them, {_kept(last_saved)}")
                     try:
                         last_saved = self._save(done, data)

@@ -970,7 +970,7 @@ def train(
         _import_whole("torch._dynamo")  # the first forward pass's; a Ctrl-C inside it once aborted the process
         if out.exists() and not out.is_dir():
             raise TrainError(f"--out {out} is a file; a run is a folder")
-        spec = load_spec(_spec_file(spec_path))
+        spec = _load_one(spec_path)
         if resume:
             saved = out / "config.yaml"
             if config or data or init:

@@ -587,7 +587,7 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
     if kind != "file":
         found = {"other": "is not a regular file (a FIFO, a device or a socket)",  # as files.regular says them
-                 "dangling": "is a symbolic link to nothing, or in a loop"}.get(kind, f"not found{origin or ' (no such file)'}")
+                 "dangling": f"is a symbolic link to nothing, or in a loop{origin}"}.get(kind, f"not found{origin or ' (no such file)'}")
         raise SpecError(str(path), [Problem("<file>", found)])
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))

@@ -247,14 +247,14 @@ def test_a_study_or_training_config_given_as_a_spec_is_named_as_such_and_a_spec_
     assert len(out.strip().splitlines()) == 2, out  # a header and one row
 
 
-@pytest.mark.parametrize("command", ["show", "generate", "validate", "build"])
+@pytest.mark.parametrize("command", ["show", "generate", "train", "validate", "build"])
 def test_every_command_given_a_study_or_training_config_as_a_spec_names_it_as_such(cli, tmp_path, command):
-    """show and generate gave the page of schema errors that validate and cost had stopped giving."""
+    """show, generate and train gave the page of schema errors that validate and cost had stopped giving."""
     config = tmp_path / "config.yaml"
     config.write_text("steps: 20\nbatch_size: 4\nseq_len: 32\n")
     for path, said in ((config, "a training config (give it to `archlab train --config`)"),
                        ("studies/architectures.yaml", "a study (run it with `archlab study run`)")):
-        code, _, stderr = cli(command, path)
+        code, _, stderr = cli(command, path, *(["--out", tmp_path / "run"] if command == "train" else []))
         assert code == 1 and f"error: {path} is {said}, not a model spec" in stderr and "Field required" not in stderr, stderr
 
 

@@ -161,8 +161,9 @@ def test_a_figure_saved_whole_is_a_png_at_the_dpi_given_and_a_failed_save_keeps_
 
 
 def test_a_plot_leaves_the_callers_matplotlib_as_it_was(tmp_path):
-    """The plots are figures of their own: they set no backend (a notebook calling one had its
-    backend switched to Agg for good) and leave no figure open in pyplot."""
+    """A plot is a figure of its own (evaluate's, here, as the six plots are drawn alike): it sets no
+    backend (a notebook calling one had its backend switched to Agg for good) and leaves no figure
+    open in pyplot."""
     import matplotlib
     import matplotlib.pyplot as plt
 

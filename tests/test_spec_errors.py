@@ -659,3 +659,12 @@ def test_cross_attention_given_its_heads_needs_no_global_head_dim_dividing_the_m
     model = archlab.build_model(archlab.load_spec(tmp_path / "s.yaml"))
     cross = model.layers[2].mixer
     assert (cross.q_proj.out_features, cross.o_proj.in_features) == (48, 48)
+
+
+def test_a_link_to_nothing_reached_through_extends_names_it_and_the_file_that_extended_it(tmp_path):
+    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere.yaml")
+    (tmp_path / "s.yaml").write_text("extends: gone.yaml\nname: x\n")
+    with pytest.raises(archlab.SpecError) as caught:
+        archlab.load_spec(tmp_path / "s.yaml")
+    assert str(caught.value) == (f"{tmp_path / 'gone.yaml'}: 1 problem(s)\n  <file>: is a symbolic link to nothing, or in a loop"
+                                 f" (extended from {tmp_path / 's.yaml'})")

@@ -1361,8 +1361,9 @@ def test_a_run_file_that_is_no_regular_file_is_refused_by_name_not_read(cli, tra
 
 
 def test_a_run_whose_spec_is_gone_is_said_to_hold_checkpoints_without_it(cli, trained_on_text, tmp_path):
-    """generate, chat, layers and niah said such a run was "not a training run with a checkpoint",
-    though it holds one; a tokenizer.json that is a folder was "not at" its place."""
+    """generate, chat, layers, niah and evaluate said such a run was "not a training run with a
+    checkpoint", though it holds one (here generate, layers and evaluate, which all resolve a run
+    alike); a tokenizer.json that is a folder was "not at" its place."""
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)
     recorded = json.loads((checkpoints(run)[-1] / "state.json").read_text())["spec"]
@@ -1379,6 +1380,32 @@ def test_a_run_whose_spec_is_gone_is_said_to_hold_checkpoints_without_it(cli, tr
     (run / "tokenizer.json").unlink()
     (run / "tokenizer.json").mkdir()
     refused(cli("generate", run, "--max-new-tokens", "2"), f"tokenizer '{run / 'tokenizer.json'}': not a file")
+
+
+def test_a_hash_is_not_passed_over_where_state_json_is_no_regular_file(cli, trained_on_text, tmp_path):
+    """The hash was checked only where state.json was a file: a folder (or a FIFO, or a link to
+    nothing) in its place let changed weights load without a word."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    latest = checkpoints(run)[-1]
+    weights = bytearray((latest / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (latest / "model.safetensors").write_bytes(weights)
+    (latest / "state.json").unlink()
+    (latest / "state.json").mkdir()
+    refused(cli("generate", run, "--max-new-tokens", "2"), f"checkpoint {latest} is damaged", "is a folder, not a file")
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling"])
+def test_curves_of_a_run_whose_tokenizer_is_no_regular_file_says_it_is_not_found(cli, trained_on_text, tmp_path, kind):
+    """Found as the run's tokenizer since generate names such a path for what it is, it was then read
+    whole by curves: an error ("Is a directory"), or, of a FIFO, a wait for ever."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    (run / "tokenizer.json").unlink()
+    (run / "tokenizer.json").mkdir() if kind == "folder" else (run / "tokenizer.json").symlink_to(tmp_path / "nowhere")
+    code, out, stderr = cli("curves", run, trained_on_text)
+    assert code in (0, None) and "a tokenizer not found" in stderr and "Traceback" not in stderr, stderr
 
 
 def test_evaluate_names_a_config_that_is_no_regular_file_rather_than_gone(cli, trained_on_text, tmp_path):
@@ -2484,15 +2511,23 @@ def test_windows_whose_scored_tokens_overlap_say_how_many_distinct_tokens_they_a
             assert batch.mask.sum(1).tolist() == [16] * sequences and not batch.mask[:, : length - 16].any()
         distinct = len(set(found[32].targets[found[32].mask].tolist()))
         assert (distinct < 16 * sequences) == overlapping
-        assert [str(w.message) for w in said] == ([f"the last 16 tokens of the {sequences} windows overlap: they are {distinct} distinct"
-                                                   f" tokens of the held-out split, not {16 * sequences}; --sequences 11 or fewer"
-                                                   " scores each once"] if overlapping else [])
+        assert [str(w.message) for w in said] == ([f"the last 16 tokens of the {sequences} windows overlap: the {16 * sequences} tokens"
+                                                   f" they score are {distinct} distinct tokens of the held-out split; --sequences 11"
+                                                   " or fewer scores each once"] if overlapping else [])
+    counted = tokens % 4 == 0  # of examples, the responses alone are scored
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        (found,) = windows(tokens, [32], 40, counted=counted, last=16).values()
+    scored = found.targets[found.mask]
+    assert [str(w.message) for w in said] == [f"the last 16 tokens of the 40 windows overlap: the {len(scored)} tokens they score are"
+                                              f" {len(set(scored.tolist()))} distinct tokens of the held-out split; --sequences 11 or"
+                                              " fewer scores each once"]
 
 
 def test_evaluate_says_when_its_windows_score_tokens_more_than_once(cli, trained_on_text):
     code, _, stderr = cli("evaluate", trained_on_text, "--seq-len", "32", "--last", "16", "--sequences", "2000")
     assert code in (0, None), stderr
-    assert "windows overlap: they are" in stderr and "distinct tokens of the held-out split" in stderr
+    assert "windows overlap: the 32,000 tokens they score are" in stderr and "distinct tokens of the held-out split" in stderr
     code, _, stderr = cli("evaluate", trained_on_text, "--seq-len", "32", "--last", "16", "--sequences", "3")
     assert code in (0, None) and "overlap" not in stderr, stderr
 

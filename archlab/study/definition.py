@@ -176,8 +176,8 @@ class Study:
         baseline = self.specs[self.definition.baseline]
         for name in self.definition.variants:
             if self.steps(name) == 0:  # a step of it costs more than the baseline's whole run
-                per_token = Cost(self.specs[name]).train_flops_per_token(self.config.seq_len)
-                needed = math.ceil(per_token / Cost(baseline).train_flops_per_token(self.config.seq_len))
+                per_sequence = Cost(self.specs[name]).train_flops_per_sequence(self.config.seq_len)
+                needed = math.ceil(per_sequence / Cost(baseline).train_flops_per_sequence(self.config.seq_len))
                 root.at("variants").at(name).add(
                     f"budget: flops gives it 0 steps: one of its steps costs more training FLOPs than the baseline's whole run"
                     f" (steps: {self.config.steps}); raise scales.{self.scale}.train.steps to at least {needed}")

@@ -243,7 +243,8 @@ def refuse_no_file_to_be(url: str, create: bool = True) -> None:
     if Path(database).is_dir():
         raise StorageError(f"{shown(url)} names a folder, {database}, not a SQLite database file")
     if create and not Path(database).parent.is_dir():
-        raise StorageError(f"{shown(url)}: there is no folder {Path(database).parent} to hold its database; make it first")
+        uri = " (a file: URI is read as one with uri=true in the URL)" if database.startswith("file:") else ""
+        raise StorageError(f"{shown(url)}: there is no folder {Path(database).parent} to hold its database; make it first{uri}")
 
 
 def open_study(study: Study, url: str, grace_period: int = 60, create: bool = True) -> optuna.Study:
@@ -413,14 +414,20 @@ def _sqlite_url(url: str) -> sqlalchemy.engine.URL | None:
         return None
 
 
+def _sqlite_uri(parsed: sqlalchemy.engine.URL) -> bool:
+    """Whether SQLite reads the URL's database as a URI (``file:path``): where uri is true, as
+    SQLAlchemy reads it (true, 1, yes, on)."""
+    return sqlalchemy.util.asbool(parsed.query.get("uri", False))
+
+
 def _sqlite_database(url: str) -> str | None:
     """The database a SQLite URL names: a file's path, or one of IN_MEMORY; None as ``_sqlite_url``.
-    With uri=true, the database is a URI that SQLite reads (``file:path``): its path."""
+    Of a URI (``_sqlite_uri``), the path in it."""
     parsed = _sqlite_url(url)
     if parsed is None:
         return None
     database = parsed.database or ""
-    if parsed.query.get("uri") != "true" or not database.startswith("file:"):
+    if not _sqlite_uri(parsed) or not database.startswith("file:"):
         return database
     path = urllib.parse.urlsplit(database).path
     return "" if parsed.query.get("mode") == "memory" or path == ":memory:" else path
@@ -429,7 +436,7 @@ def _sqlite_database(url: str) -> str | None:
 def refuse_read_only(url: str) -> None:
     """A SQLite URI opened read-only, refused to a run, which records its trials there: each
     write failed, and was said as a lost storage."""
-    if (parsed := _sqlite_url(url)) is not None and parsed.query.get("uri") == "true" and parsed.query.get("mode") == "ro":
+    if (parsed := _sqlite_url(url)) is not None and _sqlite_uri(parsed) and parsed.query.get("mode") == "ro":
         raise StorageError(f"{shown(url)} opens its database read-only (mode=ro), and a study run records its trials there; drop"
                            " mode=ro to run the study (a report reads the database as it is)")
 
@@ -592,13 +599,18 @@ def check_start(study: Study, variants: list[str], run: str, field: str) -> Path
     """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variants``
     start from, refused at the study's ``field`` where it is not there or its weights do not load
     into a variant's model (another model's, damaged, not finite): every trial would fail on it."""
+    from archlab.memory import NoRoom
     from archlab.model import build_model
 
     try:
         used = checkpoint.resolve(run)[1]
         for variant in variants:
             try:
-                checkpoint.load_weights(used, build_model(study.specs[variant]), "start")
+                model = build_model(study.specs[variant])
+            except NoRoom:  # not in this machine's memory: its trials load the weights where they train
+                continue
+            try:
+                checkpoint.load_weights(used, model, "start")
             except checkpoint.WeightsDoNotFit as exc:
                 raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(variants) > 1 else str(exc)) from None
     except checkpoint.CheckpointError as exc:

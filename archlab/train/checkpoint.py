@@ -277,7 +277,7 @@ def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> N
     be of, weights changed on the disk in silence); ``use``: what for (as ``damaged`` takes it)."""
     try:
         _load_weights(path, model)  # first: a file that is no safetensors at all is said as such
-        if (path / "state.json").is_file():
+        if path_kind(path / "state.json") is not None:  # none: saved before checkpoints recorded hashes
             _check_hash(path, info_of(path, use), "model.safetensors", use)
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None

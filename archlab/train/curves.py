@@ -107,7 +107,8 @@ class Run:
 
     @functools.cached_property  # read from the run's files once, for both panels of a plot
     def flops_per_token(self) -> float:
-        """Training FLOPs per token of the spec and sequence length the run trained."""
+        """Training FLOPs per token of the spec and sequence length the run trained: a sequence's
+        exact FLOPs over its tokens, as the trainer's MFU and the budgets count them."""
         from archlab.spec import SpecError, load_spec
         from archlab.train.config import load_config
 
@@ -116,7 +117,8 @@ class Run:
             raise RunError(f"{self.folder} lacks {' and '.join(missing)}, which training FLOPs are worked out from; plot"
                            " it against steps or tokens")
         try:
-            return Cost(load_spec(files[0])).train_flops_per_token(load_config(str(files[1])).seq_len)
+            seq_len = load_config(str(files[1])).seq_len
+            return Cost(load_spec(files[0])).train_flops_per_sequence(seq_len) / seq_len
         except SpecError as exc:
             raise RunError(f"{exc.source} does not load: {exc.problems[0].loc}: {exc.problems[0].msg}") from None
 
@@ -257,11 +259,11 @@ def _tokens_of(folder: Path) -> str:
     try:
         tokenizer = tokenizer_of(folder)
         if tokenizer is not None:
-            return f"tokenizer {hashlib.blake2b(tokenizer.read_bytes(), digest_size=4).hexdigest()}"
+            return f"tokenizer {hashlib.blake2b(regular(tokenizer).read_bytes(), digest_size=4).hexdigest()}"
         if not (folder / "config.yaml").is_file():
             return "tokens not known (no config.yaml)"
         source = load_config(str(folder / "config.yaml")).data.source
-    except (CheckpointError, SpecError):
+    except (CheckpointError, SpecError, OSError):  # OSError: a tokenizer.json that is a folder, a FIFO or a link to nothing
         return "a tokenizer not found"
     return f"the {source} task" if source in SYNTHETIC else f"the token ids of {source}"
 

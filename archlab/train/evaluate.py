@@ -49,7 +49,7 @@ def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = 
     sequences = min(sequences, span + 1)  # past that, every place is taken: the same ends, without a loop over the rest
     ends = sorted({longest + i * span // max(1, sequences - 1) for i in range(sequences)})  # one past each window's input
     if last is not None:
-        _say_overlap(ends, last, span, what)
+        _say_overlap(ends, last, span, what, counted)
     found = {}
     for length in lengths:
         rows = torch.from_numpy(np.stack([np.asarray(tokens[end - length : end + 1], dtype=np.int64) for end in ends]))
@@ -61,13 +61,18 @@ def windows(tokens: np.ndarray, lengths: list[int], sequences: int, what: str = 
     return found
 
 
-def _say_overlap(ends: list[int], last: int, span: int, what: str) -> None:
+def _say_overlap(ends: list[int], last: int, span: int, what: str, counted: np.ndarray | None) -> None:
     """A notice where windows end closer together than ``last`` tokens: a token is then scored in
-    more than one window (each time after another context), and "tokens scored" counts it each time."""
-    distinct = last + sum(min(last, end - before) for before, end in zip(ends, ends[1:]))
-    if distinct < last * len(ends):
-        warnings.warn(f"the last {last:,} tokens of the {len(ends):,} windows overlap: they are {distinct:,} distinct tokens of {what},"
-                      f" not {last * len(ends):,}; --sequences {span // last + 1:,} or fewer scores each once", stacklevel=3)
+    more than one window (each time after another context), and "tokens scored" counts it each
+    time. Of examples, only the tokens ``counted`` are scored."""
+    weight = np.ones(ends[-1] + 1, dtype=bool) if counted is None else np.asarray(counted[: ends[-1] + 1], dtype=bool)
+    covered = np.zeros_like(weight)  # the positions of the targets some window scores
+    for end in ends:
+        covered[end - last + 1 : end + 1] = True
+    distinct, scored = int((covered & weight).sum()), sum(int(weight[end - last + 1 : end + 1].sum()) for end in ends)
+    if distinct < scored:
+        warnings.warn(f"the last {last:,} tokens of the {len(ends):,} windows overlap: the {scored:,} tokens they score are"
+                      f" {distinct:,} distinct tokens of {what}; --sequences {span // last + 1:,} or fewer scores each once", stacklevel=3)
 
 
 @dataclass

@@ -237,15 +237,16 @@ def test_a_spec_given_that_does_not_exist_is_said_to_be_no_such_file(tmp_path):
     assert str(caught.value) == f"{tmp_path / 'missing.yaml'}: 1 problem(s)\n  <file>: not found (no such file)"
 
 
-def test_a_link_to_itself_reached_through_extends_names_it_and_the_file_that_extended_it(tmp_path):
-    """A parent spec replaced by a symbolic link that leads back to itself is named as the file at
-    fault, with the spec whose ``extends`` led to it, as a missing parent or a folder is."""
-    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
-    (tmp_path / "s.yaml").write_text("extends: loop.yaml\nname: x\n")
+@pytest.mark.parametrize("target, said", [("link.yaml", "is a symbolic link that leads back to itself, not a YAML file"),
+                                          ("nowhere.yaml", "is a symbolic link to nothing, or in a loop")], ids=["itself", "nothing"])
+def test_a_link_reached_through_extends_names_it_and_the_file_that_extended_it(tmp_path, target, said):
+    """A parent spec replaced by a symbolic link that leads back to itself, or to nothing, is named
+    as the file at fault, with the spec whose ``extends`` led to it, as a missing parent or a folder is."""
+    (tmp_path / "link.yaml").symlink_to(tmp_path / target)
+    (tmp_path / "s.yaml").write_text("extends: link.yaml\nname: x\n")
     with pytest.raises(archlab.SpecError) as caught:
         archlab.load_spec(tmp_path / "s.yaml")
-    assert str(caught.value) == (f"{tmp_path / 'loop.yaml'}: 1 problem(s)\n  <file>: is a symbolic link that leads back to itself,"
-                                 f" not a YAML file (extended from {tmp_path / 's.yaml'})")
+    assert str(caught.value) == f"{tmp_path / 'link.yaml'}: 1 problem(s)\n  <file>: {said} (extended from {tmp_path / 's.yaml'})"
 
 
 def test_an_unknown_key_set_with_a_name_beginning_in_digits_is_traced_to_the_override():
@@ -660,11 +661,3 @@ def test_cross_attention_given_its_heads_needs_no_global_head_dim_dividing_the_m
     cross = model.layers[2].mixer
     assert (cross.q_proj.out_features, cross.o_proj.in_features) == (48, 48)
 
-
-def test_a_link_to_nothing_reached_through_extends_names_it_and_the_file_that_extended_it(tmp_path):
-    (tmp_path / "gone.yaml").symlink_to(tmp_path / "nowhere.yaml")
-    (tmp_path / "s.yaml").write_text("extends: gone.yaml\nname: x\n")
-    with pytest.raises(archlab.SpecError) as caught:
-        archlab.load_spec(tmp_path / "s.yaml")
-    assert str(caught.value) == (f"{tmp_path / 'gone.yaml'}: 1 problem(s)\n  <file>: is a symbolic link to nothing, or in a loop"
-                                 f" (extended from {tmp_path / 's.yaml'})")

@@ -299,8 +299,9 @@ def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
 
 
 def _load_one(path: Path) -> ModelSpec:
+    spec_file = _spec_file(path)
     try:
-        return load_spec(spec_file := _spec_file(path))
+        return load_spec(spec_file)
     except SpecError as exc:
         _report_spec(spec_file, exc)
         raise typer.Exit(1) from None

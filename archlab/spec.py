@@ -24,7 +24,7 @@ from torch import nn
 
 from archlab.block import MAX_SIZE, YES_OR_NO, BlockSpec, BuildContext, Problem, Problems, Size, Strict
 from archlab.ffn import MoE, SwiGLU
-from archlab.files import path_kind
+from archlab.files import path_kind, regular
 from archlab.registry import block_specs, raised
 from archlab.table import first_few
 
@@ -585,10 +585,12 @@ def _read_yaml(path: Path, chain: tuple[Path, ...], origins: dict[str, str]) -> 
         raise SpecError(str(path), [Problem("<file>", f"cannot read: {exc.strerror}{origin}")]) from None
     if kind == "folder":
         raise SpecError(str(path), [Problem("<file>", f"is a folder, not a YAML file{origin}")])
-    if kind != "file":
-        found = {"other": "is not a regular file (a FIFO, a device or a socket)",  # as files.regular says them
-                 "dangling": f"is a symbolic link to nothing, or in a loop{origin}"}.get(kind, f"not found{origin or ' (no such file)'}")
-        raise SpecError(str(path), [Problem("<file>", found)])
+    if kind is None:
+        raise SpecError(str(path), [Problem("<file>", f"not found{origin or ' (no such file)'}")])
+    try:
+        regular(path)  # a FIFO, a device or a link to nothing, said as the run files' reader says them
+    except OSError as exc:
+        raise SpecError(str(path), [Problem("<file>", f"{exc.strerror}{origin}")]) from None
     try:
         data = _parse_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:

@@ -25,7 +25,7 @@ from archlab.registry import block_specs, plugin
 from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import Decimals, Format, parse_budget, parse_length, render, tokens_label
-from archlab.train.checkpoint import CheckpointError, load
+from archlab.train.checkpoint import CheckpointError, file_hash, load
 from conftest import ROOT, files_no_bigger_than, parsed, tiny_model
 
 SPEC = "specs/tiny/transformer.yaml"
@@ -1222,7 +1222,8 @@ RECALL = "steps: 1\ndata: {source: mqar}\n"  # the config of a run on a recall t
 
 def fake_run(root, config=RECALL, weights=lambda t: t):
     """A training run as ``generate`` reads it, without training: the spec, its config and one
-    checkpoint of random weights, each passed through ``weights``."""
+    checkpoint of random weights, each passed through ``weights``, with the step and hash a
+    checkpoint's state.json records."""
     spec = load_spec(ROOT / SPEC)
     checkpoint = root / "checkpoints" / "step-00000001"
     checkpoint.mkdir(parents=True)
@@ -1231,6 +1232,8 @@ def fake_run(root, config=RECALL, weights=lambda t: t):
     save_model(build_model(spec), str(checkpoint / "model.safetensors"))
     saved = load_file(checkpoint / "model.safetensors")
     save_file({name: weights(t) for name, t in saved.items()}, checkpoint / "model.safetensors")
+    state = {"step": 1, "weights_blake2b": file_hash(checkpoint / "model.safetensors")}
+    (checkpoint / "state.json").write_text(json.dumps(state))
     return root
 
 
@@ -1288,6 +1291,21 @@ def test_a_trainer_state_the_unpickler_chokes_on_is_damage(tmp_path, pickled):
     (checkpoint / "trainer.pt").write_bytes(pickled)
     with pytest.raises(CheckpointError, match=r"step-00000001 is damaged \(trainer.pt does not load: (KeyError|IndexError|error)\)"):
         load(checkpoint, build_model(load_spec(ROOT / SPEC)))
+
+
+@pytest.mark.parametrize("state, said", [
+    (None, "(FileNotFoundError: "),  # a copy cut short: its hash, and so its bytes, cannot be checked
+    ({"step": 2}, "(its state.json is at step 2)"),  # another checkpoint's
+    ({"weights_blake2b": "0" * 32}, "(state.json gives no step count: "),
+])
+def test_generate_refuses_weights_without_their_own_state(cli, tmp_path, state, said):
+    """Weights loaded to sample or score are checked as a resume checks them: a checkpoint whose
+    state.json is gone, or records another step, is not taken in silence as the run's."""
+    run = fake_run(tmp_path)
+    recorded = run / "checkpoints" / "step-00000001" / "state.json"
+    recorded.unlink() if state is None else recorded.write_text(json.dumps(state))
+    code, _, stderr = cli("generate", run, "--prompt", "ab", "--max-new-tokens", "2")
+    assert code == 1 and f"step-00000001 is damaged {said}" in stderr and "Traceback" not in stderr, stderr
 
 
 def test_a_sound_fake_run_generates(cli, tmp_path):

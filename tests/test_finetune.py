@@ -1035,7 +1035,9 @@ def test_a_studys_variant_fine_tunes_from_a_run_beside_one_trained_afresh(cli, p
         assert ((run / "tokenizer.json").read_text() == (pretrained / "tokenizer.json").read_text()) or not tuned, name
     assert f"- `tuned` is fine-tuned from the run {pretrained} (step-00000004)\n" in stdout, stdout
 
-    shutil.copytree(pretrained / "checkpoints/step-00000004", pretrained / "checkpoints/step-00000006")  # the run went on
+    went_on = shutil.copytree(pretrained / "checkpoints/step-00000004", pretrained / "checkpoints/step-00000006")  # the run went on
+    state = json.loads((went_on / "state.json").read_text())
+    (went_on / "state.json").write_text(json.dumps({**state, "step": 6}))
     code, _, stderr = cli("study", "run", path, "--out", tmp_path / "out")
     said = " ".join(stderr.split())
     assert code == 1 and "holds 2 trials that trained under another definition" in said, stderr

@@ -225,8 +225,7 @@ def info_of(path: Path, use: str = "resume") -> dict:
 
 def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     """Load weights into ``model``; return (trainer state, info). Any damage is a CheckpointError."""
-    load_weights(path, model, "resume")
-    info = info_of(path)
+    info = load_weights(path, model, "resume")
     try:
         trainer_state = torch.load(regular(path / "trainer.pt"), weights_only=True)
     except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
@@ -235,11 +234,6 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
         said = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise damaged(path, f"trainer.pt does not load: {said}") from None
     _check_hash(path, info, "trainer.pt")  # bytes changed among the optimizer's moments load as numbers
-    step = info.get("step")
-    if not whole_number(step) or step < 0:
-        raise damaged(path, f"state.json gives no step count: {str(info)[:60]}")
-    if step != step_of(path):
-        raise damaged(path, f"its state.json is at step {step}")
     return trainer_state, info
 
 
@@ -270,19 +264,26 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
     return run_dir, found[-1]
 
 
-def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> None:
+def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> dict:
     """The weights of checkpoint ``path`` into ``model``, which they must fit, shape for shape, and
     finite (resumed, a run would train on from NaN; generating, print garbage and succeed), and
-    the bytes saved, where its state.json records their hash (a run would go on from, or a score
-    be of, weights changed on the disk in silence); ``use``: what for (as ``damaged`` takes it)."""
+    the bytes its state.json records a hash of (a run would go on from, or a score be of, weights
+    changed on the disk in silence); return what that state.json records. ``use``: what for (as
+    ``damaged`` takes it)."""
     try:
         _load_weights(path, model)  # first: a file that is no safetensors at all is said as such
-        if path_kind(path / "state.json") is not None:  # none: saved before checkpoints recorded hashes
-            _check_hash(path, info_of(path, use), "model.safetensors", use)
+        info = info_of(path, use)  # none: a copy cut short, or another's weights under its name
+        step = info.get("step")
+        if not whole_number(step) or step < 0:
+            raise damaged(path, f"state.json gives no step count: {str(info)[:60]}", use)
+        if step_of(path) not in (None, step):  # None: a copy under another name
+            raise damaged(path, f"its state.json is at step {step}", use)
+        _check_hash(path, info, "model.safetensors", use)
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
     if broken := non_finite(model):
         raise damaged(path, f"non-finite weights: {first_few(broken, 3)}", use)
+    return info
 
 
 def load_trained(path: str | Path):

@@ -1592,6 +1592,18 @@ def test_a_run_trained_on_archlabs_own_blocks_names_archlab_once_with_its_commit
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit decorators fla applies on import
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_cached_split_cut_short_is_the_caches_damage_not_the_datas(cli, trained_on_text, tmp_path, split):
+    """A split of a tokenized corpus holding fewer tokens than its corpus.json records, each a token
+    id of the vocabulary, was said as the data's split too short for a sequence."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    recorded = json.loads((run / "data" / "corpus.json").read_text())["tokens"][split]
+    np.save(run / "data" / f"{split}.npy", np.load(run / "data" / f"{split}.npy")[:5])
+    refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged (its {split}.npy holds 5 tokens; its"
+                      f" corpus.json records {recorded:,})", f"remove {run / 'data'} to tokenize it again")
+
+
 def test_the_environment_names_the_kernel_packages_on_a_gpu_and_the_processes_sharing_a_run(monkeypatch):
     import fla
     import triton

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from archlab.block import whole_number
 from archlab.files import locked, make_folder, path_kind, regular, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.table import first_few
@@ -668,12 +669,15 @@ def _not_token_ids(tokens: np.ndarray, vocab_size: int) -> str | None:
     return None
 
 
-def _high_halves(tokens: np.ndarray, sample: int = 1 << 20) -> tuple[int, int] | None:
+HALVES_SAMPLE = 1 << 20  # the ids at a token file's start that _high_halves looks at
+
+
+def _high_halves(tokens: np.ndarray) -> tuple[int, int] | None:
     """The largest id at the odd and at the even positions of the file's start, where the odd ones
     look like the high halves of ids twice as wide (little-endian): all below 16 (0 and 1 for a
     vocabulary under 2**17 read at half width), and far below the even ones. Text's ids are spread
     alike over both."""
-    start = np.asarray(tokens[:sample])
+    start = np.asarray(tokens[:HALVES_SAMPLE])
     if len(start) < 64:
         return None
     odd, even = int(start[1::2].max()), int(start[0::2].max())
@@ -720,6 +724,8 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
     except (TypeError, KeyError, AttributeError):
         pass  # not a record of this shape: told apart below
     wanted = _made_from(cfg, vocab_size, text)
+    if isinstance(made_from, dict):
+        made_from.pop("tokens", None)  # each split's size, which _read_corpus checks
     if isinstance(made_from, dict) and text is None:  # tokens read back: where their text and tokenizer are now is no matter
         for key in ("source", "tokenizer"):  # (a corpus moved): the trainer checks the tokens against its checkpoint's
             wanted[key] = made_from.get(key)
@@ -886,7 +892,7 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
                      say: Callable[[str], None] | None) -> None:
     """Tokenize ``texts`` into ``data_dir/data``, with ``cfg.tokenizer``, the run's own on a
     resume, or a BPE trained on them, written into ``data_dir``; ``corpus.json`` records what
-    the tokens were made from (``text``: the texts' fingerprint)."""
+    the tokens were made from (``text``: the texts' fingerprint) and how many each split holds."""
     cache, own = data_dir / "data", data_dir / "tokenizer.json"
     kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
     trains = not (cfg.tokenizer or kept)
@@ -909,7 +915,8 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
     # each file whole: a kill leaves none half-written, and a run that has one mapped keeps it
     write_text_whole(own, tokenizer.to_str(pretty=True))
     write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
-    write_text_whole(cache / "corpus.json", json.dumps(_made_from(cfg, vocab_size, text), indent=2))
+    sizes = {"train": cut, "val": len(ids) - cut}
+    write_text_whole(cache / "corpus.json", json.dumps({**_made_from(cfg, vocab_size, text), "tokens": sizes}, indent=2))
     write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
 
 
@@ -919,7 +926,9 @@ def _damaged_corpus(cache: Path, why: str) -> CacheError:
 
 def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The train and val tokens of a tokenized corpus, mapped from its files, checked to be token
-    ids of this vocabulary (ids past it would stop the first step)."""
+    ids of this vocabulary (ids past it would stop the first step) and as many as its corpus.json
+    records (a split cut short would be blamed on the data: too short for a sequence)."""
+    sizes = _recorded_sizes(cache)
     splits = []
     for split in ("train", "val"):
         try:
@@ -928,8 +937,20 @@ def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
             raise _damaged_corpus(cache, f"its {split}.npy {exc}" if isinstance(exc, NoNumbers) else f"{type(exc).__name__}: {exc}") from None
         if problem := _not_token_ids(tokens, vocab_size):
             raise _damaged_corpus(cache, f"its {split}.npy {problem}")
+        if split in sizes and len(tokens) != sizes[split]:
+            raise _damaged_corpus(cache, f"its {split}.npy holds {len(tokens):,} tokens; its corpus.json records {sizes[split]:,}")
         splits.append(tokens)
     return splits[0], splits[1]
+
+
+def _recorded_sizes(cache: Path) -> dict[str, int]:
+    """Each split's size as the cache's corpus.json records it; none where it records none (a
+    corpus tokenized before it did; a record gone bad is refused before the corpus is read)."""
+    try:
+        sizes = json.loads(regular(cache / "corpus.json").read_text()).get("tokens")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return {}
+    return {split: n for split, n in sizes.items() if whole_number(n)} if isinstance(sizes, dict) else {}
 
 
 def _check_tokenizer(data_dir: Path, vocab_size: int, recover: str) -> None:

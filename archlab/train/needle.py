@@ -271,11 +271,14 @@ def rows(run: str, found: list[Found]) -> list[dict]:
             for (length, depth), some in _cells(found).items()]
 
 
-def misplaced(found: list[Found], by: float = 10.0) -> list[tuple[int, float, float]]:
-    """(length, depth asked, depth placed) where the needle sits more than ``by`` percent from the
-    depth asked, on average: a haystack of few lines, at a short length, has few places to put it."""
+MISPLACED_BY = 10.0  # points of depth between the needle's place and the depth asked that misplaced() reports
+
+
+def misplaced(found: list[Found]) -> list[tuple[int, float, float]]:
+    """(length, depth asked, depth placed) where the needle sits more than ``MISPLACED_BY`` percent
+    from the depth asked, on average: a haystack of few lines, at a short length, has few places to put it."""
     placed = {cell: fmean(f.probe.placed for f in some) for cell, some in _cells(found).items()}
-    return [(length, depth, at) for (length, depth), at in placed.items() if abs(at - depth) > by]
+    return [(length, depth, at) for (length, depth), at in placed.items() if abs(at - depth) > MISPLACED_BY]
 
 
 def summary(run: str, found: list[Found]) -> str:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, get_args, get_origin
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError, PydanticKnownError
 from torch import nn
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ Size = Annotated[int, Field(gt=0, le=MAX_SIZE)]
 """A width, head count, head size, hidden size, chunk or window: bounded far past any real model's,
 so that a typo (``hidden: 1e30``) is refused here rather than spent in costing and the allocator."""
 
-YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check; its context names the key (and index)
+YES_OR_NO = "yes_or_no_for_a_number"  # the error type of Strict's check
 
 
 class Strict(BaseModel):
@@ -39,22 +39,28 @@ class Strict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _no_yes_or_no_for_a_number(cls, data: Any) -> Any:
+    def _no_yes_or_no_for_a_number(cls, data: Any, handler: Callable[[Any], Any]) -> Any:
         """pydantic reads true as 1, and YAML reads true, yes and on as true: ``n_heads: yes`` would
         build one head; so are a list's items (``betas: [no, 0.95]``). (A field validator cannot do
-        this: pydantic allows none on a ``type`` tag.)"""
-        if isinstance(data, dict):
-            for key, value in data.items():
-                info = cls.model_fields.get(key)
-                if not (info and _wants_a_number(info.annotation)):
-                    continue
-                for index, item in enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]:
-                    if isinstance(item, bool):
-                        raise PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted",
-                                                  {"key": key, "index": index, "value": str(item).lower()})
-        return data
+        this: pydantic allows none on a ``type`` tag.) Said with the mapping's other problems, which
+        validating the rest finds."""
+        given = data.items() if isinstance(data, dict) else ()
+        numbers_given = [(key, value) for key, value in given if (info := cls.model_fields.get(key)) and _wants_a_number(info.annotation)]
+        errors = [{"type": PydanticCustomError(YES_OR_NO, "got {value}, a yes/no value where a number is wanted", {"value": str(item).lower()}),
+                   "loc": (key,) if index is None else (key, index), "input": item}
+                  for key, value in numbers_given
+                  for index, item in (enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)])
+                  if isinstance(item, bool)]
+        if not errors:
+            return handler(data)
+        wrong = {error["loc"][0] for error in errors}
+        try:
+            handler({key: value for key, value in data.items() if key not in wrong})
+        except ValidationError as exc:
+            errors += [_details(error) for error in exc.errors() if not (error["type"] == "missing" and error["loc"][0] in wrong)]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
 
     @model_validator(mode="before")
     @classmethod
@@ -74,6 +80,16 @@ class Strict(BaseModel):
             if not (value.keys() - type(default).model_fields.keys()) & others:
                 tagged[key] = {tag: getattr(default, tag), **value}
         return {**data, **tagged} if tagged else data
+
+
+def _details(error: dict) -> dict:
+    """A pydantic error as it was raised, to be raised again with others: its type's own, or its
+    message as said where the type is a validator's own (a ``PydanticCustomError``)."""
+    try:
+        kind = PydanticKnownError(error["type"], error.get("ctx")).type
+    except KeyError:
+        kind = PydanticCustomError(error["type"], error["msg"], error.get("ctx"))
+    return {"type": kind, "loc": error["loc"], "input": error["input"], **({"ctx": error["ctx"]} if "ctx" in error else {})}
 
 
 def _wants_a_number(annotation: Any) -> bool:

@@ -690,13 +690,10 @@ def _loc(parts: tuple, data: Any) -> str:
 
 
 def _key_path(err: dict) -> tuple:
-    """Where an error is: pydantic's loc, down to the key that a model's own check names; a key
-    that is not text, at the mapping holding it (pydantic's loc gives it as text, or true as 1)."""
+    """Where an error is: pydantic's loc; a key that is not text, at the mapping holding it
+    (pydantic's loc gives it as text, or true as 1)."""
     if _is_key_error(err):
         return err["loc"][:-2] if err["loc"][-1:] == ("[key]",) else err["loc"][:-1]
-    if err["type"] == YES_OR_NO:
-        index = err["ctx"]["index"]
-        return (*err["loc"], err["ctx"]["key"], *(() if index is None else (index,)))
     return err["loc"]
 
 
@@ -743,7 +740,7 @@ def _describe(err: dict) -> str:
         return f"is too large a number (got {err['input']!r})"
     if err["type"] == "literal_error" and err["loc"][-1:] == ("schema_version",):
         return f"unsupported schema_version {err['input']!r}; this archlab reads version {SCHEMA_VERSION}"
-    if "input" in err and not isinstance(err["input"], (dict, list)):
+    if "input" in err and not isinstance(err["input"], (dict, list)) and err["type"] != YES_OR_NO:  # which says it, as YAML writes it
         return f"{msg} (got {err['input']!r})"
     return msg
 

@@ -58,6 +58,10 @@ CASES = [
      "s.yaml", ["layout.self_decoder.position.theta:", "greater than 1"]),
     ("yes for a number", {"s.yaml": BASE.replace("window: 8", "window: yes")}, "s.yaml",  # YAML's yes is true, pydantic's true 1
      ["layout.self_decoder.blocks[0].window: got true, a yes/no value where a number is wanted"]),
+    ("yes for a number beside other problems", {"s.yaml": BASE.replace("d_model: 32", "d_model: yes\ndropout: 0.1").replace(
+        "window: 8, n_heads: 4", "window: 1e3, n_heads: no")}, "s.yaml",  # each was hidden behind the mapping's yes/no value
+     ["d_model: got true, a yes/no value", "dropout: unknown key", "blocks[0].n_heads: got false, a yes/no value",
+      "blocks[0].window: must be a whole number; YAML reads 1e3 as text"]),
     ("key given twice", {"s.yaml": BASE + "d_model: 48\n"}, "s.yaml", ["line 11, column 1", "key 'd_model' given twice (first on line 5)"]),
     ("empty name", {"s.yaml": BASE.replace("name: t", "name: ''")}, "s.yaml", ["name:", "at least 1 character"]),
     ("unknown key", {"s.yaml": BASE + "dropout: 0.1\n"}, "s.yaml", ["dropout:", "unknown key"]),
@@ -380,6 +384,11 @@ def test_a_yes_or_no_in_a_list_of_numbers_is_refused_as_the_value_is():
     with pytest.raises(archlab.SpecError) as caught:
         load_config(None, ["optimizer.betas=[0.9, no]"])
     assert "optimizer.betas[1]: got false, a yes/no value where a number is wanted" in str(caught.value)
+    with pytest.raises(archlab.SpecError) as caught:
+        load_config(None, ["optimizer.betas=[yes, no]", "optimizer.lr=-1"])
+    assert str(caught.value).splitlines()[1:] == ["  optimizer.betas[0]: got true, a yes/no value where a number is wanted",
+                                                   "  optimizer.betas[1]: got false, a yes/no value where a number is wanted",
+                                                   "  optimizer.lr: Input should be greater than 0 (got -1)"]
     assert load_config(None, ["optimizer.betas=[0.9, 0.95]"]).optimizer.betas == (0.9, 0.95)
 
 

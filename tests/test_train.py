@@ -798,6 +798,34 @@ def test_runs_sharing_a_cache_check_tokenize_and_read_back_its_corpus_one_at_a_t
     assert prepared and (shared / "data" / "train.npy").is_file()
 
 
+def test_a_fifo_where_a_lock_file_belongs_is_refused_not_waited_on(tmp_path):
+    """Opening a FIFO to write waits for a reader: a run sharing the cache, and a study's workers,
+    hung there for good (here, until the alarm)."""
+    import signal
+
+    def waited(*_):
+        pytest.fail("opened the FIFO, waiting for a reader")
+
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    from archlab.study.runner import StorageError, storage_lock
+    from archlab.train.config import Data
+    from archlab.train.data import CORPUS_LOCK, DataError, prepare
+
+    corpus, shared = tmp_path / "a.txt", tmp_path / "shared"
+    corpus.write_text("zzzz qqqq " * 400)
+    shared.mkdir()
+    os.mkfifo(shared / CORPUS_LOCK)
+    with pytest.raises(DataError, match=f"its lock file {CORPUS_LOCK} cannot be made: is not a regular file \\(a FIFO"):
+        prepare(Data(source=str(corpus), cache=str(shared)), 256, 32, 0, shared)
+    os.mkfifo(tmp_path / "optuna.db.lock")
+    with pytest.raises(StorageError, match="the workers' lock file .*optuna.db.lock beside the database of .* cannot be made: is not a"):
+        with storage_lock(f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "out"):
+            pass
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
 def test_a_run_folder_in_use_by_another_training_is_refused_untouched(cli, tmp_path):
     """A resume of a run thought dead, still training elsewhere, would interleave the two's metrics."""
     import fcntl
@@ -1591,19 +1619,24 @@ def test_a_run_trained_on_archlabs_own_blocks_names_archlab_once_with_its_commit
     assert environment(torch.device("cpu"), blocks=tuple(block_specs().values()))["archlab"] == environment(torch.device("cpu"))["archlab"]
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit decorators fla applies on import
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_a_cached_split_cut_short_is_the_caches_damage_not_the_datas(cli, trained_on_text, tmp_path, split):
-    """A split of a tokenized corpus holding fewer tokens than its corpus.json records, each a token
-    id of the vocabulary, was said as the data's split too short for a sequence."""
+@pytest.mark.parametrize("change", [lambda tokens: tokens[:5], lambda tokens: np.full_like(tokens, 7)], ids=["cut short", "rewritten"])
+def test_cached_tokens_changed_since_tokenizing_are_the_caches_damage(cli, trained_on_text, tmp_path, split, change):
+    """Token ids of the vocabulary each, so nothing else tells: a split cut short was said as the
+    data's split too short for a sequence, and one rewritten was trained on by a run sharing the
+    cache (a resume alone compared the tokens with its checkpoint's)."""
     run = tmp_path / "run"
     shutil.copytree(trained_on_text, run)
-    recorded = json.loads((run / "data" / "corpus.json").read_text())["tokens"][split]
-    np.save(run / "data" / f"{split}.npy", np.load(run / "data" / f"{split}.npy")[:5])
-    refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged (its {split}.npy holds 5 tokens; its"
-                      f" corpus.json records {recorded:,})", f"remove {run / 'data'} to tokenize it again")
+    recorded = json.loads((run / "data" / "corpus.json").read_text())["tokens"]
+    np.save(run / "data" / f"{split}.npy", change(np.load(run / "data" / f"{split}.npy")))
+    refused_untouched(cli, run, f"the tokenized corpus in {run / 'data'} is damaged (its train.npy and val.npy are not the tokens"
+                      f" tokenized there: its corpus.json records {recorded}; they hold ", f"remove {run / 'data'} to tokenize it again")
+    code, _, stderr = cli("train", "specs/tiny/transformer.yaml", "--out", tmp_path / "sharing", *SMALL, "--steps", "1",
+                          "--set", f"data.cache={run}")
+    assert code == 1 and "are not the tokens tokenized there" in stderr and not (tmp_path / "sharing" / "checkpoints").exists(), stderr
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit decorators fla applies on import
 def test_the_environment_names_the_kernel_packages_on_a_gpu_and_the_processes_sharing_a_run(monkeypatch):
     import fla
     import triton

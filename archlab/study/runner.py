@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
-from archlab.files import REFUSED, ShortWrite, locked, make_folder, write_text_whole, written_as
+from archlab.files import REFUSED, ShortWrite, locked, make_folder, regular, write_text_whole, written_as
 from archlab.interrupts import held_signals
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
@@ -392,7 +392,7 @@ def storage_lock(url: str, out: Path):
     beside_database = _beside_sqlite(url)
     lock = beside_database or out / ".plan.lock"
     try:
-        handle = open(lock, "w")
+        handle = open(regular(lock), "w")  # a FIFO there would wait for a reader
     except OSError as exc:
         beside = f" beside the database of {url}" if beside_database else ""
         raise StorageError(f"the workers' lock file {lock}{beside} cannot be made: {exc.strerror}") from None

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from archlab.block import whole_number
 from archlab.files import locked, make_folder, path_kind, regular, write_text_whole, write_whole
 from archlab.loss import IGNORE
 from archlab.table import first_few
@@ -47,6 +46,19 @@ class Batch:
     def counted_targets(self) -> torch.Tensor:
         """The targets as the loss takes them: those of positions that do not count are IGNORE."""
         return self.targets if self.mask is None else self.targets.masked_fill(~self.mask, IGNORE)
+
+
+def tokens_fingerprint(train: np.ndarray, val: np.ndarray, *masks: np.ndarray) -> str:
+    """The splits' lengths and a hash of 64 evenly spaced pieces of each (and of their masks), so
+    that a corpus cut short or replaced is not trained on in silence (hashing every token would
+    take minutes at every start of a large run)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for tokens in (train, val, *masks):
+        piece = max(1, min(1024, len(tokens) // 64))
+        for i in range(64):  # from the first piece to the last, in whole numbers
+            start = i * (len(tokens) - piece) // 63
+            digest.update(np.ascontiguousarray(tokens[start : start + piece], dtype=np.uint32).tobytes())
+    return f"{len(train)}+{len(val)} tokens, {digest.hexdigest()}"
 
 
 def _global_batch_rng(seed: int, split: str, step: int, batch: int, world: int) -> np.random.Generator:
@@ -95,17 +107,8 @@ class TokenSource:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """The splits' lengths and a hash of 64 evenly spaced pieces of each (and of their masks):
-        what a checkpoint records and a resume compares, so that a corpus cut short or replaced is
-        not trained on in silence (hashing every token would take minutes at every start of a
-        large run)."""
-        digest = hashlib.blake2b(digest_size=16)
-        for tokens in [*self.splits.values(), *(self.masks or {}).values()]:
-            piece = max(1, min(1024, len(tokens) // 64))
-            for i in range(64):  # from the first piece to the last, in whole numbers
-                start = i * (len(tokens) - piece) // 63
-                digest.update(np.ascontiguousarray(tokens[start : start + piece], dtype=np.uint32).tobytes())
-        return f"{len(self.splits['train'])}+{len(self.splits['val'])} tokens, {digest.hexdigest()}"
+        """What a checkpoint records and a resume compares (``tokens_fingerprint``)."""
+        return tokens_fingerprint(self.splits["train"], self.splits["val"], *(self.masks or {}).values())
 
     def uncounted_share(self) -> float:
         """The share of the training windows ``batch`` draws from in which no target counts: with
@@ -725,7 +728,7 @@ def _drop_other_corpus(cfg: Data, vocab_size: int, data_dir: Path, replace: bool
         pass  # not a record of this shape: told apart below
     wanted = _made_from(cfg, vocab_size, text)
     if isinstance(made_from, dict):
-        made_from.pop("tokens", None)  # each split's size, which _read_corpus checks
+        made_from.pop("tokens", None)  # the tokens' fingerprint, which _read_corpus checks
     if isinstance(made_from, dict) and text is None:  # tokens read back: where their text and tokenizer are now is no matter
         for key in ("source", "tokenizer"):  # (a corpus moved): the trainer checks the tokens against its checkpoint's
             wanted[key] = made_from.get(key)
@@ -884,7 +887,11 @@ def _corpus_lock(data_dir: Path) -> Iterator[None]:
         make_folder(data_dir)
     except NotADirectoryError as exc:  # a file, a FIFO or a link to nothing in its place
         raise DataError(f"data.cache {str(data_dir)!r}: {exc.strerror}") from None
-    with open(data_dir / CORPUS_LOCK, "ab") as handle, locked(handle):
+    try:
+        handle = open(regular(data_dir / CORPUS_LOCK), "ab")  # a FIFO there would wait for a reader
+    except OSError as exc:
+        raise DataError(f"data.cache {str(data_dir)!r}: its lock file {CORPUS_LOCK} cannot be made: {exc.strerror}") from None
+    with handle, locked(handle):
         yield
 
 
@@ -892,7 +899,7 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
                      say: Callable[[str], None] | None) -> None:
     """Tokenize ``texts`` into ``data_dir/data``, with ``cfg.tokenizer``, the run's own on a
     resume, or a BPE trained on them, written into ``data_dir``; ``corpus.json`` records what
-    the tokens were made from (``text``: the texts' fingerprint) and how many each split holds."""
+    the tokens were made from (``text``: the texts' fingerprint) and the tokens' fingerprint."""
     cache, own = data_dir / "data", data_dir / "tokenizer.json"
     kept = resume and own.is_file()  # a resume keeps the tokenizer its run generates with
     trains = not (cfg.tokenizer or kept)
@@ -915,8 +922,8 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
     # each file whole: a kill leaves none half-written, and a run that has one mapped keeps it
     write_text_whole(own, tokenizer.to_str(pretty=True))
     write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))
-    sizes = {"train": cut, "val": len(ids) - cut}
-    write_text_whole(cache / "corpus.json", json.dumps({**_made_from(cfg, vocab_size, text), "tokens": sizes}, indent=2))
+    tokens = tokens_fingerprint(ids[:cut], ids[cut:])
+    write_text_whole(cache / "corpus.json", json.dumps({**_made_from(cfg, vocab_size, text), "tokens": tokens}, indent=2))
     write_whole(cache / "train.npy", lambda f: np.save(f, ids[:cut]))  # last: its presence marks the cache complete
 
 
@@ -926,9 +933,9 @@ def _damaged_corpus(cache: Path, why: str) -> CacheError:
 
 def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The train and val tokens of a tokenized corpus, mapped from its files, checked to be token
-    ids of this vocabulary (ids past it would stop the first step) and as many as its corpus.json
-    records (a split cut short would be blamed on the data: too short for a sequence)."""
-    sizes = _recorded_sizes(cache)
+    ids of this vocabulary (ids past it would stop the first step) and the tokens its corpus.json
+    records the fingerprint of: a run sharing the cache would train on tokens changed since, and a
+    split cut short would be blamed on the data, as too short for a sequence."""
     splits = []
     for split in ("train", "val"):
         try:
@@ -937,20 +944,22 @@ def _read_corpus(cache: Path, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
             raise _damaged_corpus(cache, f"its {split}.npy {exc}" if isinstance(exc, NoNumbers) else f"{type(exc).__name__}: {exc}") from None
         if problem := _not_token_ids(tokens, vocab_size):
             raise _damaged_corpus(cache, f"its {split}.npy {problem}")
-        if split in sizes and len(tokens) != sizes[split]:
-            raise _damaged_corpus(cache, f"its {split}.npy holds {len(tokens):,} tokens; its corpus.json records {sizes[split]:,}")
         splits.append(tokens)
+    recorded = _recorded_tokens(cache)
+    if recorded is not None and recorded != (now := tokens_fingerprint(*splits)):
+        raise _damaged_corpus(cache, f"its train.npy and val.npy are not the tokens tokenized there: its corpus.json records"
+                                     f" {recorded}; they hold {now}")
     return splits[0], splits[1]
 
 
-def _recorded_sizes(cache: Path) -> dict[str, int]:
-    """Each split's size as the cache's corpus.json records it; none where it records none (a
+def _recorded_tokens(cache: Path) -> str | None:
+    """The tokens' fingerprint the cache's corpus.json records; none where it records none (a
     corpus tokenized before it did; a record gone bad is refused before the corpus is read)."""
     try:
-        sizes = json.loads(regular(cache / "corpus.json").read_text()).get("tokens")
+        tokens = json.loads(regular(cache / "corpus.json").read_text()).get("tokens")
     except (OSError, ValueError, RecursionError, AttributeError):
-        return {}
-    return {split: n for split, n in sizes.items() if whole_number(n)} if isinstance(sizes, dict) else {}
+        return None
+    return tokens if isinstance(tokens, str) else None
 
 
 def _check_tokenizer(data_dir: Path, vocab_size: int, recover: str) -> None:

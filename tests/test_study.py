@@ -1,5 +1,6 @@
 """Studies: shipped definitions, one worker end to end, failures, dead workers, a report mid-study, PostgreSQL workers."""
 
+import contextlib
 import csv
 import errno
 import functools
@@ -268,6 +269,20 @@ def test_a_study_in_a_database_opened_read_only_is_reported_and_not_run(tmp_path
     code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///file:{tmp_path / 'none.db'}?mode=ro&uri=true",
                           "--out", tmp_path / "report")
     assert code == 1 and f"no SQLite database {tmp_path / 'none.db'}" in stderr, stderr
+
+
+@pytest.mark.parametrize("made", [lambda db: db.execute("create table kept (a)"), lambda db: None], ids=["another's", "empty"])
+def test_a_report_of_a_database_holding_no_studies_writes_nothing_there(cli, tmp_path, made):
+    """Opening a storage writes Optuna's tables into it: a report given another program's SQLite
+    file, or an empty one, refused it with a dozen tables added."""
+    database = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(database)) as db:
+        made(db)
+        db.commit()
+    saved = database.read_bytes()
+    code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{database}", "--out", tmp_path / "report")
+    assert code == 1 and f"SQLite database {database} holds no Optuna studies (it has no studies table)" in " ".join(stderr.split()), stderr
+    assert database.read_bytes() == saved
 
 
 def test_a_killed_worker_is_detected_and_its_trial_retried(tmp_path, cli):

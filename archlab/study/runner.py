@@ -21,6 +21,7 @@ import inspect
 import os
 import re
 import socket
+import sqlite3
 import statistics
 import threading
 import time
@@ -254,6 +255,9 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     refuse_no_file_to_be(url, create)
     if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
         raise NotThere(f"no SQLite database {database}; give the --storage the study ran with")
+    if not create and database not in (None, *IN_MEMORY) and not _holds_studies(Path(database)):  # opening it writes Optuna's tables
+        raise NotThere(f"SQLite database {database} holds no Optuna studies (it has no studies table); give the --storage the study"
+                       " ran with")
     if database in IN_MEMORY:
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
@@ -289,6 +293,16 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
                            f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
                            " of its metric: give this one another name (and another --out, where one was given)")
     return opened
+
+
+def _holds_studies(database: Path) -> bool:
+    """Whether the SQLite file ``database``, read without a write, holds Optuna's table of studies;
+    a file SQLite cannot read is left for opening the storage to say what it is."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as read:
+            return read.execute("select 1 from sqlite_master where type = 'table' and name = 'studies'").fetchone() is not None
+    except sqlite3.Error:
+        return True
 
 
 class SameVariantAndSeed(optuna.pruners.BasePruner):

@@ -806,8 +806,6 @@ def test_a_fifo_where_a_lock_file_belongs_is_refused_not_waited_on(tmp_path):
     def waited(*_):
         pytest.fail("opened the FIFO, waiting for a reader")
 
-    previous = signal.signal(signal.SIGALRM, waited)
-    signal.alarm(60)
     from archlab.study.runner import StorageError, storage_lock
     from archlab.train.config import Data
     from archlab.train.data import CORPUS_LOCK, DataError, prepare
@@ -816,14 +814,18 @@ def test_a_fifo_where_a_lock_file_belongs_is_refused_not_waited_on(tmp_path):
     corpus.write_text("zzzz qqqq " * 400)
     shared.mkdir()
     os.mkfifo(shared / CORPUS_LOCK)
-    with pytest.raises(DataError, match=f"its lock file {CORPUS_LOCK} cannot be made: is not a regular file \\(a FIFO"):
-        prepare(Data(source=str(corpus), cache=str(shared)), 256, 32, 0, shared)
     os.mkfifo(tmp_path / "optuna.db.lock")
-    with pytest.raises(StorageError, match="the workers' lock file .*optuna.db.lock beside the database of .* cannot be made: is not a"):
-        with storage_lock(f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "out"):
-            pass
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    previous = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(60)
+    try:
+        with pytest.raises(DataError, match=f"its lock file {CORPUS_LOCK} cannot be made: is not a regular file \\(a FIFO"):
+            prepare(Data(source=str(corpus), cache=str(shared)), 256, 32, 0, shared)
+        with pytest.raises(StorageError, match="the workers' lock file .*optuna.db.lock beside the database of .* cannot be made: is not a"):
+            with storage_lock(f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "out"):
+                pass
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def test_a_run_folder_in_use_by_another_training_is_refused_untouched(cli, tmp_path):

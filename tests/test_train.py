@@ -822,7 +822,7 @@ def test_a_fifo_where_a_lock_file_belongs_is_refused_not_waited_on(tmp_path):
             prepare(Data(source=str(corpus), cache=str(shared)), 256, 32, 0, shared)
         with pytest.raises(StorageError, match="the workers' lock file .*optuna.db.lock beside the database of .* cannot be made: is not a"):
             with storage_lock(f"sqlite:///{tmp_path / 'optuna.db'}", tmp_path / "out"):
-                pass
+                pytest.fail("the workers' lock was taken on a FIFO")
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)

@@ -1255,7 +1255,7 @@ def downstream(
     try:
         import lm_eval
 
-        from archlab.train.downstream import ArchlabLM, average, metrics, raised_by_model, task_manager
+        from archlab.train.downstream import ArchlabLM, average, metrics, raised_by_model, targets_among_choices, task_manager
     except ImportError:
         _error("downstream tasks need lm-evaluation-harness: pip install 'archlab[eval]'")
         raise typer.Exit(1) from None
@@ -1274,7 +1274,7 @@ def downstream(
         model = ArchlabLM(Loaded.of(run), on, batch, max_length)
         with _fits_in_memory(f"{label}: {batch} sequences of {model.max_length:,} tokens", "--max-length or --batch"):
             try:  # the harness records the commit of the folder it runs in, and outside a repository git says "fatal"
-                with unittest.mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None):
+                with unittest.mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None), targets_among_choices(names):
                     results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
                                                       task_manager=manager, verbosity="ERROR")
             except Exception as exc:

@@ -3342,6 +3342,11 @@ def test_downstream_runs_a_task_of_ones_own_through_the_harness(cli, trained_on_
     (tmp_path / "fieldless.yaml").write_text(yaml.safe_dump(fieldless))
     refused(cli("downstream", trained_on_text, "--tasks", "archlab_fieldless", "--include-path", tmp_path),
             "lm-evaluation-harness could not run archlab_fieldless (UndefinedError: 'no_field' is undefined)")
+    (tmp_path / "past.jsonl").write_text("".join(json.dumps(item | {"answer": 3} if i == 1 else item) + "\n" for i, item in enumerate(items)))
+    past = yaml.safe_load((tmp_path / "pick.yaml").read_text()) | {"task": "archlab_past", "dataset_kwargs": {"data_files": {"test": str(tmp_path / "past.jsonl")}}}
+    (tmp_path / "past.yaml").write_text(yaml.safe_dump(past))  # the harness warns below the level it shows, and scores it wrong
+    refused(cli("downstream", trained_on_text, "--tasks", "archlab_past", "--include-path", tmp_path),
+            "archlab_past: 1 of the documents scored have a target that is not among their choices, such as {'question': 'import os")
     with monkeypatch.context() as patch, pytest.raises(TypeError):  # a fault in scoring is not passed off as the harness's
         patch.setattr("archlab.train.downstream.continuation_scores", lambda *args: torch.ones(()).item(1))
         cli("downstream", trained_on_text, "--tasks", "archlab_pick", "--include-path", tmp_path)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import traceback
 import warnings
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -30,6 +31,8 @@ from archlab.memory import ACTIVATIONS, Watched
 from archlab.table import Decimals
 from archlab.train.data import encode, load_tokenizer
 from archlab.train.evaluate import EvaluationError, Loaded, continuation_scores
+
+TARGET_PAST_CHOICES = "Label index was not in within range"  # the start of the harness's warning (lm_eval.api.task)
 
 
 class ArchlabLM(TemplateLM):
@@ -137,28 +140,58 @@ def task_manager(names: list[str], include_path: Path | None) -> TaskManager:
     only where a name is not in ``include_path``; a ValueError names the tasks found in neither,
     with the files of ``include_path`` the harness skipped and why (its debug log is all it says)."""
     skipped: list[str] = []
-    log = logging.getLogger("lm_eval.tasks._index")
-    shown = log.getEffectiveLevel()
 
-    def note(record: logging.LogRecord) -> bool:  # keep its skips of files of ours; pass on only what it would have shown
+    def note(record: logging.LogRecord) -> None:  # its skips of files of ours
         if record.msg == "Skip %s (%s)" and include_path and Path(record.args[0]).resolve().is_relative_to(include_path.resolve()):
             skipped.append(f"{record.args[0]} ({' '.join(str(record.args[1]).split())})")
-        return record.levelno >= shown
 
-    level = log.level
-    log.addFilter(note)
-    log.setLevel(logging.DEBUG)
-    try:
+    with _overheard("lm_eval.tasks._index", note):
         own = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else None
         manager = own if own and all(name in own.all_tasks for name in names) else TaskManager(include_path=include_path and str(include_path))
-    finally:
-        log.removeFilter(note)
-        log.setLevel(level)
     if unknown := [name for name in names if name not in manager.all_tasks]:
         where = f" or {include_path}" if include_path else ""
         unread = f", where lm-evaluation-harness skipped {'; '.join(dict.fromkeys(skipped))}" if skipped else ""
         raise ValueError(f"no task {', '.join(map(repr, unknown))} in lm-evaluation-harness{where}{unread}")
     return manager
+
+
+@contextmanager
+def targets_among_choices(names: list[str]) -> Iterator[None]:
+    """Refuses, once the harness is done, tasks with a document whose target is not among its
+    choices (an index past them, or a text none of them is): the harness only warns, and scores
+    the document as answered wrong."""
+    misfits: list[str] = []
+
+    def note(record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith(TARGET_PAST_CHOICES):
+            misfits.append(" ".join(record.getMessage().partition("Sample:")[2].split()))
+
+    with _overheard("lm_eval.api.task", note):
+        yield
+    if misfits:
+        raise EvaluationError(f"{', '.join(names)}: {len(misfits):,} of the documents scored have a target that is not among"
+                              f" their choices, such as {misfits[0][:300]}; mend the task's doc_to_target or doc_to_choice")
+
+
+@contextmanager
+def _overheard(logger: str, note: Callable[[logging.LogRecord], None]) -> Iterator[None]:
+    """Every record of the harness's ``logger`` given to ``note``, whatever its level, while only
+    those the logger would have shown reach its handlers: some things the harness says only below
+    the level it shows."""
+    log = logging.getLogger(logger)
+    shown, level = log.getEffectiveLevel(), log.level
+
+    def heard(record: logging.LogRecord) -> bool:
+        note(record)
+        return record.levelno >= shown
+
+    log.addFilter(heard)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        log.removeFilter(heard)
+        log.setLevel(level)
 
 
 def raised_by_model(exc: BaseException) -> bool:

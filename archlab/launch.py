@@ -5,8 +5,10 @@ printed its traceback). One once the command is done ends the process then, with
 own status: its work is whole (Python's shutdown, which it cut, printed a KeyboardInterrupt from
 an atexit callback of torch's, or was ended by SIGTERM as if the command had failed), as does one
 that lands past the command's own handling of it, as the command returns (a traceback, and a
-process ended by SIGINT). An import the system fails (a full disk) is said in a line."""
+process ended by SIGINT). Past the last atexit callback one is ignored, and the process ends as it
+would have a moment later. An import the system fails (a full disk) is said in a line."""
 
+import atexit
 import contextlib
 import os
 import signal
@@ -28,7 +30,17 @@ def _status(stop: SystemExit) -> int:
     return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
 
 
+def _ignore_stops() -> None:
+    """SIGINT and SIGTERM ignored from here on. Registered before torch is imported, this is the
+    last atexit callback to run; after it Python puts back the default handlers of those it
+    handled, and a signal in the half second it then takes to tear torch down ended the process by
+    the signal, though the command was done."""
+    for signum in HELD:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def main() -> None:
+    atexit.register(_ignore_stops)
     before = {signum: signal.signal(signum, lambda signum, frame: _end_now(128 + signum)) for signum in HELD}
     try:
         from archlab.cli import main as run_command

@@ -133,23 +133,38 @@ def test_a_signal_while_the_command_starts_ends_it_with_the_shells_status_and_no
 
 
 # The installed command, with the signal argv[1] names sent to itself as Python shuts down once the
-# command is done: the last atexit callback (the first registered), after torch's.
+# command is done: in an atexit callback the command registers (run first: before torch's and
+# archlab's own), or as Python tears its modules down, after the last.
 AT_EXIT = """
 import atexit, os, signal, sys, time
+import archlab.cli
 
-signum = getattr(signal, sys.argv[1])
-atexit.register(lambda: (os.kill(os.getpid(), signum), time.sleep(5)))
+def stop(kill=os.kill, pid=os.getpid(), signum=getattr(signal, sys.argv[1]), sleep=time.sleep):
+    kill(pid, signum)
+    sleep(0.5)
+
+class Late:
+    def __del__(self, stop=stop):  # the module's own names are gone by then
+        stop()
+
+if sys.argv[2] == "atexit":
+    command = archlab.cli.main
+    archlab.cli.main = lambda: (atexit.register(stop), command())[1]
+else:
+    late = Late()
 sys.argv = ["archlab", "cost", "specs/tiny/transformer.yaml"]
 from archlab.launch import main
 sys.exit(main())
 """
 
 
+@pytest.mark.parametrize("when", ["atexit", "teardown"])
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
-def test_a_signal_once_the_command_is_done_ends_it_with_its_own_status_and_all_it_wrote(name):
+def test_a_signal_once_the_command_is_done_ends_it_with_its_own_status_and_all_it_wrote(name, when):
     """Python's shutdown printed a KeyboardInterrupt raised in an atexit callback of torch's, or was
-    ended by SIGTERM (-15), after the command had done its work."""
-    result = subprocess.run([sys.executable, "-c", AT_EXIT, name], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    ended by SIGTERM (-15), after the command had done its work; in the half second Python takes to
+    tear torch down, after the atexit callbacks, either ended the process by the signal."""
+    result = subprocess.run([sys.executable, "-c", AT_EXIT, name, when], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (0, "")
     assert "| transformer |" in result.stdout and result.stdout.endswith("\n")
 

@@ -27,6 +27,7 @@ from archlab.train.checkpoint import load_trained
 from archlab.train.config import Data, holds_examples, load_config
 from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
 from conftest import ROOT
+from test_study import completed
 from test_train import SMALL, finished_run
 
 
@@ -1056,10 +1057,8 @@ def test_a_variant_given_a_start_after_it_trained_from_random_weights_is_refused
     url = storage_url(out, None)
     optuna_study = join(load_study(str(path)), out, url, grace_period=60)
     storage = optuna_study._storage
-    for variant in ("afresh", "tuned"):  # trained as planned (queued in this order), recording their setups
-        trial_id = claim(optuna_study, url, out)
-        storage.set_trial_user_attr(trial_id, "setup", load_study(str(path)).setup(variant, 0))
-        storage.set_trial_state_values(trial_id, optuna.trial.TrialState.COMPLETE, [2.0])
+    for _ in ("afresh", "tuned"):  # trained as planned, in this order, recording their setups
+        completed(load_study(str(path)), storage, claim(optuna_study, url, out), 2.0)
     tuned = load_study(str(study_file(path, {"afresh": transformer, "tuned": {**transformer, "init": {"run": str(pretrained)}}},
                                       seeds=[0], baseline="afresh")))
     with pytest.raises(StudyChanged, match=re.escape(f"tuned seed 0 lr slot 0: trained from random weights, would now start from"

@@ -229,6 +229,54 @@ def test_a_damaged_storage_is_said_in_the_drivers_words_alone(tmp_path, cli):
     assert (tmp_path / "out" / "optuna.db").read_bytes() == b"\x13\x37 not SQLite" * 400
 
 
+# A finished study's records edited as by hand: what archlab then says is wrong (a report and a run alike)
+EDITS = [
+    ("update trial_user_attributes set value_json = '\"abc\"' where key = 'lr' and trial_id = 1",
+     "trial 0: user attribute lr: input should be a valid number (got 'abc')"),
+    ("update trial_user_attributes set value_json = '-1' where key = 'lr' and trial_id = 1",
+     "trial 0: user attribute lr: input should be greater than 0 (got -1)"),
+    ("update trial_user_attributes set value_json = '\"x\"' where key = 'flops_per_step' and trial_id = 2",
+     "trial 1: user attribute flops_per_step: input should be a valid number (got 'x')"),
+    ("update trial_user_attributes set value_json = '[1]' where key = 'setup' and trial_id = 1",
+     "trial 0: user attribute setup: input should be a valid dictionary (got [1])"),
+    ("update trial_user_attributes set value_json = '{\"torch\": 2}' where key = 'environment' and trial_id = 1",
+     "trial 0: user attribute environment.torch: input should be a valid string (got 2)"),
+    ("delete from trial_user_attributes where trial_id = 1", "trial 0: complete, with no learning rate; trial 0: complete, with no flops_per_step"),
+    ("delete from trial_values where trial_id = 1", "trial 0: complete, with no value"),
+    ("delete from trial_system_attributes where trial_id = 1",
+     "trial 0: param variant: field required; trial 0: param seed: field required; trial 0: param slot: field required"),
+    ("update trial_system_attributes set value_json = '{\"variant\": \"yoco\", \"seed\": \"a\", \"slot\": 0}' where trial_id = 1",
+     "trial 0: system attribute fixed_params.seed: input should be a valid integer (got 'a')"),
+    ("update study_user_attributes set value_json = '5' where key = 'starts'", "the study's user attribute starts: input should be a valid dictionary (got 5)"),
+    ("update trial_user_attributes set value_json = '{bad' where key = 'lr' and trial_id = 1", "is damaged: Optuna cannot read its records (JSONDecodeError:"),
+    ("update trial_values set value = NULL where trial_id = 1", "is damaged: Optuna cannot read its records (a trial's value or intermediate value disagrees"),
+    ("update trials set state = 'DONE' where trial_id = 1", "is damaged: Optuna cannot read its records (LookupError: 'DONE' is not among"),
+]
+
+
+def test_a_storage_whose_records_were_edited_is_refused_by_the_record_at_fault(tmp_path, cli):
+    """A learning rate of text or null, a setup or environment that is not a mapping, a trial with
+    no value or attributes, JSON that does not parse: each came out of a report or a worker as a
+    traceback; a negative learning rate, or flops_per_step of text, was reported (a plot of text)."""
+    out = tmp_path / "out"
+    code, _, stderr = cli("study", "run", mini(tmp_path), "--out", out)
+    assert code in OK, stderr
+    clean = (out / "optuna.db").read_bytes()
+    for i, (edit, said) in enumerate(EDITS):
+        database = tmp_path / f"edited-{i}.db"
+        database.write_bytes(clean)
+        with contextlib.closing(sqlite3.connect(database)) as db:
+            db.execute(edit)
+            db.commit()
+        edited = database.read_bytes()
+        for command in ["report"] + ["run"] * (i % 4 == 0):
+            code, _, stderr = cli("study", command, mini(tmp_path), "--storage", f"sqlite:///{database}", "--out", tmp_path / f"report-{i}")
+            message = " ".join(stderr.split())
+            assert code == 1 and f"study mini-tiny in sqlite:///{database} " in message and said in message, (edit, stderr)
+            assert message.endswith("restore the database from a copy, or run the study afresh with another --out (or --storage)")
+            assert database.read_bytes() == edited and not (tmp_path / f"report-{i}" / "report.md").exists()
+
+
 def test_an_in_memory_storage_is_refused(tmp_path, cli):
     """It would vanish with the worker (and it failed inside Optuna with a traceback)."""
     code, _, stderr = cli("study", "run", mini(tmp_path), "--storage", "sqlite://", "--out", tmp_path / "out")
@@ -1330,6 +1378,16 @@ def test_a_storage_error_is_said_as_the_driver_said_it():
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def completed(study, storage, trial_id, value=1.0):
+    """A claimed trial marked complete as a worker leaves it: its setup, learning rate and FLOPs a
+    step recorded, then its value."""
+    variant, _, slot = planned_as(storage.get_trial(trial_id))
+    setup = study.setup(variant, slot)
+    for key, kept in (("setup", setup), ("lr", setup["lr"]), ("flops_per_step", 1e9)):
+        storage.set_trial_user_attr(trial_id, key, kept)
+    storage.set_trial_state_values(trial_id, TrialState.COMPLETE, [value])
+
+
 def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
     """A worker with a shorter one failed live workers' trials as stale, and each ran twice; one
     that joined as another had just joined, before either took a trial, was let in. With no trial
@@ -1345,13 +1403,14 @@ def test_the_workers_of_a_study_share_one_grace_period(tmp_path):
     with pytest.raises(StorageError, match=refused):
         join(study, out, url, grace_period=2)
     join(study, out, url, grace_period=60)
-    optuna_study._storage.set_trial_state_values(optuna_study.get_trials(states=(TrialState.RUNNING,))[0]._trial_id, TrialState.COMPLETE, [1.0])
+    complete = functools.partial(completed, study, optuna_study._storage)
+    complete(optuna_study.get_trials(states=(TrialState.RUNNING,))[0]._trial_id)
     with pytest.raises(StorageError, match=refused):  # that worker joined just now
         join(study, out, url, grace_period=2)
     optuna_study.set_user_attr("joined", time.time() - 61)
     assert join(study, out, url, grace_period=2).user_attrs["grace_period"] == 2
     for trial in optuna_study.get_trials(states=(TrialState.WAITING,)):
-        optuna_study._storage.set_trial_state_values(trial._trial_id, TrialState.COMPLETE, [1.0])
+        complete(trial._trial_id)
     assert join(study, out, url, grace_period=60).user_attrs["grace_period"] == 60  # nothing left to run: no worker to judge
 
 

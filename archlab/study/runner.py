@@ -31,18 +31,21 @@ import zlib
 from collections.abc import Callable, Collection
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Annotated, Any
 
 import optuna
 import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from archlab.block import Problem
 from archlab.files import REFUSED, ShortWrite, locked, make_folder, regular, write_text_whole, written_as
 from archlab.interrupts import held_signals
+from archlab.registry import said
 from archlab.spec import SpecError, describe_differences
 from archlab.study.definition import Study, as_recorded_now
 from archlab.table import first_few
@@ -292,6 +295,7 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
         raise StorageError(f"study {name} in {shown(url)} was created to {opened.direction.name.lower()} its metric, and its"
                            f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
                            " of its metric: give this one another name (and another --out, where one was given)")
+    check_records(opened, url)
     return opened
 
 
@@ -829,6 +833,102 @@ def heartbeat(trial_id: int, storage: RDBStorage):
     finally:
         stop.set()
         thread.join()
+
+
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class _Records(BaseModel):
+    """Records archlab keeps in a study's storage, as it writes them. A field that is absent until
+    recorded defaults to None without being Optional: a null written in its place is refused."""
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+
+
+class _Planned(_Records):
+    """A trial's plan: its fixed params (or params)."""
+    variant: str
+    seed: int
+    slot: Annotated[int, Field(ge=0)]
+
+
+class _RunStart(_Records):
+    model_config = ConfigDict(extra="forbid")
+    run: str
+    checkpoint: str
+
+
+class _StudyStart(_Records):
+    model_config = ConfigDict(extra="forbid")
+    study: str
+    trial: int
+    lr: Positive
+    checkpoint: str
+
+
+class _TrialAttrs(_Records):
+    """A trial's user attributes that archlab reads (optuna-dashboard's copies of its plan are not)."""
+    lr: Positive = None
+    steps: Annotated[int, Field(ge=1)] = None
+    setup: dict = None
+    environment: dict[str, str] = None
+    started_from: _StudyStart | _RunStart = None
+    run: str = None
+    flops_per_step: Positive = None
+    accuracy: Annotated[float, Field(ge=0, le=1)] = Field(None, alias=ACCURACY)
+    failure: str = None
+    worker: str = None
+    stopped: str | None = Field(None, alias=STOPPED)  # cleared with None when a retry's new worker takes it
+    stopped_by: str | None = Field(None, alias=STOPPED_BY)
+
+
+class _TrialSystem(_Records):
+    """A trial's system attributes: its plan, where enqueued, and the trials it retries (Optuna's)."""
+    fixed_params: _Planned = None
+    retry_history: list[int] = None
+
+
+class _StudyAttrs(_Records):
+    corpus: str = Field(None, alias=CORPUS)
+    starts: dict[str, dict[str, _StudyStart | _RunStart]] = Field(None, alias=STARTS)
+    grace_period: Annotated[int, Field(ge=1)] = None
+    joined: Annotated[float, Field(allow_inf_nan=False)] = Field(None, alias=JOINED)
+
+
+def check_records(optuna_study: optuna.Study, url: str) -> None:
+    """Refuse a storage whose records are not as archlab writes them (the database edited by hand,
+    or by another program): they came out as tracebacks deep in a report or a worker, or as figures
+    that are not (a learning rate of -1 in the table, a plot of text)."""
+    where = f"study {optuna_study.study_name} in {shown(url)}"
+    try:
+        kept, trials = optuna_study.user_attrs, optuna_study.get_trials(deepcopy=False)
+    except (ValueError, LookupError, AssertionError) as exc:  # what Optuna cannot read: JSON that does not parse, a state it has no name for
+        why = ("a trial's value or intermediate value disagrees with its type (a finite one that is empty, or an infinite one"
+               " that holds a number)") if isinstance(exc, AssertionError) else said(exc)
+        raise StorageError(f"{where} is damaged: Optuna cannot read its records ({why}); restore the database from a copy, or"
+                           " run the study afresh with another --out (or --storage)") from None
+    found = [f"the study's user attribute {p}" for p in _invalid(_StudyAttrs, kept)]
+    for t in trials:
+        problems = [*(f"user attribute {p}" for p in _invalid(_TrialAttrs, t.user_attrs)),
+                    *(f"system attribute {p}" for p in _invalid(_TrialSystem, t.system_attrs))]
+        if "fixed_params" not in t.system_attrs:
+            problems += [f"param {p}" for p in _invalid(_Planned, t.params)]
+        if t.state == TrialState.COMPLETE:  # what the report reads of every completed trial
+            problems += [f"complete, with no {what}" for what, kept in (("value", t.value), ("learning rate", learning_rate(t)),
+                                                                        ("flops_per_step", t.user_attrs.get("flops_per_step"))) if kept is None]
+        found += [f"trial {t.number}: {p}" for p in problems]
+    if found:
+        raise StorageError(f"{where} holds records archlab did not write (was the database edited?): {first_few(found, 3, '; ')};"
+                           " restore the database from a copy, or run the study afresh with another --out (or --storage)")
+
+
+def _invalid(model: type[_Records], records: dict[str, Any]) -> list[str]:
+    """What is wrong with ``records`` as ``model`` reads them, each as "NAME: what (got VALUE)"."""
+    try:
+        model.model_validate(records)
+    except ValidationError as exc:
+        return [f"{'.'.join(map(str, e['loc']))}: {e['msg'][0].lower()}{e['msg'][1:].split(' or instance of')[0]}"
+                + ("" if e["type"] == "missing" else f" (got {e['input']!r})") for e in exc.errors()]
+    return []
 
 
 def planned_as(trial: optuna.trial.FrozenTrial) -> tuple:

@@ -1,5 +1,6 @@
 """The installed ``archlab`` command, run as a user would, and block plugins from another package."""
 
+import contextlib
 import itertools
 import json
 import os
@@ -9,8 +10,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -1306,6 +1309,45 @@ def test_a_trainer_state_the_unpickler_chokes_on_is_damage(tmp_path, pickled):
     (checkpoint / "trainer.pt").write_bytes(pickled)
     with pytest.raises(CheckpointError, match=r"step-00000001 is damaged \(trainer.pt does not load: (KeyError|IndexError|error)\)"):
         load(checkpoint, build_model(load_spec(ROOT / SPEC)))
+
+
+@contextlib.contextmanager
+def as_another_user():
+    """Files read as a user other than their owner: as nobody, where the tests run as root (whom no
+    file's permissions keep out)."""
+    if os.geteuid() != 0:
+        yield
+        return
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "state.json", "trainer.pt"])
+def test_a_checkpoint_file_the_user_may_not_read_is_said_so_and_not_called_damaged(name):
+    """Each was called damaged, with advice to remove the checkpoint; safetensors even said that
+    model.safetensors was missing (FileNotFoundError for a file it may not open)."""
+    folder = Path(tempfile.mkdtemp())
+    try:
+        folder.chmod(0o755)  # tmp_path is root's alone: another user could not reach the run inside it
+        checkpoint = fake_run(folder / "run") / "checkpoints" / "step-00000001"
+        torch.save({"step": 1}, checkpoint / "trainer.pt")
+        for file in checkpoint.iterdir():
+            file.chmod(0o644)  # as a checkpoint shared with others is (safetensors writes its file for its owner alone)
+        model = build_model(load_spec(ROOT / SPEC))
+        with as_another_user():
+            assert load(checkpoint, model)[0] == {"step": 1}  # readable, it loads (and what loading imports is imported as root)
+        (checkpoint / name).chmod(0)
+        with as_another_user(), pytest.raises(CheckpointError) as refused:
+            load(checkpoint, model)
+        assert str(refused.value) == (f"checkpoint {checkpoint} cannot be read by this user: {checkpoint / name}: Permission denied;"
+                                      " give the user read permission (or run as the files' owner)")
+    finally:
+        shutil.rmtree(folder)
 
 
 @pytest.mark.parametrize("state, said", [

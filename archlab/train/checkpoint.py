@@ -162,7 +162,8 @@ def _some(names: list[str], sep: str = ", ") -> str:
 
 def _load_weights(path: Path, model: torch.nn.Module) -> None:
     expected = {name: (t.dtype, list(t.shape)) for name, t in model.state_dict().items()}
-    with safe_open(regular(path / "model.safetensors"), "pt") as f:  # loading would convert another dtype silently
+    open(regular(path / "model.safetensors"), "rb").close()  # safetensors says a file this user may not read is missing
+    with safe_open(path / "model.safetensors", "pt") as f:  # loading would convert another dtype silently
         saved = {name: _stored_form(f, name) for name in f.keys() if name in expected}
     for index, kind in enumerate(("dtype", "shape")):
         wrong = [f"{name}: {form[index]}, not {expected[name][index]}" for name, form in saved.items() if form[index] != expected[name][index]]
@@ -209,13 +210,22 @@ def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     return CheckpointError(said)
 
 
+def unreadable(path: Path, exc: Exception, use: str = "resume") -> CheckpointError:
+    """Why checkpoint ``path`` could not be read: a file this user may not read, said apart from
+    damage, which removing the checkpoint would mend, and this would not."""
+    if isinstance(exc, PermissionError):
+        return CheckpointError(f"checkpoint {path} cannot be read by this user: {exc.filename or path}: {exc.strerror}; give the"
+                               " user read permission (or run as the files' owner)")
+    return damaged(path, f"{type(exc).__name__}: {exc}", use)
+
+
 def info_of(path: Path, use: str = "resume") -> dict:
     """What checkpoint ``path``'s state.json records (its step, the corpus it trained on...); one
     that does not read as a mapping is a damaged checkpoint."""
     try:
         info = json.loads(regular(path / "state.json").read_text())
     except (OSError, ValueError) as exc:
-        raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
+        raise unreadable(path, exc, use) from None
     except RecursionError:  # JSON nested past Python's limit
         raise damaged(path, "its state.json nests too deeply to read", use) from None
     if not isinstance(info, dict):
@@ -228,6 +238,8 @@ def load(path: Path, model: torch.nn.Module) -> tuple[dict, dict]:
     info = load_weights(path, model, "resume")
     try:
         trainer_state = torch.load(regular(path / "trainer.pt"), weights_only=True)
+    except PermissionError as exc:
+        raise unreadable(path, exc) from None
     except Exception as exc:  # the unpickler meets damage as any of a dozen errors (KeyError, IndexError, struct.error...)
         # named, not quoted: torch's text runs to a dozen lines and suggests weights_only=False,
         # which would run whatever code a damaged or planted file holds
@@ -280,7 +292,7 @@ def load_weights(path: Path, model: torch.nn.Module, use: str = "generate") -> d
             raise damaged(path, f"its state.json is at step {step}", use)
         _check_hash(path, info, "model.safetensors", use)
     except (SafetensorError, OSError, RuntimeError, ValueError, KeyError) as exc:
-        raise damaged(path, f"{type(exc).__name__}: {exc}", use) from None
+        raise unreadable(path, exc, use) from None
     if broken := non_finite(model):
         raise damaged(path, f"non-finite weights: {first_few(broken, 3)}", use)
     return info

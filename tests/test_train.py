@@ -759,6 +759,12 @@ def test_a_start_keeps_to_its_own_files_and_a_shared_corpus_to_its_data(cli, tmp
     refused(cli("train", "specs/tiny/transformer.yaml", "--out", mine, *SMALL),  # kept there, not given: replaced without a word
             "holds files that are not a training run's (config.yaml, spec.yaml)")
     assert (mine / "config.yaml").read_text() == "# mine\nsteps: 1\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml", "spec.yaml"]
+    notes = tmp_path / "notes"  # a file named as the folder a run tokenizes into: "File exists", once the text was tokenized
+    notes.mkdir()
+    (notes / "data").write_text("mine")
+    refused(cli("train", "specs/tiny/transformer.yaml", "--out", notes, "--data", home / "data" / "corpus.txt", *SMALL),
+            "holds files that are not a training run's (data)", "choose an empty or new --out")
+    assert (notes / "data").read_text() == "mine" and [p.name for p in notes.iterdir()] == ["data"]
 
     shared, first, second = tmp_path / "shared", tmp_path / "first.txt", tmp_path / "second.txt"
     first.write_text("zzzz qqqq " * 400)

@@ -541,7 +541,7 @@ def _examples(cfg: Data, vocab_size: int, seq_len: int, seed: int, data_dir: Pat
     ids, counted = _example_tokens(examples, tokenizer)
     cut = len(examples) - max(1, round(len(examples) * cfg.val_fraction))
     if not kept:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(data_dir)
         write_text_whole(own, tokenizer.to_str(pretty=True))
     return TokenSource(np.concatenate(ids[:cut]), np.concatenate(ids[cut:]), seq_len, seed,
                        f"{len(examples):,} examples of {cfg.source!r}",
@@ -918,7 +918,7 @@ def _tokenize_corpus(cfg: Data, vocab_size: int, data_dir: Path, texts: list[str
         tokenizer = train_tokenizer(texts, vocab_size)
     ids = _encoded(cfg.source, texts, tokenizer)
     cut = int(len(ids) * (1 - cfg.val_fraction))
-    cache.mkdir(parents=True, exist_ok=True)
+    make_folder(cache)
     # each file whole: a kill leaves none half-written, and a run that has one mapped keeps it
     write_text_whole(own, tokenizer.to_str(pretty=True))
     write_whole(cache / "val.npy", lambda f: np.save(f, ids[cut:]))

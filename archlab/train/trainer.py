@@ -425,6 +425,7 @@ class Trainer:
         mine = START_FILES if (self.run_dir / SETTINGS_FILE).is_file() else START_FILES - AFTER_SETTINGS
         foreign = [p for p in self.run_dir.iterdir() if written_as(p.name) not in mine]
         foreign += [p for p in corpus.iterdir() if written_as(p.name) not in CORPUS_FILES] if corpus.is_dir() else []
+        foreign += [corpus] if path_kind(corpus) not in (None, "folder") else []  # where the run tokenizes its corpus
         if foreign:
             named = sorted(str(p.relative_to(self.run_dir)) for p in foreign)
             raise TrainError(f"{self.run_dir} holds files that are not a training run's ({first_few(named, 5)});"

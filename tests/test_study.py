@@ -137,8 +137,13 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
     (notes / "todo.txt").write_text("mine")
     for command in (["run", mini(tmp_path, "other")], ["report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}"]):
         code, _, stderr = cli("study", *command, "--out", notes)
-        assert code == 1 and f"--out {notes} holds files that are not a study's (todo.txt), which its report" in " ".join(stderr.split()), stderr
+        assert code == 1 and f"--out {notes} holds files that are not a study's (report.md, todo.txt), which its report" in " ".join(stderr.split()), stderr
     assert sorted(p.name for p in notes.iterdir()) == ["report.md", "todo.txt"] and (notes / "report.md").read_text() == "mine"
+    (notes / "todo.txt").unlink()  # someone's report alone, with no study's mark or database beside it: written over, it was
+    for command in (["run", mini(tmp_path, "other")], ["report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}"]):
+        code, _, stderr = cli("study", *command, "--out", notes)
+        assert code == 1 and f"--out {notes} holds files that are not a study's (report.md), which its report" in " ".join(stderr.split()), stderr
+    assert [p.name for p in notes.iterdir()] == ["report.md"] and (notes / "report.md").read_text() == "mine"
 
 
 def test_a_study_does_not_write_into_the_text_folder_it_trains_on(tmp_path, cli):

@@ -62,8 +62,9 @@ PLOTS = ("curves", "loss_vs_flops")  # the report's plots, each NAME.png beside 
 OWNER = ".study"  # in a study's folder: the study (NAME-SCALE) whose report, plots and corpus it holds
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
 # trials, a shared tokenized corpus (and its lock), the report with its plots, and whose they are
+REPORT_FILES = {"report.md", *(f"{name}.png" for name in PLOTS)}
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
-               CORPUS_LOCK, "tokenizer.json", "report.md", *(f"{name}.png" for name in PLOTS), OWNER}
+               CORPUS_LOCK, "tokenizer.json", *REPORT_FILES, OWNER}
 JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
 STOPPED = "stopped_worker"  # a trial's user attribute: the worker that was stopped (Ctrl-C, SIGTERM) while training it
 STOPPED_BY = "stopped_by"  # and what stopped it
@@ -981,8 +982,10 @@ def by_rate(trials: list[optuna.trial.FrozenTrial]) -> dict[float, list[optuna.t
 
 def refuse_foreign_files(out: Path) -> None:
     """A study writes only its own files into its folder (its report and plots over those there),
-    so a folder holding anything else is someone's: a run, notes, another tool's."""
-    foreign = sorted(p.name for p in out.iterdir() if written_as(p.name) not in STUDY_FILES) if out.is_dir() else []
+    so a folder holding anything else is someone's: a run, notes, another tool's. A report or plot
+    is a study's only beside the study's mark (OWNER, written before them) or its database."""
+    ours = STUDY_FILES if any((out / name).exists() for name in (OWNER, "optuna.db")) else STUDY_FILES - REPORT_FILES
+    foreign = sorted(p.name for p in out.iterdir() if written_as(p.name) not in ours) if out.is_dir() else []
     if foreign:
         raise StorageError(f"--out {out} holds files that are not a study's ({first_few(foreign, 5)}),"
                            " which its report and plots could overwrite; choose an empty or new --out")

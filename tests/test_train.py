@@ -1339,6 +1339,22 @@ def trained_on_text(tmp_path_factory):
     return finished_run(tmp_path_factory, *SMALL, "--steps", "4", "--set", "checkpoint_interval=2")
 
 
+def test_a_run_scored_with_a_config_edited_since_its_checkpoint_says_so(cli, trained_on_text, tmp_path):
+    """layers (and every command that scores a run) measured at a seq_len edited into config.yaml
+    after training, without a word; an edit of what scoring does not read is not said."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_on_text, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "seq_len": 48, "steps": 9}))
+    edited = (f"notice: {run / 'config.yaml'} was edited since checkpoint {run / 'checkpoints' / 'step-00000004'} was saved"
+              f" (seq_len {config['seq_len']} -> 48); the run is scored as edited")
+    code, _, stderr = cli("layers", run, "--sequences", "1")
+    assert code == 0 and edited in " ".join(stderr.split()), stderr
+    (run / "config.yaml").write_text(yaml.safe_dump({**config, "steps": 9}))  # a resume's new total: not what scoring reads
+    code, _, stderr = cli("layers", run, "--sequences", "1")
+    assert code == 0 and "was edited since" not in stderr, stderr
+
+
 def test_a_resume_that_cannot_record_its_new_total_stops_before_saying_it_does(cli, trained_on_text, tmp_path, monkeypatch):
     """A run folder that cannot be written to (read-only) stops a resume at config.yaml: the
     notice that config.yaml records the new total came first, and the error named the file's

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from archlab.files import path_kind, save_figure_whole
 from archlab.loss import IGNORE, scores
@@ -25,7 +26,7 @@ from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
 from archlab.table import Decimals
 from archlab.train.checkpoint import info_of, latest_read, load_checkpoint, resolve, step_of
-from archlab.train.config import SYNTHETIC, TrainConfig, holds_examples, load_config
+from archlab.train.config import SYNTHETIC, TrainConfig, changes, holds_examples, load_config
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import Batch, RecallTask, prepare, remove_advice, tokens_of, undo_tokenizing
 
@@ -114,6 +115,22 @@ def _say_an_earlier_step(run: Path, used: Path) -> None:
                       f" {records[-1]['step']:,}", stacklevel=3)
 
 
+SCORED_AS_TRAINED = ("seq_len", "precision", "seed")  # what scoring reads of a run's config, besides its data (checked by its fingerprint)
+
+
+def _say_an_edited_config(file: Path, config: TrainConfig, used: Path, trained: object) -> None:
+    """A notice where ``file`` (``config``) gives another length, precision or seed than checkpoint
+    ``used`` trained with (``trained``, as its state.json records it; nothing to compare where it
+    records none that reads): the run is scored as edited, which one may mean, or not."""
+    try:
+        trained_config = TrainConfig.model_validate(trained)
+    except ValidationError:
+        return
+    if edited := [f"{key} {old} -> {new}" for key, (old, new) in changes(trained_config, config).items() if key in SCORED_AS_TRAINED]:
+        warnings.warn(f"{file} was edited since checkpoint {used} was saved ({', '.join(edited)}); the run is scored as edited",
+                      stacklevel=3)
+
+
 @dataclass
 class Loaded:
     """A trained run ready to be scored: its latest model, the config it trained with, and the
@@ -131,13 +148,15 @@ class Loaded:
     def of(cls, run: Path, data: str | None = None, say: Callable[[str], None] | None = None) -> Loaded:
         scorable(run)
 
-        def read(run_dir: Path, used: Path) -> tuple:  # the weights and the corpus they trained on, of one checkpoint
+        def read(run_dir: Path, used: Path) -> tuple:  # the weights of one checkpoint, and what its state.json records
             _, model, used, tokenizer = load_checkpoint(run_dir, used, "score")
-            return model, used, tokenizer, info_of(used, "score").get("corpus")
+            return model, used, tokenizer, info_of(used, "score")
 
-        model, used, tokenizer, corpus = latest_read(run, read)
+        model, used, tokenizer, info = latest_read(run, read)
         _say_an_earlier_step(run, used)
-        return cls(run, model, load_config(str(run / "config.yaml")), tokenizer, data, corpus, say)
+        config = load_config(str(run / "config.yaml"))
+        _say_an_edited_config(run / "config.yaml", config, used, info.get("config"))
+        return cls(run, model, config, tokenizer, data, info.get("corpus"), say)
 
     @property
     def source(self) -> str:

@@ -717,6 +717,30 @@ def test_a_ctrl_c_during_a_storage_call_lands_once_the_call_is_done(tmp_path):
         signal.signal(signal.SIGINT, previous)
 
 
+def test_a_report_of_a_postgresql_database_holding_no_studies_writes_nothing_there(tmp_path, cli):
+    """Opening a storage writes Optuna's tables into its database: a report given another tool's
+    PostgreSQL database refused it with a dozen tables added (SQLite's case: above)."""
+    url = os.environ.get("ARCHLAB_TEST_POSTGRES")
+    if not url:
+        pytest.skip("ARCHLAB_TEST_POSTGRES is not set (.ci/run starts a PostgreSQL server and sets it)")
+    name = f"other{uuid.uuid4().hex[:8]}"
+    server = sqlalchemy.create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with server.connect() as connection:
+        connection.execute(sqlalchemy.text(f"create database {name}"))
+    other = make_url(url).set(database=name)
+    try:
+        code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", other.render_as_string(hide_password=False),
+                              "--out", tmp_path / "report")
+        assert code == 1 and f"{other.render_as_string()} holds no Optuna studies (it has no studies table)" in " ".join(stderr.split()), stderr
+        engine = sqlalchemy.create_engine(other)
+        assert sqlalchemy.inspect(engine).get_table_names() == []
+        engine.dispose()
+    finally:
+        with server.connect() as connection:
+            connection.execute(sqlalchemy.text(f"drop database {name} with (force)"))
+        server.dispose()
+
+
 def test_two_workers_share_a_postgresql_study(tmp_path):
     url = os.environ.get("ARCHLAB_TEST_POSTGRES")
     if not url:

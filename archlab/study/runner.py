@@ -259,9 +259,9 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     refuse_no_file_to_be(url, create)
     if not create and database not in (None, *IN_MEMORY) and not Path(database).is_file():  # opening it would make an empty one
         raise NotThere(f"no SQLite database {database}; give the --storage the study ran with")
-    if not create and database not in (None, *IN_MEMORY) and not _holds_studies(Path(database)):  # opening it writes Optuna's tables
-        raise NotThere(f"SQLite database {database} holds no Optuna studies (it has no studies table); give the --storage the study"
-                       " ran with")
+    if not create and database not in IN_MEMORY and not _holds_studies(url, database):  # opening it writes Optuna's tables
+        raise NotThere(f"{shown(url) if database is None else 'SQLite database ' + database} holds no Optuna studies (it has no"
+                       " studies table); give the --storage the study ran with")
     if database in IN_MEMORY:
         raise StorageError(f"{shown(url)} is an in-memory database: the study would end with this process, and no other worker"
                            " could join it; give a file (sqlite:///path/optuna.db), or leave --storage out")
@@ -300,13 +300,23 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
     return opened
 
 
-def _holds_studies(database: Path) -> bool:
-    """Whether the SQLite file ``database``, read without a write, holds Optuna's table of studies;
-    a file SQLite cannot read is left for opening the storage to say what it is."""
+def _holds_studies(url: str, database: str | None) -> bool:
+    """Whether the storage at ``url`` (the SQLite file ``database``, or a server's database where
+    None), read without a write, holds Optuna's table of studies; one that cannot be read is left
+    for opening the storage to say what it is."""
+    if database is not None:
+        try:
+            with contextlib.closing(sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True)) as read:
+                return read.execute("select 1 from sqlite_master where type = 'table' and name = 'studies'").fetchone() is not None
+        except sqlite3.Error:
+            return True
     try:
-        with contextlib.closing(sqlite3.connect(f"{database.resolve().as_uri()}?mode=ro", uri=True)) as read:
-            return read.execute("select 1 from sqlite_master where type = 'table' and name = 'studies'").fetchone() is not None
-    except sqlite3.Error:
+        engine = sqlalchemy.create_engine(url)
+        try:
+            return sqlalchemy.inspect(engine).has_table("studies")
+        finally:
+            engine.dispose()
+    except Exception:  # no driver, a server that cannot be reached, a URL that does not parse
         return True
 
 

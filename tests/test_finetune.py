@@ -926,6 +926,16 @@ def test_each_variant_of_a_study_fine_tunes_from_its_own_pretrained_trials(cli, 
     with pytest.raises(StudyChanged, match=f"yoco seed {seed} lr slot 0: started from study pre-tiny's trial {first.user_attrs['started_from']['trial']}"):
         join(study, out, url, grace_period=60)
 
+    # a start's weights changed on the disk are refused as a worker joins, not by each trial with a fine-tuning run's advice
+    for weights in (tmp_path / "runs/studies/pre-tiny/trials").glob("*/*/checkpoints/*/model.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
+    code, _, stderr = cli("study", "run", study_file(tmp_path / "tune.yaml", tuned, seeds=[0, 1]), "--out", tmp_path / "damaged")
+    said = " ".join(stderr.split())
+    assert code == 1 and re.search(r"variant yoco seed 0 starts from trial \d+ of pre-tiny: checkpoint \S+ is damaged \(its model.safetensors is"
+                                   r" not the file saved with it: a hash of its bytes differs\); the trial's weights are its last checkpoint's:"
+                                   r" put it back, or run that study afresh$", said), stderr
+    assert not (tmp_path / "damaged" / "trials").exists()
+
 
 def test_a_study_names_what_its_variants_cannot_start_from(cli, tmp_path):
     both = {"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}}

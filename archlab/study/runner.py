@@ -618,7 +618,7 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
             trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
         try:
             starts[seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
-                            "checkpoint": str(checkpoint.resolve(folder)[1])}
+                            "checkpoint": str(_loaded_start(study, [variant], folder, "trial"))}
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts
@@ -628,22 +628,29 @@ def check_start(study: Study, variants: list[str], run: str, field: str) -> Path
     """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variants``
     start from, refused at the study's ``field`` where it is not there or its weights do not load
     into a variant's model (another model's, damaged, not finite): every trial would fail on it."""
+    try:
+        return _loaded_start(study, variants, run, "start")
+    except checkpoint.CheckpointError as exc:
+        raise SpecError(str(study.source), [Problem(field, str(exc))]) from None
+
+
+def _loaded_start(study: Study, variants: list[str], run: str | Path, use: str) -> Path:
+    """The checkpoint of ``run`` that the trials of ``variants`` start from, its weights loaded
+    into each variant's model; a CheckpointError where they do not load (``use``: what for, as
+    ``checkpoint.damaged`` takes it)."""
     from archlab.memory import NoRoom
     from archlab.model import build_model
 
-    try:
-        used = checkpoint.resolve(run)[1]
-        for variant in variants:
-            try:
-                model = build_model(study.specs[variant])
-            except NoRoom:  # not in this machine's memory: its trials load the weights where they train
-                continue
-            try:
-                checkpoint.load_weights(used, model, "start")
-            except checkpoint.WeightsDoNotFit as exc:
-                raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(variants) > 1 else str(exc)) from None
-    except checkpoint.CheckpointError as exc:
-        raise SpecError(str(study.source), [Problem(field, str(exc))]) from None
+    used = checkpoint.resolve(run)[1]
+    for variant in variants:
+        try:
+            model = build_model(study.specs[variant])
+        except NoRoom:  # not in this machine's memory: its trials load the weights where they train
+            continue
+        try:
+            checkpoint.load_weights(used, model, use)
+        except checkpoint.WeightsDoNotFit as exc:
+            raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(variants) > 1 else str(exc)) from None
     return used
 
 

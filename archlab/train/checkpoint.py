@@ -195,11 +195,14 @@ def _check_hash(path: Path, info: dict, name: str, use: str = "resume") -> None:
 
 def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     """A damaged checkpoint, with what is left to go on from: the one before it, where a run keeps
-    one. ``use``: what it was read for (``resume``, ``init``, ``score``, or a use that names the
-    checkpoint, such as ``generate`` or a study's ``start``), which says how."""
+    one. ``use``: what it was read for (``resume``, ``init``, ``score``, a study's ``trial`` to start
+    from, or a use that names the checkpoint, such as ``generate`` or a study's ``start``), which
+    says how."""
     step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
     earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     said = f"checkpoint {path} is damaged ({why})"
+    if use == "trial":  # a pretraining study's trial, whose last checkpoint holds the weights it was scored by
+        return CheckpointError(f"{said}; the trial's weights are its last checkpoint's: put it back, or run that study afresh")
     if earlier:
         advice = {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
                   "init": f"; give --init the one before it, {earlier[-1]}"}

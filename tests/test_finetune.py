@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import optuna
 import pytest
 import torch
 import torch.nn.functional as F

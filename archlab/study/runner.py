@@ -859,7 +859,7 @@ Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 class _Records(BaseModel):
     """Records archlab keeps in a study's storage, as it writes them. A field that is absent until
     recorded defaults to None without being Optional: a null written in its place is refused."""
-    model_config = ConfigDict(strict=True, populate_by_name=True)
+    model_config = ConfigDict(strict=True)
 
 
 class _Planned(_Records):
@@ -931,8 +931,8 @@ def check_records(optuna_study: optuna.Study, url: str) -> None:
         if "fixed_params" not in t.system_attrs:
             problems += [f"param {p}" for p in _invalid(_Planned, t.params)]
         if t.state == TrialState.COMPLETE:  # what the report reads of every completed trial
-            problems += [f"complete, with no {what}" for what, kept in (("value", t.value), ("learning rate", learning_rate(t)),
-                                                                        ("flops_per_step", t.user_attrs.get("flops_per_step"))) if kept is None]
+            problems += [f"complete, with no {what}" for what, value in (("value", t.value), ("learning rate", learning_rate(t)),
+                                                                         ("flops_per_step", t.user_attrs.get("flops_per_step"))) if value is None]
         found += [f"trial {t.number}: {p}" for p in problems]
     if found:
         raise StorageError(f"{where} holds records archlab did not write (was the database edited?): {first_few(found, 3, '; ')};"

@@ -198,11 +198,11 @@ def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     one. ``use``: what it was read for (``resume``, ``init``, ``score``, a study's ``trial`` to start
     from, or a use that names the checkpoint, such as ``generate`` or a study's ``start``), which
     says how."""
-    step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
-    earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     said = f"checkpoint {path} is damaged ({why})"
     if use == "trial":  # a pretraining study's trial, whose last checkpoint holds the weights it was scored by
         return CheckpointError(f"{said}; the trial's weights are its last checkpoint's: put it back, or run that study afresh")
+    step = step_of(path)  # None: a copy under another name, whose checkpoint before it is not known
+    earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     if earlier:
         advice = {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
                   "init": f"; give --init the one before it, {earlier[-1]}"}
@@ -214,8 +214,8 @@ def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
 
 
 def unreadable(path: Path, exc: Exception, use: str = "resume") -> CheckpointError:
-    """Why checkpoint ``path`` could not be read: a file this user may not read, said apart from
-    damage, which removing the checkpoint would mend, and this would not."""
+    """Why checkpoint ``path`` could not be read (``exc``): a file this user may not read is said as
+    such, not as damage, whose advice (remove the checkpoint) would lose it."""
     if isinstance(exc, PermissionError):
         return CheckpointError(f"checkpoint {path} cannot be read by this user: {exc.filename or path}: {exc.strerror}; give the"
                                " user read permission (or run as the files' owner)")

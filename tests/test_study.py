@@ -820,6 +820,7 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
         ({"scales": {**data["scales"], "x-tiny": data["scales"]["tiny"]}}, "scales.x-tiny: a scale's name is letters, digits, '.' and '_'"
                                                                           " only: the study's key joins it to the study's name with '-'"),
         ({"lr": {"low": 0.001, "high": 0.003, "points": 100_000_000}}, "lr.points: Input should be less than or equal to 1000"),
+        ({"report_seq_len": 10**30}, "report_seq_len: Input should be less than or equal to 1073741824"),  # a column of 10^24 MiB
         ({"lr": {"low": 1e-200, "high": 1e200, "points": 3}}, "lr: low=1e-200 and high=1e+200 are too far apart"),  # a grid of inf
         ({"lr": {"low": 1e-300, "high": 1e-200, "points": 1}}, "lr: low=1e-300 and high=1e-200 are too far apart"),  # their mean 0
         ({"variants": {**data["variants"], "yoco": {"spec": "yo\0co.yaml"}}}, "variants.yoco.spec: a path cannot hold a NUL byte"),

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
@@ -94,7 +94,7 @@ class StudySpec(Strict):
     sampler: Literal["grid", "tpe"] = "grid"
     pruner: Literal["none", "median", "hyperband"] = "none"
     metric: Literal["val_loss", "accuracy"] = "val_loss"  # accuracy: for the synthetic recall tasks
-    report_seq_len: PositiveInt = 16384  # context at which the report gives cache memory
+    report_seq_len: int = Field(16384, gt=0, le=2**30)  # context at which the report gives cache memory (bounded: a typo is refused)
     scales: dict[str, Scale] = Field(min_length=1)
 
     @property

@@ -74,7 +74,22 @@ def _refusing_empty(param) -> None:
 
 
 class PathsGroup(TyperGroup):
-    """A group whose commands each refuse an empty path argument or option, the one place this is said."""
+    """A group whose commands each refuse an empty path argument or option, the one place this is
+    said, and say so when a Ctrl-C or SIGTERM stops them."""
+
+    def invoke(self, ctx):
+        """A command stopped by Ctrl-C or SIGTERM ends with a word and the shell's status, where it
+        ended without one (typer's exit 130, or the process killed by SIGTERM) in the middle of a
+        generated line or a table. Those that keep work (train, study run, chat) say themselves
+        what they kept."""
+        try:
+            with _interruptible():
+                return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            if out.is_terminal:  # the cursor may stand after a token generate was streaming
+                sys.stdout.write("\n")
+            err.print("interrupted", highlight=False)
+            raise typer.Exit(interrupted_status(exc)) from None
 
     def get_command(self, ctx, cmd_name):
         command = super().get_command(ctx, cmd_name)

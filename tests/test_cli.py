@@ -29,7 +29,7 @@ from archlab.engine import Engine
 from archlab.spec import spec_to_yaml
 from archlab.table import Decimals, Format, parse_budget, parse_length, render, tokens_label
 from archlab.train.checkpoint import CheckpointError, file_hash, load
-from conftest import ROOT, files_no_bigger_than, parsed, tiny_model
+from conftest import ROOT, files_no_bigger_than, interruptible, parsed, tiny_model
 
 SPEC = "specs/tiny/transformer.yaml"
 
@@ -194,6 +194,19 @@ def test_an_interrupt_past_the_commands_handling_exits_with_the_shells_status_an
     worker had said it was interrupted."""
     result = subprocess.run([sys.executable, "-c", LET_OUT, name], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout, result.stderr) == (128 + getattr(signal, name), "", "")
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_command_stopped_midway_says_so_with_the_shells_status(tmp_path, name):
+    """generate (as bench, build, cost...) ended without a word in the middle of its line: typer's
+    exit 130 for a Ctrl-C, a process killed by SIGTERM."""
+    run = fake_run(tmp_path / "run")
+    command = [sys.executable, "-m", "archlab", "generate", str(run), "--prompt", "ab", "--max-new-tokens", "100000"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    assert proc.stdout.read(4)  # the prompt and the first tokens: generating
+    proc.send_signal(getattr(signal, name))
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, name) and stderr.decode().endswith("\ninterrupted\n"), stderr.decode()
 
 
 def test_a_disk_too_full_for_the_imports_is_said_in_a_line():

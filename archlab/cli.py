@@ -355,8 +355,9 @@ def _fits_in_memory(what: str, options: str, page_size: int | None = None, kept:
         if isinstance(exc, NoRoom):
             size = f" ({exc})"
         else:
-            asked = re.search(r"allocate (\d[\d.]* ?\w+)", str(exc))  # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA)
-            size = " (asked for " + re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]) + ")" if asked else ""
+            # "... 1280000 bytes" (CPU), "... 2.00 GiB" (CUDA), "... 745. GiB" (numpy)
+            asked = re.search(r"allocate (\d+(?:\.\d+)?)\.? ?(\w+)", str(exc))
+            size = " (asked for {} {})".format(re.sub(r"\d{4,}", lambda m: f"{int(m[0]):,}", asked[1]), asked[2]) if asked else ""
         paged, options = (f" in pages of {page_size:,}", f"{options} or --page-size") if page_size else ("", options)
         after = f"; {kept()}" if kept else ""
         _error(f"{what}{paged} does not fit in memory{size}; lower {options}{after}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 import yaml
 from safetensors.torch import load_file, save_file, save_model
 from tokenizers import Tokenizer
@@ -1119,6 +1120,20 @@ def test_a_first_forward_pass_larger_than_memory_is_said_in_words(cli, tmp_path,
     assert code == 1 and "Traceback" not in stderr, stderr
     assert ("chunks: a forward pass of 16 tokens (each block's output shape checked) does not fit in memory (asked for"
             " 68,719,476,736 bytes); lower the spec's sizes") in stderr, stderr
+
+
+@pytest.mark.parametrize("raised, asked", [
+    (MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,) and data type int64"), "745 GiB"),  # numpy's
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 1280000 bytes. Error code 12 (Cannot allocate memory)"), "1,280,000 bytes"),  # torch's on the CPU
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB."), "2.00 GiB"),
+])
+def test_an_allocation_too_large_is_said_in_its_size(capsys, raised, asked):
+    """numpy's size came out as "745. GiB"."""
+    from archlab.cli import _fits_in_memory
+
+    with pytest.raises(typer.Exit), _fits_in_memory("drawing the batch", "batch_size"):
+        raise raised
+    assert capsys.readouterr().err == f"error: drawing the batch does not fit in memory (asked for {asked}); lower batch_size\n"
 
 
 def test_training_larger_than_memory_names_the_micro_batch_it_uses(cli, tmp_path):

@@ -626,6 +626,16 @@ def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_given_or_at_its
     assert load_config(None, ["batch_size=32"]).micro_batch_size == 16
 
 
+def test_a_batch_of_more_tokens_than_any_run_takes_is_refused_at_its_key():
+    """batch_size=1e11 on a recall task built its rows one by one for minutes, its memory climbing to
+    22 GB; on text it was said as a micro-batch that does not fit, and never named batch_size."""
+    with pytest.raises(archlab.SpecError) as caught:
+        load_config(None, ["batch_size=100000000000", "micro_batch_size=16", "seq_len=32"])
+    assert ("batch_size: 100,000,000,000 sequences of seq_len=32 tokens are 3,200,000,000,000 tokens a step, more than the"
+            " 268,435,456 (2^28) a step may take; check its units") in " ".join(str(caught.value).split())
+    assert load_config(None, ["batch_size=65536", "micro_batch_size=16", "seq_len=4096"]).batch_size == 65536  # 2^28 tokens: taken
+
+
 def test_a_yes_or_no_field_still_takes_yes():
 
     assert load_config(None, ["compile=yes"]).compile is True

@@ -22,6 +22,7 @@ NAMED_SOURCES = ("stdlib", *SYNTHETIC)  # data sources that are not paths (nor h
 TOKEN_FILES = (".bin", ".npy")  # data sources of token ids, which need no tokenizer
 EXAMPLES = ".jsonl"  # a data source of prompt/response examples or conversations, trained on their responses alone
 MAX_STEPS = 10**12  # optimizer steps: past any run's, so that a budget off by its units is refused, not started
+MAX_STEP_TOKENS = 2**28  # tokens a step: 16x the largest published batches, so that a typo is refused, not built row by row
 
 
 class Optimizer(Strict):
@@ -133,6 +134,9 @@ class TrainConfig(Strict):
                 f" accumulated over whole micro-batches: set micro_batch_size to a divisor, such as"
                 f" {divisor_below(self.batch_size, self.micro_batch_size)}"
             )
+        if (tokens := self.batch_size * self.seq_len) > MAX_STEP_TOKENS:
+            root.at("batch_size").add(f"{self.batch_size:,} sequences of seq_len={self.seq_len:,} tokens are {tokens:,} tokens a step, more"
+                                      f" than the {MAX_STEP_TOKENS:,} (2^28) a step may take; check its units")
         if not self.data.source.strip():  # read as a path, the current folder, whose every text file would be trained on
             root.at("data").at("source").add("is empty; give stdlib, a path, hf:NAME[:split], mqar or copy")
         elif self.data.source.startswith("hf:") and not self.data.source[3:].partition(":")[0].strip():

@@ -47,7 +47,7 @@ from archlab.registry import RegistryError, block_specs, plugin, said
 from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, load_yaml, spec_changes, spec_to_yaml
 from archlab.study.definition import shipped_studies
 from archlab.table import Format, first_few, parse_budget, parse_length, render, si
-from archlab.train.checkpoint import RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
+from archlab.train.checkpoint import RESTORE_SPEC, RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels, tokens_apart
 
@@ -190,7 +190,7 @@ def _load_all(paths: list[Path]) -> tuple[list[tuple[Path, ModelSpec]], int]:
         _error(f"no spec files found in {' '.join(map(str, paths))}")
     for path in files:
         try:
-            good.append((path, load_spec(path)))
+            good.append((path, _load_spec_file(path)))
         except SpecError as exc:
             _report_spec(path, exc)
             bad += 1
@@ -313,10 +313,18 @@ def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
     return [f"{spec.name} ({path})" if labels.count(label) > 1 else label for label, (path, spec) in zip(labels, loaded)]
 
 
+def _load_spec_file(path: Path) -> ModelSpec:
+    """``load_spec``, where a run's spec.yaml that is gone is said as such, with where to find it
+    (it was "not found (no such file)")."""
+    if path.name == RUN_SPEC and path_kind(path) is None and checkpoints(path.parent):
+        raise SpecError(str(path), [Problem("<file>", f"is gone from the run {path.parent}, which holds checkpoints; {RESTORE_SPEC}")])
+    return load_spec(path)
+
+
 def _load_one(path: Path) -> ModelSpec:
     spec_file = _spec_file(path)
     try:
-        return load_spec(spec_file)
+        return _load_spec_file(spec_file)
     except SpecError as exc:
         _report_spec(spec_file, exc)
         raise typer.Exit(1) from None

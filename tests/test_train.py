@@ -1425,6 +1425,10 @@ def test_a_run_whose_spec_is_gone_is_said_to_hold_checkpoints_without_it(cli, tr
     for command in (["generate", run, "--max-new-tokens", "2"], ["layers", run, "--seq-len", "32"],
                     ["evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1"]):
         refused(cli(*command), gone)
+    for command in (["cost", run], ["validate", run], ["train", run, "--out", tmp_path / "again"]):  # the run for its spec: "not found (no such file)"
+        code, _, stderr = cli(*command)
+        assert code == 1 and (f"<file>: is gone from the run {run}, which holds checkpoints; restore the spec it trained (each checkpoint's"
+                              " state.json records it") in " ".join(stderr.split()), stderr
     (run / "spec.yaml").mkdir()
     refused(cli("generate", run, "--max-new-tokens", "2"), f"{run} holds checkpoints, but its spec.yaml is a folder, not a file")
     (run / "spec.yaml").rmdir()

@@ -257,6 +257,9 @@ def non_finite(model: torch.nn.Module) -> list[str]:
     return [name for name, t in model.state_dict().items() if t.is_floating_point() and not t.isfinite().all()]
 
 
+RESTORE_SPEC = 'restore the spec it trained (each checkpoint\'s state.json records it, under "spec")'  # a run's spec.yaml gone
+
+
 def resolve(path: str | Path) -> tuple[Path, Path]:
     """(run folder, checkpoint folder) of a run directory (its latest checkpoint) or of one of its
     checkpoint folders."""
@@ -274,8 +277,7 @@ def resolve(path: str | Path) -> tuple[Path, Path]:
             why = "is gone"
         except OSError as exc:
             why = exc.strerror
-        raise CheckpointError(f"{run_dir} holds checkpoints, but its {RUN_SPEC} {why}; restore the spec it trained (each"
-                              " checkpoint's state.json records it, under \"spec\")")
+        raise CheckpointError(f"{run_dir} holds checkpoints, but its {RUN_SPEC} {why}; {RESTORE_SPEC}")
     return run_dir, found[-1]
 
 

@@ -78,10 +78,11 @@ class PathsGroup(TyperGroup):
     said, and say so when a Ctrl-C or SIGTERM stops them."""
 
     def invoke(self, ctx):
-        """A command stopped by Ctrl-C or SIGTERM ends with a word and the shell's status, where it
-        ended without one (typer's exit 130, or the process killed by SIGTERM) in the middle of a
-        generated line or a table. Those that keep work (train, study run, chat) say themselves
-        what they kept."""
+        """Every command interruptible (``_interruptible``, once, around the whole command): one
+        stopped by Ctrl-C or SIGTERM ends with a word and the shell's status, where it ended
+        without one (typer's exit 130, or the process killed by SIGTERM) in the middle of a
+        generated line or a table. Those that keep work (train, study run, chat) catch the
+        interrupt and say themselves what they kept."""
         try:
             with _interruptible():
                 return super().invoke(ctx)
@@ -316,8 +317,8 @@ def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
 def _load_spec_file(path: Path) -> ModelSpec:
     """``load_spec``, where a run's spec.yaml that is gone is said as such, with where to find it
     (it was "not found (no such file)")."""
-    if path.name == RUN_SPEC and path_kind(path) is None and checkpoints(path.parent):
-        raise SpecError(str(path), [Problem("<file>", f"is gone from the run {path.parent}, which holds checkpoints; {RESTORE_SPEC}")])
+    if path.name == RUN_SPEC and path_kind(path) is None and (path.parent / "checkpoints").is_dir():
+        raise SpecError(str(path), [Problem("<file>", f"is gone from the run {path.parent}; {RESTORE_SPEC}")])
     return load_spec(path)
 
 
@@ -387,7 +388,11 @@ def _interruptible():
     Either signal that lands while Python runs a finalizer (a ``__del__``, a weakref callback) raises
     there, where Python prints the interrupt and drops it and the work would go on as if none came:
     it is delivered again a moment later, from another thread, once the finalizer is done, unless
-    the work has ended by then (what it would have stopped has been done)."""
+    the work has ended by then (what it would have stopped has been done). Only the main thread is
+    interrupted: in another (a caller's), this changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
     def terminate(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the process, as if none were caught
@@ -720,9 +725,9 @@ def chat(
         byte = exc.object[exc.start] if isinstance(exc, UnicodeDecodeError) else ord(exc.object[exc.start]) & 0xFF
         _error(f"the input is not UTF-8 text (byte 0x{byte:02x})")
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         sys.stdout.write("\n")
-        raise typer.Exit(130) from None
+        raise typer.Exit(interrupted_status(exc)) from None
 
 
 def _messages(lines) -> Iterator[str]:
@@ -1031,7 +1036,7 @@ def train(
         cfg = cfg.model_copy(update={"steps": _budget_steps(spec, cfg, steps, tokens, flops, say)})
         with _fits_in_memory(f"training {spec.name} ({Cost(spec).params_total:,} parameters) in micro-batches of"
                              f" {micro_batch_size(cfg, launched_processes())} x {cfg.seq_len:,} tokens",
-                             "micro_batch_size, seq_len or the spec's sizes", kept=lambda: _kept_of(out, memory=True)), _interruptible():
+                             "micro_batch_size, seq_len or the spec's sizes", kept=lambda: _kept_of(out, memory=True)):
             Trainer(spec, cfg, out, err).fit(cfg.steps, resume=resume)
     except SpecError as exc:
         _report(exc)
@@ -1301,6 +1306,8 @@ def downstream(
                 with unittest.mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None), targets_among_choices(names):
                     results = lm_eval.simple_evaluate(model=model, tasks=names, num_fewshot=num_fewshot, limit=limit,
                                                       task_manager=manager, verbosity="ERROR")
+            except EvaluationError:  # archlab's own word on the tasks (targets_among_choices), said below
+                raise
             except Exception as exc:
                 if raised_by_model(exc):  # archlab's own: named where it is caught below, or a fault to see whole
                     raise
@@ -1425,10 +1432,9 @@ def study_run(
     def action():
         loaded = load_study(study, scale, data)
         where, optuna_study = out or default_dir(loaded), None
-        try:
-            with _interruptible():  # the report too: a signal there ended the worker without a word, or was dropped in a finalizer
-                optuna_study = work(loaded, where, storage, err, grace_period)
-                report(loaded, optuna_study, where, storage_url(where, storage), show=sys.stdout.write)
+        try:  # interruptible, as every command is (PathsGroup.invoke): the report too
+            optuna_study = work(loaded, where, storage, err, grace_period)
+            report(loaded, optuna_study, where, storage_url(where, storage), show=sys.stdout.write)
         except KeyboardInterrupt as exc:
             if optuna_study is None:
                 err.print("interrupted; finished trials are kept, and a trial this worker was training runs again once it has"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -208,6 +209,18 @@ def test_a_command_stopped_midway_says_so_with_the_shells_status(tmp_path, name)
     proc.send_signal(getattr(signal, name))
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + getattr(signal, name) and stderr.decode().endswith("\ninterrupted\n"), stderr.decode()
+
+
+def test_a_command_run_off_the_main_thread_runs(capsys):
+    """Every command is interruptible, which sets signal handlers: only the main thread may, and a
+    command a caller ran in another thread failed with "signal only works in main thread"."""
+    from archlab.cli import app
+
+    ended = []
+    worker = threading.Thread(target=lambda: ended.append(app(["validate", str(ROOT / SPEC)], standalone_mode=False)))
+    worker.start()
+    worker.join(60)
+    assert ended == [None], capsys.readouterr().err
 
 
 def test_a_disk_too_full_for_the_imports_is_said_in_a_line():

@@ -144,6 +144,9 @@ def test_a_study_runs_every_planned_trial_once_and_reports(tmp_path, cli):
         code, _, stderr = cli("study", *command, "--out", notes)
         assert code == 1 and f"--out {notes} holds files that are not a study's (report.md), which its report" in " ".join(stderr.split()), stderr
     assert [p.name for p in notes.iterdir()] == ["report.md"] and (notes / "report.md").read_text() == "mine"
+    (notes / "trials").mkdir()  # a study's folder from before .study marked it: its report is the study's
+    code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", f"sqlite:///{out / 'optuna.db'}", "--out", notes)
+    assert code in OK and (notes / "report.md").read_text().startswith("# Study `mini`"), stderr
 
 
 def test_a_study_does_not_write_into_the_text_folder_it_trains_on(tmp_path, cli):
@@ -253,6 +256,9 @@ EDITS = [
     ("update trial_system_attributes set value_json = '{\"variant\": \"yoco\", \"seed\": \"a\", \"slot\": 0}' where trial_id = 1",
      "trial 0: system attribute fixed_params.seed: input should be a valid integer (got 'a')"),
     ("update study_user_attributes set value_json = '5' where key = 'starts'", "the study's user attribute starts: input should be a valid dictionary (got 5)"),
+    ("insert into trial_user_attributes (trial_id, key, value_json) values (1, 'started_from',"
+     " '{\"study\": \"pre-tiny\", \"trial\": 0, \"lr\": -1, \"checkpoint\": \"c\"}')",  # said as the study start it is, not as a run's too
+     "trial 0: user attribute started_from.study.lr: input should be greater than 0 (got -1); restore"),
     ("update trial_user_attributes set value_json = '{bad' where key = 'lr' and trial_id = 1", "is damaged: Optuna cannot read its records (JSONDecodeError:"),
     ("update trial_values set value = NULL where trial_id = 1", "is damaged: Optuna cannot read its records (a trial's value or intermediate value disagrees"),
     ("update trials set state = 'DONE' where trial_id = 1", "is damaged: Optuna cannot read its records (LookupError: 'DONE' is not among"),

@@ -1355,6 +1355,20 @@ def test_a_run_scored_with_a_config_edited_since_its_checkpoint_says_so(cli, tra
     assert code == 0 and "was edited since" not in stderr, stderr
 
 
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_chat_stopped_waiting_for_a_message_ends_with_the_signals_status(trained_on_text, name):
+    """chat took SIGTERM, raised as an interrupt in every command since they all stop in words,
+    for a Ctrl-C: exit 130."""
+    command = [sys.executable, "-m", "archlab", "chat", str(trained_on_text), "--max-new-tokens", "1"]
+    proc = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    proc.stdin.write(b"hello\n\n")
+    proc.stdin.flush()
+    assert any(b"(the reply was cut at --max-new-tokens 1)" in line for line in proc.stderr)  # replied, and reading the next message
+    proc.send_signal(getattr(signal, name))
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + getattr(signal, name) and b"Traceback" not in stderr, stderr.decode()
+
+
 def test_a_resume_that_cannot_record_its_new_total_stops_before_saying_it_does(cli, trained_on_text, tmp_path, monkeypatch):
     """A run folder that cannot be written to (read-only) stops a resume at config.yaml: the
     notice that config.yaml records the new total came first, and the error named the file's
@@ -1425,10 +1439,12 @@ def test_a_run_whose_spec_is_gone_is_said_to_hold_checkpoints_without_it(cli, tr
     for command in (["generate", run, "--max-new-tokens", "2"], ["layers", run, "--seq-len", "32"],
                     ["evaluate", run, "--seq-len", "32", "--last", "8", "--sequences", "1"]):
         refused(cli(*command), gone)
+    (run / "checkpoints" / "step-00000099").write_text("")  # a file named as a checkpoint, which listing them refuses
     for command in (["cost", run], ["validate", run], ["train", run, "--out", tmp_path / "again"]):  # the run for its spec: "not found (no such file)"
         code, _, stderr = cli(*command)
-        assert code == 1 and (f"<file>: is gone from the run {run}, which holds checkpoints; restore the spec it trained (each checkpoint's"
+        assert code == 1 and (f"<file>: is gone from the run {run}; restore the spec it trained (each checkpoint's"
                               " state.json records it") in " ".join(stderr.split()), stderr
+    (run / "checkpoints" / "step-00000099").unlink()
     (run / "spec.yaml").mkdir()
     refused(cli("generate", run, "--max-new-tokens", "2"), f"{run} holds checkpoints, but its spec.yaml is a folder, not a file")
     (run / "spec.yaml").rmdir()

@@ -31,14 +31,14 @@ import zlib
 from collections.abc import Callable, Collection
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import optuna
 import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import TrialState
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -54,6 +54,9 @@ from archlab.train.config import holds_examples
 from archlab.train.data import CORPUS_LOCK, CacheError, DataError, prepare, read_examples, read_texts, reads_files_in, undo_tokenizing
 from archlab.train.trainer import Trainer, Unwritten
 
+if TYPE_CHECKING:
+    from archlab.model import Model
+
 
 MAX_RETRY = 2  # times a trial lost with its worker is queued again on its own
 STARTS = "starts"  # the study's user attribute where join records each fine-tuned variant's starts, by seed
@@ -63,6 +66,8 @@ OWNER = ".study"  # in a study's folder: the study (NAME-SCALE) whose report, pl
 # What a study's folder holds: its SQLite storage (its lock and journals), the planning lock, the
 # trials, a shared tokenized corpus (and its lock), the report with its plots, and whose they are
 REPORT_FILES = {"report.md", *(f"{name}.png" for name in PLOTS)}
+# beside a report: the study's mark (OWNER, written before it), its database, or its trials and planning lock (a folder from before OWNER)
+MARKS = (OWNER, "optuna.db", "trials", ".plan.lock")
 STUDY_FILES = {"optuna.db", "optuna.db.lock", "optuna.db-journal", "optuna.db-wal", "optuna.db-shm", ".plan.lock", "trials", "data",
                CORPUS_LOCK, "tokenizer.json", *REPORT_FILES, OWNER}
 JOINED = "joined"  # a study's user attribute: when its last worker joined (time.time())
@@ -606,7 +611,7 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
                 if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
     best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler) if complete else []
     by_seed = {planned_as(t)[1]: t for t in best}
-    starts = {}
+    starts, models = {}, _start_models(study, [variant])  # built once, each seed's weights loaded in turn
     for seed in seeds:
         if seed not in by_seed:
             raise StorageError(
@@ -618,7 +623,7 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
             trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
         try:
             starts[seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
-                            "checkpoint": str(_loaded_start(study, [variant], folder, "trial"))}
+                            "checkpoint": str(_loaded_start(models, folder, "trial"))}
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts
@@ -629,28 +634,34 @@ def check_start(study: Study, variants: list[str], run: str, field: str) -> Path
     start from, refused at the study's ``field`` where it is not there or its weights do not load
     into a variant's model (another model's, damaged, not finite): every trial would fail on it."""
     try:
-        return _loaded_start(study, variants, run, "start")
+        return _loaded_start(_start_models(study, variants), run, "start")
     except checkpoint.CheckpointError as exc:
         raise SpecError(str(study.source), [Problem(field, str(exc))]) from None
 
 
-def _loaded_start(study: Study, variants: list[str], run: str | Path, use: str) -> Path:
-    """The checkpoint of ``run`` that the trials of ``variants`` start from, its weights loaded
-    into each variant's model; a CheckpointError where they do not load (``use``: what for, as
-    ``checkpoint.damaged`` takes it)."""
+def _start_models(study: Study, variants: list[str]) -> dict[str, Model]:
+    """A model of each of ``variants`` to load the weights its trials start from into; one not in
+    this machine's memory is left out: its trials load them where they train."""
     from archlab.memory import NoRoom
     from archlab.model import build_model
 
-    used = checkpoint.resolve(run)[1]
+    models = {}
     for variant in variants:
-        try:
-            model = build_model(study.specs[variant])
-        except NoRoom:  # not in this machine's memory: its trials load the weights where they train
-            continue
+        with contextlib.suppress(NoRoom):
+            models[variant] = build_model(study.specs[variant])
+    return models
+
+
+def _loaded_start(models: dict[str, Model], run: str | Path, use: str) -> Path:
+    """The checkpoint of ``run`` that the trials of the variants of ``models`` start from, its
+    weights loaded into each; a CheckpointError where they do not load (``use``: what for, as
+    ``checkpoint.damaged`` takes it)."""
+    used = checkpoint.resolve(run)[1]
+    for variant, model in models.items():
         try:
             checkpoint.load_weights(used, model, use)
         except checkpoint.WeightsDoNotFit as exc:
-            raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(variants) > 1 else str(exc)) from None
+            raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(models) > 1 else str(exc)) from None
     return used
 
 
@@ -883,13 +894,18 @@ class _StudyStart(_Records):
     checkpoint: str
 
 
+# a start records its study (and trial) or its run: validated as the one it says it is, so that an error names its own fields
+Start = Annotated[Annotated[_StudyStart, Tag("study")] | Annotated[_RunStart, Tag("run")],
+                  Discriminator(lambda start: "study" if isinstance(start, dict) and "study" in start else "run")]
+
+
 class _TrialAttrs(_Records):
     """A trial's user attributes that archlab reads (optuna-dashboard's copies of its plan are not)."""
     lr: Positive = None
     steps: Annotated[int, Field(ge=1)] = None
     setup: dict = None
     environment: dict[str, str] = None
-    started_from: _StudyStart | _RunStart = None
+    started_from: Start = None
     run: str = None
     flops_per_step: Positive = None
     accuracy: Annotated[float, Field(ge=0, le=1)] = Field(None, alias=ACCURACY)
@@ -907,7 +923,7 @@ class _TrialSystem(_Records):
 
 class _StudyAttrs(_Records):
     corpus: str = Field(None, alias=CORPUS)
-    starts: dict[str, dict[str, _StudyStart | _RunStart]] = Field(None, alias=STARTS)
+    starts: dict[str, dict[str, Start]] = Field(None, alias=STARTS)
     grace_period: Annotated[int, Field(ge=1)] = None
     joined: Annotated[float, Field(allow_inf_nan=False)] = Field(None, alias=JOINED)
 
@@ -1000,8 +1016,8 @@ def by_rate(trials: list[optuna.trial.FrozenTrial]) -> dict[float, list[optuna.t
 def refuse_foreign_files(out: Path) -> None:
     """A study writes only its own files into its folder (its report and plots over those there),
     so a folder holding anything else is someone's: a run, notes, another tool's. A report or plot
-    is a study's only beside the study's mark (OWNER, written before them) or its database."""
-    ours = STUDY_FILES if any((out / name).exists() for name in (OWNER, "optuna.db")) else STUDY_FILES - REPORT_FILES
+    is a study's only beside one of ``MARKS``."""
+    ours = STUDY_FILES if any((out / name).exists() for name in MARKS) else STUDY_FILES - REPORT_FILES
     foreign = sorted(p.name for p in out.iterdir() if written_as(p.name) not in ours) if out.is_dir() else []
     if foreign:
         raise StorageError(f"--out {out} holds files that are not a study's ({first_few(foreign, 5)}),"

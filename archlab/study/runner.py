@@ -895,7 +895,7 @@ class _StudyStart(_Records):
 
 
 # a start records its study (and trial) or its run: validated as the one it says it is, so that an error names its own fields
-Start = Annotated[Annotated[_StudyStart, Tag("study")] | Annotated[_RunStart, Tag("run")],
+_Start = Annotated[Annotated[_StudyStart, Tag("study")] | Annotated[_RunStart, Tag("run")],
                   Discriminator(lambda start: "study" if isinstance(start, dict) and "study" in start else "run")]
 
 
@@ -905,7 +905,7 @@ class _TrialAttrs(_Records):
     steps: Annotated[int, Field(ge=1)] = None
     setup: dict = None
     environment: dict[str, str] = None
-    started_from: Start = None
+    started_from: _Start = None
     run: str = None
     flops_per_step: Positive = None
     accuracy: Annotated[float, Field(ge=0, le=1)] = Field(None, alias=ACCURACY)
@@ -923,7 +923,7 @@ class _TrialSystem(_Records):
 
 class _StudyAttrs(_Records):
     corpus: str = Field(None, alias=CORPUS)
-    starts: dict[str, dict[str, Start]] = Field(None, alias=STARTS)
+    starts: dict[str, dict[str, _Start]] = Field(None, alias=STARTS)
     grace_period: Annotated[int, Field(ge=1)] = None
     joined: Annotated[float, Field(allow_inf_nan=False)] = Field(None, alias=JOINED)
 

@@ -47,7 +47,7 @@ from archlab.registry import RegistryError, block_specs, plugin, said
 from archlab.spec import InferenceDtype, ModelSpec, SpecError, load_spec, load_yaml, spec_changes, spec_to_yaml
 from archlab.study.definition import shipped_studies
 from archlab.table import Format, first_few, parse_budget, parse_length, render, si
-from archlab.train.checkpoint import RESTORE_SPEC, RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve
+from archlab.train.checkpoint import RESTORE_SPEC, RUN_SPEC, CheckpointError, checkpoints, load_trained, resolve, step_of
 from archlab.train.config import MAX_STEPS, RESUMABLE, SEED_LIMIT, TrainConfig, holds_examples, kept_on_resume, load_config
 from archlab.train.curves import Axis, labels, tokens_apart
 
@@ -315,9 +315,10 @@ def _labels(loaded: list[tuple[Path, ModelSpec]]) -> list[str]:
 
 
 def _load_spec_file(path: Path) -> ModelSpec:
-    """``load_spec``, where a run's spec.yaml that is gone is said as such, with where to find it
-    (it was "not found (no such file)")."""
-    if path.name == RUN_SPEC and path_kind(path) is None and (path.parent / "checkpoints").is_dir():
+    """``load_spec``, where the spec.yaml of a run holding a checkpoint is gone is said as such, with
+    where the spec is recorded (it was "not found (no such file)")."""
+    saved = path.parent / "checkpoints"
+    if path.name == RUN_SPEC and path_kind(path) is None and saved.is_dir() and any(step_of(p) is not None for p in saved.iterdir()):
         raise SpecError(str(path), [Problem("<file>", f"is gone from the run {path.parent}; {RESTORE_SPEC}")])
     return load_spec(path)
 

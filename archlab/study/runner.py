@@ -611,13 +611,13 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
                 if key in planned and key[0] == pretrained and t.state == TrialState.COMPLETE]
     best = chosen(complete, pretraining.definition.maximize, pretraining.definition.sampler) if complete else []
     by_seed = {planned_as(t)[1]: t for t in best}
+    if (seed := next((seed for seed in seeds if seed not in by_seed), None)) is not None:
+        raise StorageError(
+            f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
+            f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
+            f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
     starts, models = {}, _start_models(study, [variant])  # built once, each seed's weights loaded in turn
     for seed in seeds:
-        if seed not in by_seed:
-            raise StorageError(
-                f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
-                f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
-                f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
         trial = by_seed[seed]
         folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
             trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))

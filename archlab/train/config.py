@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, PositiveFloat, PositiveInt
+from pydantic import Field, PositiveFloat, PositiveInt, ValidationError
 
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import SHORTEST_TRAINING_LENGTH
@@ -176,6 +176,16 @@ def kept_on_resume(keys: list[str], moe: bool) -> str | None:
 def changes(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
     """The fields that differ, as dotted keys, each with its (old, new) values."""
     return differences(old.model_dump(mode="json"), new.model_dump(mode="json"))
+
+
+def changes_since_trained(trained: object, config: TrainConfig) -> dict[str, tuple]:
+    """``changes`` from ``trained``, the config a checkpoint's state.json records, to ``config``;
+    none where it records none (written before checkpoints did) or one this version no longer
+    reads, which leave nothing to compare."""
+    try:
+        return changes(TrainConfig.model_validate(trained), config)
+    except ValidationError:
+        return {}
 
 
 def load_config(path: str | None, overrides: list[str] = ()) -> TrainConfig:

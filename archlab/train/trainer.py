@@ -26,7 +26,6 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 import yaml
-from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -43,7 +42,7 @@ from archlab.ops.dispatch import BackendError
 from archlab.spec import ModelSpec, describe_differences, load_spec, spec_changes, spec_to_yaml
 from archlab.table import first_few
 from archlab.train import checkpoint
-from archlab.train.config import Optimizer, TrainConfig, absolute, changes, divisor_below, kept_on_resume, load_config, resumable, tokenized
+from archlab.train.config import Optimizer, TrainConfig, absolute, changes, changes_since_trained, divisor_below, kept_on_resume, load_config, resumable, tokenized
 from archlab.train.curves import RunError, read_metrics
 from archlab.train.data import (CORPUS_FILES, Batch, DataError, DataSource, ShortSplit, load_tokenizer, prepare, reads_files_in, remove_advice,
                                 undo_tokenizing)
@@ -405,11 +404,7 @@ class Trainer:
         may be read where it now is; its init chose only the first weights. A checkpoint written
         before they recorded their config, or whose config this version no longer reads, has
         nothing to compare."""
-        try:
-            trained_cfg = TrainConfig.model_validate(trained)
-        except ValidationError:
-            return
-        edited = [f"{key} {old} -> {new}" for key, (old, new) in changes(trained_cfg, self.cfg).items()
+        edited = [f"{key} {old} -> {new}" for key, (old, new) in changes_since_trained(trained, self.cfg).items()
                   if key.split(".")[0] not in (*resumable, "data", "init")]
         if edited:
             raise TrainError(f"{self.run_dir / 'config.yaml'} was edited since checkpoint {saved} was saved ({', '.join(edited)}): a"

@@ -342,6 +342,8 @@ def _data_given(data: str | None) -> str | None:
 def _lengths(values: list[str], least: int = 1) -> list[int]:
     """The token counts of --seq-len, each once (a length given twice would be a row twice), in
     the order given."""
+    if option := next((v for v in values if re.match(r"-[^\d]", v)), None):  # --seq-len --gen 2: the next option taken for its value
+        raise typer.BadParameter(f"--seq-len takes a length (e.g. 2048, 16K), and was followed by {option}")
     try:
         lengths = [parse_length(v) for v in values]
     except ValueError as exc:

@@ -88,13 +88,18 @@ def tokens_label(n: int) -> str:
     return str(n)
 
 
+LONGEST_CONTEXT = 2**30  # tokens: 4,096x the paper's longest, so that a length off by its units is refused, not costed
+
+
 def parse_length(text: str) -> int:
     """'16384', '16K' or '1M' as a sequence length in tokens (K = 1024, as 256K contexts are counted)."""
     scale = {"K": 1024, "M": 1024**2}.get(text[-1:].upper(), 1)
     number = text[:-1] if scale > 1 else text
     if not (number.isascii() and number.isdigit()) or int(number) < 1:  # not "²", which int() refuses
         raise ValueError(f"{text!r} is not a token count (examples: 2048, 16K, 256K)")
-    return int(number) * scale
+    if (length := int(number) * scale) > LONGEST_CONTEXT:
+        raise ValueError(f"{text} tokens is longer than the {LONGEST_CONTEXT:,} (2^30) a context may be; check its units")
+    return length
 
 
 BUDGET_SCALES = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}

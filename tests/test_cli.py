@@ -895,7 +895,7 @@ def test_bench_rejects_a_bad_length(cli):
 
 
 def test_lengths_count_in_powers_of_two_and_budgets_in_powers_of_ten():
-    assert [parse_length(text) for text in ("2048", "16K", "256k", "1M")] == [2048, 16384, 262144, 1048576]
+    assert [parse_length(text) for text in ("2048", "16K", "256k", "1M", "1024M")] == [2048, 16384, 262144, 1048576, 2**30]
     for bad in ("", "0", "1.5K", "²", "٣٢", "-2K"):  # digits Python's int() refuses, or reads, beyond ASCII's
         with pytest.raises(ValueError, match="is not a token count"):
             parse_length(bad)
@@ -1053,6 +1053,9 @@ BAD_OPTIONS = [
     (["train", SPEC, "--out", "{tmp}/run", "--steps", "2000000000000"], "Invalid value for '--steps'"),
     (["cost", SPEC, "--seq-len", "8", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
     (["equal-flops", SPEC, SPEC, "--seq-len", "1"], "--seq-len 1: training costs need sequences of 2 tokens or more"),
+    (["cost", SPEC, "--seq-len", "1" + "0" * 20], f"1{'0' * 20} tokens is longer than the 1,073,741,824 (2^30) a context may be"),  # costed as 62.3Y FLOPs
+    (["equal-flops", SPEC, SPEC, "--seq-len", "1025M"], "1025M tokens is longer than the 1,073,741,824 (2^30) a context may be"),
+    (["bench", SPEC, "--seq-len", "--gen", "2"], "--seq-len takes a length (e.g. 2048, 16K), and was followed by --gen"),  # '--gen' is not a token count
     (["train", SPEC, "--out", "{tmp}/run", "--data", ""], "--data is empty; give stdlib, a path"),
     (["bench", SPEC, "--page-kernel", "flex"], "--page-kernel flex reads a paged global K,V; give --page-size too"),
     (["generate", SPEC, "--page-kernel", "flex"], "--page-kernel flex reads a paged global K,V; give --page-size too"),

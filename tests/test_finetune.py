@@ -1076,6 +1076,34 @@ def test_a_variant_given_a_start_after_it_trained_from_random_weights_is_refused
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_start_damaged_after_its_trials_finished_stops_only_trials_still_to_train(pretrained, tmp_path):
+    """Each joining worker loaded every start's weights, so a start damaged after its trials were
+    done blocked the study's run (and its report at the end) with nothing left to train from it."""
+    from archlab.spec import SpecError
+
+    run = shutil.copytree(pretrained, tmp_path / "pretrained")
+    transformer = {"spec": "transformer.yaml"}
+    cases = {"variant": ({"afresh": transformer, "tuned": {**transformer, "init": {"run": str(run)}}}, {}),
+             "every": ({"afresh": transformer, "tuned": transformer}, {"init": str(run)})}
+    for name, (variants, train) in cases.items():
+        path = study_file(tmp_path / f"{name}.yaml", variants, seeds=[0], baseline="afresh", **train)
+        out = tmp_path / name
+        url = storage_url(out, None)
+        optuna_study = join(load_study(str(path)), out, url, grace_period=60)
+        for _ in variants:
+            completed(load_study(str(path)), optuna_study._storage, claim(optuna_study, url, out), 2.0)
+        weights = run / "checkpoints/step-00000004/model.safetensors"
+        kept = weights.read_bytes()
+        weights.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))
+        join(load_study(str(path)), out, url, grace_period=60)  # nothing left to train: not refused
+
+        more = load_study(str(study_file(path, variants, seeds=[0, 1], baseline="afresh", **train)))  # a seed added: trials to train
+        with pytest.raises(SpecError, match="is damaged"):
+            join(more, out, url, grace_period=60)
+        weights.write_bytes(kept)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_worker_on_another_definition_keeps_the_starts_of_the_variants_it_does_not_plan(pretrained, tmp_path):
     """A joining worker wrote the starts of its own variants over all of them: the first worker's
     fine-tuned trials then failed, finding no start."""

@@ -210,6 +210,35 @@ def test_an_unreachable_storage_is_named_without_its_password(tmp_path, cli, cap
         assert "hunter2" not in stdout + stderr + caplog.text
 
 
+def test_a_server_that_does_not_answer_is_waited_on_once(tmp_path, cli):
+    """A report or a run first looks whether the server's database holds studies: one it could not
+    reach was then waited on a second time, by opening the storage."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    attempts, held = [], []
+
+    def accept() -> None:  # connections taken and never answered, as a server that hangs
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+                attempts.append(time.monotonic())
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"postgresql+psycopg://nobody@127.0.0.1:{listener.getsockname()[1]}/none?connect_timeout=2"
+    try:
+        for command in ("report", "run"):
+            attempts.clear()
+            code, _, stderr = cli("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+            assert code == 1 and "cannot open the study storage postgresql+psycopg://nobody@127.0.0.1" in stderr, stderr
+            assert len(attempts) == 1, (command, attempts, stderr)
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+
+
 def test_a_storage_is_shown_without_its_password_and_a_local_file_by_its_relative_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert shown(storage_url(Path("runs/study"), None)) == "sqlite:///runs/study/optuna.db"  # not this machine's folders

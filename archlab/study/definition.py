@@ -18,6 +18,7 @@ from pydantic import Field, PositiveFloat
 from archlab.block import Problem, Problems, Strict
 from archlab.cost import Cost, equal_flops_steps
 from archlab.spec import ModelSpec, PathName, SchemaVersion, SpecError, load_yaml, set_dotted, set_each_dotted, validate_as, validate_spec
+from archlab.table import LONGEST_CONTEXT
 from archlab.train.config import SYNTHETIC, Seed, TrainConfig, holds_examples, tokenized
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
@@ -94,7 +95,7 @@ class StudySpec(Strict):
     sampler: Literal["grid", "tpe"] = "grid"
     pruner: Literal["none", "median", "hyperband"] = "none"
     metric: Literal["val_loss", "accuracy"] = "val_loss"  # accuracy: for the synthetic recall tasks
-    report_seq_len: int = Field(16384, gt=0, le=2**30)  # context at which the report gives cache memory (bounded: a typo is refused)
+    report_seq_len: int = Field(16384, gt=0, le=LONGEST_CONTEXT)  # context at which the report gives cache memory
     scales: dict[str, Scale] = Field(min_length=1)
 
     @property

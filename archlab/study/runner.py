@@ -307,8 +307,9 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
 
 def _holds_studies(url: str, database: str | None) -> bool:
     """Whether the storage at ``url`` (the SQLite file ``database``, or a server's database where
-    None), read without a write, holds Optuna's table of studies; one that cannot be read is left
-    for opening the storage to say what it is."""
+    None), read without a write, holds Optuna's table of studies. A SQLite file that cannot be read
+    is left for opening the storage to say what it is; a server that cannot be reached is said
+    now, not waited on a second time."""
     if database is not None:
         try:
             with contextlib.closing(sqlite3.connect(f"{Path(database).resolve().as_uri()}?mode=ro", uri=True)) as read:
@@ -321,8 +322,8 @@ def _holds_studies(url: str, database: str | None) -> bool:
             return sqlalchemy.inspect(engine).has_table("studies")
         finally:
             engine.dispose()
-    except Exception:  # no driver, a server that cannot be reached, a URL that does not parse
-        return True
+    except Exception as exc:  # no driver, a server that cannot be reached, a URL that does not parse
+        raise _unopenable(url, exc) from None
 
 
 class SameVariantAndSeed(optuna.pruners.BasePruner):
@@ -507,13 +508,16 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
                                f" {grace_period} s would take over trials that are alive, or wait on the dead; give --grace-period"
                                f" {agreed} (another may be given once no trial is running and no worker has joined for {agreed} s;"
                                f" a worker given {agreed} takes over a stopped worker's trial once it has been silent that long)")
-        # a trial whose starting run is missing would fail; the study stops now instead
-        starts = {variant: starts_of(study, variant, url) for variant, v in study.definition.variants.items() if v.init}
+        # a trial whose starting run is missing would fail; the study stops now instead. Weights are
+        # loaded to check them only where a trial is still to train from them: a finished study runs on
+        to_run = _to_run(study, optuna_study)
+        starts = {variant: starts_of(study, variant, url, {seed for v, seed, _ in to_run if v == variant})
+                  for variant, v in study.definition.variants.items() if v.init}
         if optuna_study:
             check_unchanged(study, optuna_study, starts)
         cfg = study.config
         if cfg.init:  # every trial starts from it
-            check_start(study, list(study.specs), cfg.init, f"scales.{study.scale}.train.init")
+            check_start(study, sorted({variant for variant, _, _ in to_run}), cfg.init, f"scales.{study.scale}.train.init")
         undo = undo_tokenizing(out)
         fingerprint = _read_data(study, out, say)
         optuna_study = optuna_study or open_study(study, url, grace_period)
@@ -534,6 +538,18 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         optuna_study.set_user_attr("grace_period", grace_period)  # each worker beats and judges staleness by its own
         optuna_study.set_user_attr(JOINED, time.time())
     return optuna_study
+
+
+def _to_run(study: Study, optuna_study: optuna.Study | None) -> set[tuple]:
+    """The planned (variant, seed, slot) a worker may still train: all of a new study's; of a stored
+    one, those not finished for good (a trial that failed saying why is not run again; one whose
+    worker died is, as one that earlier versions failed as not planned)."""
+    if optuna_study is None:
+        return study.planned()
+    done = {key for key, t in latest(optuna_study.get_trials(deepcopy=False)).items()
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or t.state == TrialState.FAIL and not t.user_attrs.get("failure", NOT_PLANNED).startswith(NOT_PLANNED)}
+    return study.planned() - done
 
 
 def _workers_alive(optuna_study: optuna.Study, grace_period: int) -> bool:
@@ -594,14 +610,15 @@ def refuse_other_study(out: Path, study: Study) -> None:
         raise StorageError(f"--out {out} holds study {owner}; give this study its own --out")
 
 
-def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
+def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> dict[int, dict]:
     """Where each seed of a variant that names an ``init`` starts from: its run, or the trial of
     the same seed at the learning rate its report chose of the study it names (the study, the
     trial's number and learning rate), and the checkpoint. That study is looked for in this one's
-    storage (a server shared by studies), then in its own default folder."""
+    storage (a server shared by studies), then in its own default folder. The weights of the
+    ``loaded`` seeds (those with trials still to train) are loaded, to refuse those that do not."""
     init, seeds = study.definition.variants[variant].init, study.definition.seeds
     if init.run:
-        used = check_start(study, [variant], init.run, f"variants.{variant}.init.run")
+        used = check_start(study, [variant] if loaded else [], init.run, f"variants.{variant}.init.run")
         return {seed: {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in seeds}
     pretraining, pretrained = study.pretraining[variant]
     stored, where = _stored(pretraining, url, variant)
@@ -616,14 +633,14 @@ def starts_of(study: Study, variant: str, url: str) -> dict[int, dict]:
             f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
             f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
             f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
-    starts, models = {}, _start_models(study, [variant])  # built once, each seed's weights loaded in turn
+    starts, models = {}, _start_models(study, [variant]) if loaded else {}  # built once, each seed's weights loaded in turn
     for seed in seeds:
         trial = by_seed[seed]
         folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
             trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
         try:
             starts[seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
-                            "checkpoint": str(_loaded_start(models, folder, "trial"))}
+                            "checkpoint": str(_loaded_start(models if seed in loaded else {}, folder, "trial"))}
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts

@@ -30,13 +30,19 @@ def _status(stop: SystemExit) -> int:
     return 0 if stop.code is None else stop.code if isinstance(stop.code, int) else 1
 
 
+TEARDOWN_LIMIT_S = 60  # seconds Python may take to tear down once the command is done: it takes about half of one
+
+
 def _ignore_stops() -> None:
     """SIGINT and SIGTERM ignored from here on. Registered before torch is imported, this is the
     last atexit callback to run; after it Python puts back the default handlers of those it
     handled, and a signal in the half second it then takes to tear torch down ended the process by
-    the signal, though the command was done."""
+    the signal, though the command was done. A teardown that hangs, which those signals no longer
+    stop, is ended by SIGALRM after TEARDOWN_LIMIT_S (no Python code runs so late to end it)."""
     for signum in HELD:
         signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(TEARDOWN_LIMIT_S)
 
 
 def main() -> None:

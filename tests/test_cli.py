@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -171,6 +172,31 @@ def test_a_signal_once_the_command_is_done_ends_it_with_its_own_status_and_all_i
     tear torch down, after the atexit callbacks, either ended the process by the signal."""
     result = subprocess.run([sys.executable, "-c", AT_EXIT, name, when], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stderr) == (0, "")
+    assert "| transformer |" in result.stdout and result.stdout.endswith("\n")
+
+
+# The installed command, whose teardown hangs once its work is done, with a limit of a second.
+HANGS_IN_TEARDOWN = """
+import sys, time
+import archlab.launch
+
+class Hangs:
+    def __del__(self, sleep=time.sleep):  # run as Python tears the module down, past the last atexit callback
+        sleep(60)
+
+hangs = Hangs()
+archlab.launch.TEARDOWN_LIMIT_S = 1
+sys.argv = ["archlab", "cost", "specs/tiny/transformer.yaml"]
+archlab.launch.main()
+"""
+
+
+def test_a_teardown_that_hangs_is_ended(tmp_path):
+    """Past the last atexit callback SIGINT and SIGTERM are ignored, so a teardown that hung could
+    only be killed; it now ends on its own once it has taken TEARDOWN_LIMIT_S."""
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", HANGS_IN_TEARDOWN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGALRM and time.monotonic() - began < 50, (result.returncode, result.stderr)
     assert "| transformer |" in result.stdout and result.stdout.endswith("\n")
 
 

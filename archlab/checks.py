@@ -19,7 +19,7 @@ import torch
 from archlab.cache import GROWTH_CONTEXTS, Cache, growing
 from archlab.cost import Cost, formula
 from archlab.engine import Engine
-from archlab.memory import ACTIVATIONS, Watched, out_of_memory
+from archlab.memory import ACTIVATIONS, Watched, check_room, out_of_memory
 from archlab.model import Model
 from archlab.ops.dispatch import BackendError
 from archlab.registry import RegistryError, named, raised, said
@@ -45,6 +45,8 @@ def cpu_check(model: Model, n: int) -> CpuCheck:
     output shape is checked throughout (``shapes_checked``)."""
     forward_only = [f"{block}: {backend}" for block, backend in model.untrainable_kernels("cpu")]
     passes = f"fwd only (no CPU backward for {', '.join(forward_only)})" if forward_only else "fwd+bwd"
+    # made and filled before any op is watched: 2^30 tokens and their embeddings passed every allocation and were killed filling them
+    check_room(2 * n * (torch.long.itemsize + model.spec.d_model * model.embed.weight.element_size()), "cpu", "its tokens and their embeddings")
     tokens = torch.randint(0, model.spec.vocab_size, (2, n))
     try:
         with shapes_checked(model), Watched("cpu", "its activations and gradients"):

@@ -1138,8 +1138,8 @@ def test_a_run_that_lost_its_spec_is_said_so_and_its_config_not_read_as_a_spec(c
     (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", 10**13], "yoco: a batch of 1 x (16 prompt + 10,000,000,000,000 new tokens) does not fit",
      " TiB with "),
     (["bench", "specs/tiny/yoco.yaml", "--seq-len", "16", "--gen", "1", "--page-size", 10**14], "in pages of 100,000,000,000,000 does not fit", " TiB with "),
-    (["build", "specs/tiny/transformer.yaml", "--seq-len", "16384M"], "transformer: a check of 2 x 17,179,869,184 tokens does not fit in memory",
-     " bytes)"),
+    (["build", "specs/tiny/transformer.yaml", "--seq-len", "1024M"], "transformer: a check of 2 x 1,073,741,824 tokens does not fit in memory"
+     " (its tokens and their embeddings ask for 528.0 GiB with ", " GiB free)"),  # the 16 GiB of tokens were made unwatched, and killed
 ], ids=["generate", "bench", "bench pages", "build"])
 def test_a_cache_larger_than_memory_is_said_in_words(cli, args, message, size):
     code, _, stderr = cli(*args)

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from archlab.cache import Cache
+from archlab.cache import check_cache_room
 from archlab.engine import Engine
 from archlab.files import save_figure_whole
-from archlab.memory import check_room, resident_bytes
+from archlab.memory import resident_bytes
 from archlab.model import Model
 from archlab.table import MIB
 
@@ -122,9 +122,7 @@ def bench(model: Model, name: str, seq_len: int, batch: int, gen: int, prefill_c
     if batch % rows:
         raise ValueError(f"prefill_rows={rows} must divide batch={batch}")
     engine = Engine(model, prefill_chunk, cuda_graph, page_size, page_kernel)
-    # the cache checks its room when made; a batch it has no room for is refused before its prompts are made
-    shapes = Cache(model, batch, seq_len + 1 + gen, engine.dtype, "meta", engine.page_size, page_kernel=page_kernel)
-    check_room(batch * shapes.bytes_per_sequence().total + shapes.table_bytes(), engine.device, "its cache's states")
+    check_cache_room(model, batch, seq_len + 1 + gen, engine.dtype, engine.device, engine.page_size, page_kernel)  # before its prompts are made
     generator = torch.Generator().manual_seed(seed)
     prompts = list(torch.randint(0, model.spec.vocab_size, (rows, seq_len), generator=generator).to(engine.device))
     warm_up = min(seq_len, prefill_chunk)  # one chunk, untimed: the first call loads and tunes kernels

@@ -206,3 +206,11 @@ class Cache:
     def _rows(self, sequences: torch.Tensor) -> torch.Tensor:
         """Cache rows of sequences: ParScale keeps its streams next to each other."""
         return (sequences[:, None] * self.streams + torch.arange(self.streams, device=sequences.device)).flatten()
+
+
+def check_cache_room(model, sequences: int, capacity: int, dtype: torch.dtype, device: torch.device | str,
+                     page_size: int | None = None, page_kernel: str = "torch") -> None:
+    """Refuse (``NoRoom``) a cache that ``device`` has no room for, sized on the meta device: before
+    the work that would end in making it (a bench's prompts, a needle test's probes)."""
+    shapes = Cache(model, sequences, capacity, dtype, "meta", page_size, page_kernel=page_kernel)
+    check_room(sequences * shapes.bytes_per_sequence().total + shapes.table_bytes(), device, "its cache's states")

@@ -1250,7 +1250,9 @@ def niah(
 
     def score(run: Path, label: str) -> list:
         _say(f"{label}: {', '.join(f'{n:,}' for n in lengths)} tokens")
-        with _fits_in_memory(f"{label}: {batch} prompts of {max(lengths):,} tokens", "--seq-len or --batch"):
+        probes = depths * sequences * len(lengths)
+        with _fits_in_memory(f"{label}: {probes:,} probe{'s' * (probes > 1)} of up to {max(lengths):,} tokens, {min(batch, probes)} at a time",
+                             "--seq-len, --batch, --depths or --sequences"):
             return probed(run, lengths, depths, sequences, on, haystack.value, data, batch, new_tokens, seed, _say)
 
     found = _each_trained_run(runs, data, plot_path, score, probeable)

@@ -166,11 +166,30 @@ def test_scoring_or_a_build_check_that_outgrows_the_memory_free_is_stopped_in_wo
     for command, free, said in (
             (["evaluate", tmp_path / "run", "--sequences", "8"], 8, scoring), (["layers", tmp_path / "run", "--sequences", "8"], 8, scoring),
             (["niah", tmp_path / "run", "--sequences", "8", "--depths", "1"], 24,  # its cache, 15.5 MiB, is made
-             "run: 8 prompts of 2,048 tokens does not fit in memory (its caches and activations had taken"),
+             "run: 8 probes of up to 2,048 tokens, 8 at a time does not fit in memory (its caches and activations had taken"),
             (["build", SPEC], 8, "transformer: a check of 2 x 2,048 tokens does not fit in memory (its activations and gradients had taken")):
         stopped = archlab_told_free(free * 2**20, *command, "--seq-len", "2K")
         assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr
         assert said in stopped.stderr and f"of the {free}.0 MiB free when they were stopped); lower --seq-len" in stopped.stderr, stopped.stderr
+
+
+def test_needle_probes_or_a_cache_that_would_not_fit_are_refused_before_any_probe_is_drawn(cli, tmp_path, monkeypatch):
+    """Probes are drawn before any is searched: at 64M tokens drawing them took minutes and filled
+    memory until the process was killed (about 400 bytes a token as one is drawn, 72 as each is
+    kept); at 8M they fit, and the cache of the longest did not."""
+    from archlab.train.needle import Probes
+
+    code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", "--set", "batch_size=2",
+                          "--set", "micro_batch_size=2", "--set", "data.max_bytes=400000", "--set", "eval_batches=1")
+    assert code in (0, None), stderr
+    monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 5 * 2**30 if torch.device(device).type == "cpu" else None)
+    monkeypatch.setattr(Probes, "draw", lambda *args: pytest.fail("a probe was drawn"))
+    for length, options, said in (("64M", [], "the prompts of 20 probes ask for 115.0 GiB with 5.0 GiB free"),
+                                  ("8M", ["--sequences", "1", "--depths", "1"],
+                                   "run: 1 probe of up to 8,388,608 tokens, 1 at a time does not fit in memory (its cache's states ask"
+                                   " for 8.0 GiB with 5.0 GiB free)")):
+        code, _, stderr = cli("niah", tmp_path / "run", "--seq-len", length, *options)
+        assert code == 1 and said in stderr and "lower --seq-len, --batch, --depths or --sequences" in stderr, stderr
 
 
 def test_a_watched_backward_pass_is_stopped_where_its_memory_grows(monkeypatch):

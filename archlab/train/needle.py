@@ -30,9 +30,10 @@ from statistics import fmean
 
 import torch
 
+from archlab.cache import check_cache_room
 from archlab.engine import Engine
 from archlab.files import save_figure_whole
-from archlab.memory import Watched
+from archlab.memory import Watched, check_room
 from archlab.table import Decimals
 from archlab.train.data import encode, load_tokenizer
 from archlab.train.checkpoint import tokenizer_of
@@ -243,6 +244,7 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     loaded = Loaded.of(run, data, say)
     if loaded.tokenizer is None:
         raise _textless(run, loaded.recall)
+    _check_room(loaded.model, lengths, depth_count * sequences, batch, device)
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
     if haystack == "noise":
         hay = Haystack.noise()
@@ -252,6 +254,19 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     drawn = Probes(hay, tokenizer, new_tokens, seed)
     probes = [drawn.draw(n, d) for n in lengths for d in depths(depth_count) for _ in range(sequences)]
     return search(loaded, tokenizer, probes, new_tokens, batch, device)
+
+
+DRAWING_BYTES_PER_TOKEN = 400  # at the peak of drawing a probe: its text, the tokenizer's encoding, the ids (365 and 398 measured at 256K and 1M)
+HELD_BYTES_PER_TOKEN = 2 * 36  # a drawn probe's prompt and control prompt: lists of Python ints (a pointer and an int each)
+
+
+def _check_room(model, lengths: list[int], per_length: int, batch: int, device: torch.device) -> None:
+    """Refuse (``NoRoom``) probes that would not fit before any is drawn: the probes are drawn
+    first, taking minutes at millions of tokens, and they and the longest cache passed every
+    allocation, then filled memory until the process was killed."""
+    check_room(DRAWING_BYTES_PER_TOKEN * max(lengths) + HELD_BYTES_PER_TOKEN * per_length * sum(lengths), "cpu",
+               f"the prompts of {per_length * len(lengths):,} probes")
+    check_cache_room(model, min(batch, per_length * len(lengths)), max(lengths), next(model.parameters()).dtype, device)
 
 
 def _cells(found: list[Found]) -> dict[tuple[int, float], list[Found]]:

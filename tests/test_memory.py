@@ -174,9 +174,9 @@ def test_scoring_or_a_build_check_that_outgrows_the_memory_free_is_stopped_in_wo
 
 
 def test_needle_probes_or_a_cache_that_would_not_fit_are_refused_before_any_probe_is_drawn(cli, tmp_path, monkeypatch):
-    """Probes are drawn before any is searched: at 64M tokens drawing them took minutes and filled
-    memory until the process was killed (about 400 bytes a token as one is drawn, 72 as each is
-    kept); at 8M they fit, and the cache of the longest did not."""
+    """Probes are drawn before any is searched: at 64M tokens they were still being drawn two
+    minutes on (about 400 bytes a token as one is drawn, 72 as each is kept); at 8M they fit, and
+    the cache of the longest did not, which was found only once all were drawn."""
     from archlab.train.needle import Probes
 
     code, _, stderr = cli("train", SPEC, "--out", tmp_path / "run", "--steps", "1", "--set", "seq_len=64", "--set", "batch_size=2",

@@ -261,9 +261,9 @@ HELD_BYTES_PER_TOKEN = 2 * 36  # a drawn probe's prompt and control prompt: list
 
 
 def _check_room(model, lengths: list[int], per_length: int, batch: int, device: torch.device) -> None:
-    """Refuse (``NoRoom``) probes that would not fit before any is drawn: the probes are drawn
-    first, taking minutes at millions of tokens, and they and the longest cache passed every
-    allocation, then filled memory until the process was killed."""
+    """Refuse (``NoRoom``) probes that would not fit before any is drawn: every probe is drawn
+    before any is searched, for minutes at tens of millions of tokens, and only then was the
+    cache of the longest found too large, or memory filled as they were drawn."""
     check_room(DRAWING_BYTES_PER_TOKEN * max(lengths) + HELD_BYTES_PER_TOKEN * per_length * sum(lengths), "cpu",
                f"the prompts of {per_length * len(lengths):,} probes")
     check_cache_room(model, min(batch, per_length * len(lengths)), max(lengths), next(model.parameters()).dtype, device)

@@ -858,6 +858,8 @@ def test_bad_study_definitions_are_named(tmp_path, cli):
          "variants.yoco-u.scale_set.tinyy: no scale 'tinyy'; this study has ['tiny']"),
         ({"variants": {**data["variants"], "a|b": data["variants"]["yoco"]}}, "variants.a|b: a variant's name is letters, digits"),
         ({"name": "../../outside"}, "name: a study's name is letters, digits"),  # it names the default --out folder
+        ({"name": "n" * 250}, "name: a study's name is at most 100 characters (this one has 250): it names the trials' folders"),  # each trial failed
+        ({"variants": {**data["variants"], "V" * 300: data["variants"]["yoco"]}}, f"variants.{'V' * 300}: a variant's name is at most 100"),
         ({"scales": {**data["scales"], "a/b": data["scales"]["tiny"]}}, "scales.a/b: a scale's name is letters, digits"),
         # study kk-x at scale tiny and study kk at scale x-tiny were one study: one key, kk-x-tiny, and one default --out
         ({"scales": {**data["scales"], "x-tiny": data["scales"]["tiny"]}}, "scales.x-tiny: a scale's name is letters, digits, '.' and '_'"

@@ -23,6 +23,7 @@ from archlab.train.config import SYNTHETIC, Seed, TrainConfig, holds_examples, t
 
 STUDIES = Path(__file__).resolve().parents[2] / "studies"  # the shipped studies
 FOLDER_NAME = re.compile(r"[A-Za-z0-9._-]+")  # of a study, scale or variant: they name folders and report cells
+LONGEST_NAME = 100  # characters: a trial's folder joins study and scale, or a variant, seed and slot, within a file name's 255 bytes
 MAX_POINTS = 1000  # learning rates per (variant, seed): far past any study, short of a grid that never finishes expanding
 
 
@@ -125,6 +126,8 @@ class StudySpec(Strict):
         for what, at, name in named:
             if not FOLDER_NAME.fullmatch(name):
                 at.add(f"a {what}'s name is letters, digits, '.', '_' and '-' only")
+            elif len(name) > LONGEST_NAME:  # every trial failed on a folder name too long for the disk
+                at.add(f"a {what}'s name is at most {LONGEST_NAME} characters (this one has {len(name)}): it names the trials' folders")
             elif what == "scale" and "-" in name:  # the key name-scale of study a-b at scale c would be study a's at scale b-c
                 at.add("a scale's name is letters, digits, '.' and '_' only: the study's key joins it to the study's name with '-'")
         for name, variant in self.variants.items():

@@ -291,6 +291,12 @@ EDITS = [
     ("update trial_user_attributes set value_json = '{bad' where key = 'lr' and trial_id = 1", "is damaged: Optuna cannot read its records (JSONDecodeError:"),
     ("update trial_values set value = NULL where trial_id = 1", "is damaged: Optuna cannot read its records (a trial's value or intermediate value disagrees"),
     ("update trials set state = 'DONE' where trial_id = 1", "is damaged: Optuna cannot read its records (LookupError: 'DONE' is not among"),
+    # a value or evaluation of text was a traceback in the report; an infinite or negative loss changed which rate was chosen
+    ("update trial_values set value = 'abc' where trial_id = 1", "trial 0: value: input should be a valid number (got 'abc')"),
+    ("update trial_intermediate_values set intermediate_value = 'x' where trial_id = 1 and step = 2",
+     "trial 0: intermediate_values.2: input should be a valid number (got 'x')"),
+    ("update trial_values set value = NULL, value_type = 'INF_POS' where trial_id = 1", "trial 0: value: input should be a finite number (got inf)"),
+    ("update trial_values set value = -3 where trial_id = 1", "trial 0: value: input should be greater than or equal to 0 (got -3.0)"),
 ]
 
 

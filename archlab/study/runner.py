@@ -37,6 +37,7 @@ import optuna
 import sqlalchemy
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.study import StudyDirection
 from optuna.trial import TrialState
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 from rich.console import Console
@@ -938,6 +939,21 @@ class _TrialSystem(_Records):
     retry_history: list[int] = None
 
 
+class _Loss(_Records):
+    """A completed trial's value, as the trainer ends it: a finite held-out loss (one that is not a
+    number fails the trial), or an accuracy."""
+    value: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Accuracy(_Records):
+    value: Annotated[float, Field(ge=0, le=1)]
+
+
+class _Curve(_Records):
+    """A trial's evaluations, by step: numbers (one that is not finite is recorded as it stops the trial)."""
+    intermediate_values: dict[int, float]
+
+
 class _StudyAttrs(_Records):
     corpus: str = Field(None, alias=CORPUS)
     starts: dict[str, dict[str, _Start]] = Field(None, alias=STARTS)
@@ -963,9 +979,12 @@ def check_records(optuna_study: optuna.Study, url: str) -> None:
                     *(f"system attribute {p}" for p in _invalid(_TrialSystem, t.system_attrs))]
         if "fixed_params" not in t.system_attrs:
             problems += [f"param {p}" for p in _invalid(_Planned, t.params)]
+        problems += _invalid(_Curve, {"intermediate_values": t.intermediate_values})
         if t.state == TrialState.COMPLETE:  # what the report reads of every completed trial
             problems += [f"complete, with no {what}" for what, value in (("value", t.value), ("learning rate", learning_rate(t)),
                                                                          ("flops_per_step", t.user_attrs.get("flops_per_step"))) if value is None]
+            if t.value is not None:
+                problems += _invalid(_Accuracy if optuna_study.direction == StudyDirection.MAXIMIZE else _Loss, {"value": t.value})
         found += [f"trial {t.number}: {p}" for p in problems]
     if found:
         raise StorageError(f"{where} holds records archlab did not write (was the database edited?): {first_few(found, 3, '; ')};"

@@ -640,6 +640,21 @@ def test_examples_that_do_not_read_are_named_by_their_line(cli, tmp_path, lines,
     refused(cli, tmp_path / "run", ["specs/tiny/transformer.yaml", "--data", path], said.format(path=str(path)))
 
 
+def test_examples_to_score_are_refused_only_where_there_are_none(cli, pretrained, tmp_path):
+    """Scoring read examples as training does, and refused a file of one because "training and
+    validation need at least one each", which evaluate and niah do not do."""
+    one, none = tmp_path / "one.jsonl", tmp_path / "none.jsonl"
+    one.write_text('{"prompt": "a question", "response": "' + "an answer " * 20 + '"}\n')
+    none.write_text("\n")
+    code, stdout, stderr = cli("evaluate", pretrained, "--data", one, "--seq-len", "16", "--last", "8")
+    assert code in (0, None) and "| 16 |" in stdout, stderr
+    for command in (["evaluate", pretrained, "--seq-len", "16", "--last", "8"], ["niah", pretrained, "--haystack", "text"]):
+        code, _, stderr = cli(*command, "--data", none)
+        assert code == 1 and f"data source {str(none)!r} holds 0 example(s); there is nothing to score" in stderr, stderr
+    code, _, stderr = cli("niah", pretrained, "--haystack", "text", "--data", "mqar")  # "data source 'mqar': no such file or folder"
+    assert code == 1 and "--data mqar: a recall task is token ids, and a haystack is text" in stderr, stderr
+
+
 def test_examples_not_utf8_are_named_by_their_line(cli, tmp_path):
     """Decoded ahead of the lines, the file's error named no line, where every other one does."""
     path = tmp_path / "latin1.jsonl"

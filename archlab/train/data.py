@@ -412,11 +412,15 @@ def _first_line_not_utf8(file: Path) -> tuple[int, int] | None:
     return None
 
 
-def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
+TRAINING_EXAMPLES = (2, "training and validation need at least one each")  # the fewest examples a use takes, and why
+SCORED_EXAMPLES = (1, "there is nothing to score")
+
+
+def read_examples(source: str, max_bytes: int, fewest: tuple[int, str] = TRAINING_EXAMPLES) -> list[list[tuple[str, bool]]]:
     """The examples of a ``.jsonl`` file, one JSON object a line, in order, up to ``max_bytes``
     characters of their text: each as its pieces of text, with whether their tokens count (see
     ``_example``). Blank lines (and a byte-order mark) are skipped, anything else wrong is named by
-    its line."""
+    its line; fewer examples than ``fewest`` asks are refused with its reason."""
     try:
         lines = regular_file(source).open(encoding="utf-8-sig")
     except OSError as exc:
@@ -444,9 +448,9 @@ def read_examples(source: str, max_bytes: int) -> list[list[tuple[str, bool]]]:
             raise DataError(f"line {number} of {source!r} is not UTF-8 text (byte 0x{byte:02x}); convert the file to UTF-8") from None
     if cut:
         _say_cut(source, max_bytes)
-    if len(examples) < 2:
+    if len(examples) < fewest[0]:
         within = f" within data.max_bytes ({max_bytes:,} characters)" if cut else ""
-        raise DataError(f"data source {source!r} holds {len(examples)} example(s){within}; training and validation need at least one each")
+        raise DataError(f"data source {source!r} holds {len(examples)} example(s){within}; {fewest[1]}")
     if not any(text.strip() for pieces in examples for text, counts in pieces if counts and text not in (END, MESSAGE_END + "\n")):
         warnings.warn(f"data source {source!r}: every response (or assistant message) is empty; a run on it learns only to end a"
                       " reply at once", stacklevel=2)
@@ -830,7 +834,7 @@ def tokens_of(cfg: Data, vocab_size: int, tokenizer: Path | None,
                         " token ids or a recall task); give a token file")
     read = load_tokenizer(str(tokenizer), vocab_size)
     if holds_examples(cfg.source):  # the examples as a run trained on them reads them
-        ids, counted = _example_tokens(read_examples(cfg.source, cfg.max_bytes), read)
+        ids, counted = _example_tokens(read_examples(cfg.source, cfg.max_bytes, SCORED_EXAMPLES), read)
         return np.concatenate(ids), np.concatenate(counted)
     texts = read_texts(cfg.source, cfg.max_bytes, cfg.hf_text_field)
     if say is not None:

@@ -244,6 +244,9 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     loaded = Loaded.of(run, data, say)
     if loaded.tokenizer is None:
         raise _textless(run, loaded.recall)
+    if loaded.recall:  # read as a file of that name, which was then not found
+        raise EvaluationError(f"--data {data}: a recall task is token ids, and a haystack is text; give a text file or folder, stdlib"
+                              " or hf:NAME")
     _check_room(loaded.model, lengths, depth_count * sequences, batch, device)
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
     if haystack == "noise":

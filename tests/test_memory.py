@@ -184,10 +184,10 @@ def test_needle_probes_or_a_cache_that_would_not_fit_are_refused_before_any_prob
     assert code in (0, None), stderr
     monkeypatch.setattr(archlab.memory, "free_bytes", lambda device: 5 * 2**30 if torch.device(device).type == "cpu" else None)
     monkeypatch.setattr(Probes, "draw", lambda *args: pytest.fail("a probe was drawn"))
-    for length, options, said in (("64M", [], "the prompts of 20 probes ask for 115.0 GiB with 5.0 GiB free"),
+    for length, options, said in (("64M", [], "run: 20 probes of up to 67,108,864 tokens, 8 at a time does not fit in memory (the probes' prompts ask for 115.0 GiB with 5.0 GiB free)"),
                                   ("8M", ["--sequences", "1", "--depths", "1"],
                                    "run: 1 probe of up to 8,388,608 tokens, 1 at a time does not fit in memory (its cache's states ask"
-                                   " for 8.0 GiB with 5.0 GiB free)")):
+                                   " for 8.0 GiB with 5.0 GiB free)")):  # 8,388,608 positions and 16 generated
         code, _, stderr = cli("niah", tmp_path / "run", "--seq-len", length, *options)
         assert code == 1 and said in stderr and "lower --seq-len, --batch, --depths or --sequences" in stderr, stderr
 

@@ -211,13 +211,14 @@ def test_an_unreachable_storage_is_named_without_its_password(tmp_path, cli, cap
 
 
 def test_a_server_that_does_not_answer_is_waited_on_once(tmp_path, cli):
-    """A report or a run first looks whether the server's database holds studies: one it could not
-    reach was then waited on a second time, by opening the storage."""
+    """A report first looks whether the server's database holds studies: one it could not reach was
+    then waited on a second time, by opening the storage. (A run connects first for its planning
+    lock, and stops there.)"""
     import socket
     import threading
 
     listener = socket.create_server(("127.0.0.1", 0))
-    attempts, held = [], []
+    attempts, held = [], []  # when each connection came, and the connections
 
     def accept() -> None:  # connections taken and never answered, as a server that hangs
         with contextlib.suppress(OSError):
@@ -228,11 +229,9 @@ def test_a_server_that_does_not_answer_is_waited_on_once(tmp_path, cli):
     threading.Thread(target=accept, daemon=True).start()
     url = f"postgresql+psycopg://nobody@127.0.0.1:{listener.getsockname()[1]}/none?connect_timeout=2"
     try:
-        for command in ("report", "run"):
-            attempts.clear()
-            code, _, stderr = cli("study", command, mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
-            assert code == 1 and "cannot open the study storage postgresql+psycopg://nobody@127.0.0.1" in stderr, stderr
-            assert len(attempts) == 1, (command, attempts, stderr)
+        code, _, stderr = cli("study", "report", mini(tmp_path), "--storage", url, "--out", tmp_path / "out")
+        assert code == 1 and "cannot open the study storage postgresql+psycopg://nobody@127.0.0.1" in stderr, stderr
+        assert len(attempts) == 1, (attempts, stderr)
     finally:
         listener.close()
         for connection in held:
@@ -321,6 +320,23 @@ def test_a_storage_whose_records_were_edited_is_refused_by_the_record_at_fault(t
             assert code == 1 and f"study mini-tiny in sqlite:///{database} " in message and said in message, (edit, stderr)
             assert message.endswith("restore the database from a copy, or run the study afresh with another --out (or --storage)")
             assert database.read_bytes() == edited and not (tmp_path / f"report-{i}" / "report.md").exists()
+
+
+def test_an_accuracy_studys_values_are_shares(tmp_path):
+    """Where the metric is maximized, a completed trial's value is an accuracy: 1.5 is an edit."""
+    from archlab.study.runner import check_records
+
+    study = load_study(str(mini(tmp_path, "recall", metric="accuracy")), data="mqar")
+    url = storage_url(tmp_path, None)
+    recorded = open_study(study, url)
+    for value in (0.0, 1.0, 1.5):
+        trial = finished("yoco", 0, 0, value, 0.002)
+        trial.user_attrs["flops_per_step"] = 1e9
+        recorded.add_trial(trial)
+        if value <= 1:
+            check_records(recorded, url)
+    with pytest.raises(StorageError, match=re.escape("trial 2: value: input should be less than or equal to 1 (got 1.5)")):
+        check_records(recorded, url)
 
 
 def test_an_in_memory_storage_is_refused(tmp_path, cli):
@@ -943,6 +959,27 @@ def finished(variant, seed, slot, value, lr=None, state=TrialState.COMPLETE, cur
     return optuna.trial.create_trial(state=state, value=value if state == TrialState.COMPLETE else None, params=params,
                                      distributions={k: distributions[k] for k in params},
                                      intermediate_values=curve or {2: value, 4: value})
+
+
+def test_the_trials_still_to_train_are_those_a_joining_worker_queues_retries_or_leaves_running(tmp_path):
+    """A worker loads the weights of the starts of these alone. A trial failed with no reason and
+    no retry (its worker died between failing it as stale and queueing its retry) is run again by
+    no one, and was counted as still to train."""
+    from archlab.study.runner import MAX_RETRY, NOT_PLANNED, _to_run
+
+    study = load_study(str(mini(tmp_path, "left", variants={"yoco": {"spec": "yoco.yaml"}, "yoco-u": {"spec": "yoco-u.yaml"}}, seeds=[0, 1])))
+    recorded = optuna.create_study()
+    keys = sorted(study.planned())
+    fail = functools.partial(finished, state=TrialState.FAIL)
+    trials = [finished(*keys[0], 3.0), finished(*keys[1], None, state=TrialState.PRUNED), fail(*keys[2], None), fail(*keys[3], None),
+              fail(*keys[4], None), fail(*keys[5], None), finished(*keys[6], None, state=TrialState.RUNNING)]  # keys[7]: none yet
+    trials[2].user_attrs["failure"] = "TrainError: diverged"
+    trials[3].user_attrs["failure"] = f"{NOT_PLANNED}: not in the plan"
+    trials[5].system_attrs["retry_history"] = list(range(100, 100 + MAX_RETRY))  # retried as often as it may be
+    for trial in trials:
+        recorded.add_trial(trial)
+    assert _to_run(study, recorded) == {keys[3], keys[5], keys[6], keys[7]}
+    assert _to_run(study, None) == set(keys)
 
 
 def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path, monkeypatch):

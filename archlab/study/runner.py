@@ -532,7 +532,7 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         queued = latest(optuna_study.get_trials())  # copies: the retry callback below appends to what it is given
         for params in study.plan():
             earlier = queued.get(tuple(params.values()))
-            if earlier is None or earlier.user_attrs.get("failure", "").startswith(NOT_PLANNED):
+            if _queued_again(earlier):
                 optuna_study.enqueue_trial(params, user_attrs=params)  # user attrs: shown by optuna-dashboard
             elif _lost_for_good(earlier):  # a new run tries again, as a retry, so that the report follows it
                 RetryHeartbeatStaleTrialCallback()(optuna_study, earlier)
@@ -541,16 +541,21 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
     return optuna_study
 
 
+def _queued_again(trial: optuna.trial.FrozenTrial | None) -> bool:
+    """Whether a planned trial is queued as a worker joins: it has no attempt yet, or earlier
+    versions failed it as not planned."""
+    return trial is None or trial.user_attrs.get("failure", "").startswith(NOT_PLANNED)
+
+
 def _to_run(study: Study, optuna_study: optuna.Study | None) -> set[tuple]:
-    """The planned (variant, seed, slot) a worker may still train: all of a new study's; of a stored
-    one, those not finished for good (a trial that failed saying why is not run again; one whose
-    worker died is, as one that earlier versions failed as not planned)."""
+    """The planned (variant, seed, slot) a worker may still train, as ``join`` leaves them: all of a
+    new study's; of a stored one, those it queues (again) or retries, and those waiting or running
+    (one whose worker died is failed and retried as a worker joins)."""
     if optuna_study is None:
         return study.planned()
-    done = {key for key, t in latest(optuna_study.get_trials(deepcopy=False)).items()
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
-            or t.state == TrialState.FAIL and not t.user_attrs.get("failure", NOT_PLANNED).startswith(NOT_PLANNED)}
-    return study.planned() - done
+    trials = latest(optuna_study.get_trials(deepcopy=False))
+    return {key for key in study.planned() if _queued_again(t := trials.get(key)) or _lost_for_good(t)
+            or t.state in (TrialState.WAITING, TrialState.RUNNING)}
 
 
 def _workers_alive(optuna_study: optuna.Study, grace_period: int) -> bool:
@@ -940,17 +945,19 @@ class _TrialSystem(_Records):
 
 
 class _Loss(_Records):
-    """A completed trial's value, as the trainer ends it: a finite held-out loss (one that is not a
-    number fails the trial), or an accuracy."""
+    """A completed trial's value where the metric is the held-out loss: finite (the trainer stops on
+    one that is not) and not below 0."""
     value: Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
 class _Accuracy(_Records):
-    value: Annotated[float, Field(ge=0, le=1)]
+    """A completed trial's value where the metric is the accuracy: a share."""
+    value: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 
 class _Curve(_Records):
-    """A trial's evaluations, by step: numbers (one that is not finite is recorded as it stops the trial)."""
+    """A trial's evaluations, by step: numbers (not required finite: earlier versions of the trainer
+    reported a loss that was not before stopping)."""
     intermediate_values: dict[int, float]
 
 

@@ -247,7 +247,7 @@ def niah(run: Path, lengths: list[int], depth_count: int, sequences: int, device
     if loaded.recall:  # read as a file of that name, which was then not found
         raise EvaluationError(f"--data {data}: a recall task is token ids, and a haystack is text; give a text file or folder, stdlib"
                               " or hf:NAME")
-    _check_room(loaded.model, lengths, depth_count * sequences, batch, device)
+    _check_room(loaded.model, lengths, depth_count * sequences, batch, new_tokens, device)
     tokenizer = load_tokenizer(str(loaded.tokenizer), loaded.model.spec.vocab_size)
     if haystack == "noise":
         hay = Haystack.noise()
@@ -263,13 +263,13 @@ DRAWING_BYTES_PER_TOKEN = 400  # at the peak of drawing a probe: its text, the t
 HELD_BYTES_PER_TOKEN = 2 * 36  # a drawn probe's prompt and control prompt: lists of Python ints (a pointer and an int each)
 
 
-def _check_room(model, lengths: list[int], per_length: int, batch: int, device: torch.device) -> None:
+def _check_room(model, lengths: list[int], per_length: int, batch: int, new_tokens: int, device: torch.device) -> None:
     """Refuse (``NoRoom``) probes that would not fit before any is drawn: every probe is drawn
     before any is searched, for minutes at tens of millions of tokens, and only then was the
     cache of the longest found too large, or memory filled as they were drawn."""
     check_room(DRAWING_BYTES_PER_TOKEN * max(lengths) + HELD_BYTES_PER_TOKEN * per_length * sum(lengths), "cpu",
-               f"the prompts of {per_length * len(lengths):,} probes")
-    check_cache_room(model, min(batch, per_length * len(lengths)), max(lengths), next(model.parameters()).dtype, device)
+               "the probes' prompts")
+    check_cache_room(model, min(batch, per_length * len(lengths)), max(lengths) + new_tokens, next(model.parameters()).dtype, device)
 
 
 def _cells(found: list[Found]) -> dict[tuple[int, float], list[Found]]:

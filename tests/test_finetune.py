@@ -1119,6 +1119,34 @@ def test_a_start_damaged_after_its_trials_finished_stops_only_trials_still_to_tr
 
 
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_scales_start_is_pinned_to_its_checkpoint_as_a_variants_is(pretrained, tmp_path):
+    """A scale's train.init was resolved by each trial as it started: a seed added after the run
+    gained a checkpoint trained from the newer one beside trials from the older, and no trial
+    recorded where it started."""
+    run = shutil.copytree(pretrained, tmp_path / "pretrained")
+    transformer = {"spec": "transformer.yaml"}
+    variants = {"afresh": transformer, "tuned": transformer}
+    path = study_file(tmp_path / "every.yaml", variants, seeds=[0], baseline="afresh", init=str(run))
+    out = tmp_path / "out"
+    url = storage_url(out, None)
+    optuna_study = join(load_study(str(path)), out, url, grace_period=60)
+    starts = optuna_study.user_attrs["starts"]
+    assert {variant: starts[variant]["0"]["checkpoint"] for variant in starts} == dict.fromkeys(variants, str(run / "checkpoints/step-00000004"))
+    for _ in variants:  # trained as a worker trains them, recording where they started
+        trial_id = claim(optuna_study, url, out)
+        variant = planned_as(optuna_study._storage.get_trial(trial_id))[0]
+        optuna_study._storage.set_trial_user_attr(trial_id, "started_from", starts[variant]["0"])
+        completed(load_study(str(path)), optuna_study._storage, trial_id, 2.0)
+
+    went_on = shutil.copytree(run / "checkpoints/step-00000004", run / "checkpoints/step-00000006")  # the run went on
+    (went_on / "state.json").write_text(json.dumps({**json.loads((went_on / "state.json").read_text()), "step": 6}))
+    more = load_study(str(study_file(path, variants, seeds=[0, 1], baseline="afresh", init=str(run))))
+    with pytest.raises(StudyChanged, match=re.escape(f"afresh seed 0 lr slot 0: started from {run} at step-00000004, would now start"
+                                                     f" from {run} at step-00000006")):
+        join(more, out, url, grace_period=60)
+
+
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_worker_on_another_definition_keeps_the_starts_of_the_variants_it_does_not_plan(pretrained, tmp_path):
     """A joining worker wrote the starts of its own variants over all of them: the first worker's
     fine-tuned trials then failed, finding no start."""

@@ -234,13 +234,27 @@ class Study:
         """Whether the trials read one corpus tokenized once for all of them: not examples, tokenized
         at each start, nor text read by trials that start from trained runs, each with its run's tokenizer."""
         source = self.config.data.source
-        fine_tuned = self.config.init or any(v.init for v in self.definition.variants.values())
-        return not (holds_examples(source) or tokenized(source) and fine_tuned)
+        return not (holds_examples(source) or tokenized(source) and any(map(self.fine_tuned, self.definition.variants)))
 
     @property
     def key(self) -> str:
         """The study's name in a storage, and its folder's: one per scale."""
         return f"{self.name}-{self.scale}"
+
+    def fine_tuned(self, variant: str) -> bool:
+        """Whether ``variant``'s trials start from trained weights: a run's, or a study's trials'."""
+        return bool(self.definition.variants[variant].init or self.config.init)
+
+    def start_run(self, variant: str) -> tuple[str, str] | None:
+        """The run ``variant``'s trials start from, and the field that names it: its own
+        ``init.run``, or the scale's ``train.init`` (every variant's); None where they train from
+        random weights or from a study's trials."""
+        init = self.definition.variants[variant].init
+        if init and init.run:
+            return init.run, f"variants.{variant}.init.run"
+        if self.config.init:
+            return self.config.init, f"scales.{self.scale}.train.init"
+        return None
 
     def planned(self) -> set[tuple]:
         """The (variant, seed, lr slot) of every planned trial: what the report covers."""

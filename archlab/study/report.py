@@ -53,7 +53,7 @@ def _against_baseline(curves: dict[str, tuple[list[int], list[float], float]], b
     many) by which it first reaches the baseline's best value, over those the baseline took to
     first reach it (its own last value would put a curve that is flat or rises at its end below
     1 against itself), and its value at the training FLOPs the baseline spent, less the baseline's."""
-    if baseline not in curves:
+    if baseline not in curves or not curves[baseline][0]:  # no step every chosen trial of the baseline evaluated at
         return {}
     their_steps, theirs, their_flops = curves[baseline]
     target = (max if maximize else min)(theirs)
@@ -174,12 +174,12 @@ def starts(study: Study, trials: list[optuna.trial.FrozenTrial]) -> list[str]:
     """Where each fine-tuned variant's reported trials started: the checkpoints of the run it
     names, or the trials of the study it names and their learning rate."""
     lines = []
-    for variant, init in ((name, v.init) for name, v in study.definition.variants.items() if v.init):
+    for variant in filter(study.fine_tuned, study.definition.variants):
         started = [t.user_attrs["started_from"] for (v, _, _), t in _reported(study, trials).items()
                    if v == variant and "started_from" in t.user_attrs]
-        if init.run:
+        if run := study.start_run(variant):
             used = ", ".join(sorted({Path(s["checkpoint"]).name for s in started}))
-            lines.append(f"- `{variant}` is fine-tuned from the run {init.run}" + (f" ({used})" if started else ""))
+            lines.append(f"- `{variant}` is fine-tuned from the run {run[0]}" + (f" ({used})" if started else ""))
             continue
         pretraining, pretrained = study.pretraining[variant]
         numbers = ", ".join(str(n) for n in sorted({s["trial"] for s in started}))

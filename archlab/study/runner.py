@@ -14,6 +14,7 @@ next worker to join. A worker leaves once nothing it plans is waiting and nothin
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import hashlib
@@ -217,8 +218,9 @@ def _in_words(exc: BaseException) -> str:
 
 
 def _unopenable(url: str, exc: Exception) -> StorageError:
-    if isinstance(exc, ImportError):
-        return StorageError(f"no database driver for {url.split(':')[0]}; for PostgreSQL: pip install 'archlab[postgres]'")
+    if isinstance(exc, ImportError):  # archlab[postgres] was the advice for postgresql+psycopg2 too, which it does not install
+        return StorageError(f"no database driver for {url.split(':')[0]} (no module {exc.name}); archlab[postgres] installs psycopg,"
+                            " which postgresql:// and postgresql+psycopg:// URLs use: pip install 'archlab[postgres]'")
     if isinstance(exc, sqlalchemy.exc.NoSuchModuleError) and url.startswith("postgres:"):
         return StorageError(f"{shown(url)}: a PostgreSQL URL begins postgresql://")
     return StorageError(f"cannot open the study storage {shown(url)}: {_in_words(exc)}")
@@ -285,7 +287,9 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
             Path(database).unlink()
         raise _unopenable(url, exc) from None
     name = study.key
-    if not create and name not in (held := optuna.get_all_study_names(storage)):
+    with _readable(f"a study in {shown(url)}"):  # its studies' attributes are read with their names
+        held = optuna.get_all_study_names(storage)
+    if not create and name not in held:
         raise NotThere(f"no study {name} in {shown(url)}; it holds {', '.join(held) or 'none'} (was the study renamed, or run at another --scale?)")
     first_evals = 2 * study.config.eval_interval  # steps: a trial is judged from its second evaluation on
     pruners = {
@@ -298,8 +302,10 @@ def open_study(study: Study, url: str, grace_period: int = 60, create: bool = Tr
                     sampler=optuna.samplers.TPESampler(seed=0))  # the sampler: replaced per trial where it draws (_train)
     # one there is loaded without create_study's write, which a read-only database (a report's) refuses
     opened = optuna.create_study(direction=direction, load_if_exists=True, **settings) if create else optuna.load_study(**settings)
-    if opened.direction.name.lower() != direction:  # kept from its creation: pruners, TPE and the dashboard read it
-        raise StorageError(f"study {name} in {shown(url)} was created to {opened.direction.name.lower()} its metric, and its"
+    with _readable(f"study {name} in {shown(url)}"):
+        kept = opened.direction.name.lower()
+    if kept != direction:  # kept from its creation: pruners, TPE and the dashboard read it
+        raise StorageError(f"study {name} in {shown(url)} was created to {kept} its metric, and its"
                            f" metric is now {study.definition.metric}, which it would {direction}; a study keeps the direction"
                            " of its metric: give this one another name (and another --out, where one was given)")
     check_records(opened, url)
@@ -513,12 +519,10 @@ def join(study: Study, out: Path, url: str, grace_period: int, say: Callable[[st
         # loaded to check them only where a trial is still to train from them: a finished study runs on
         to_run = _to_run(study, optuna_study)
         starts = {variant: starts_of(study, variant, url, {seed for v, seed, _ in to_run if v == variant})
-                  for variant, v in study.definition.variants.items() if v.init}
+                  for variant in study.definition.variants if study.fine_tuned(variant)}
         if optuna_study:
             check_unchanged(study, optuna_study, starts)
         cfg = study.config
-        if cfg.init:  # every trial starts from it
-            check_start(study, sorted({variant for variant, _, _ in to_run}), cfg.init, f"scales.{study.scale}.train.init")
         undo = undo_tokenizing(out)
         fingerprint = _read_data(study, out, say)
         optuna_study = optuna_study or open_study(study, url, grace_period)
@@ -609,7 +613,7 @@ def refuse_other_study(out: Path, study: Study) -> None:
     ``OWNER`` file is its own SQLite storage's studies'."""
     owner = (out / OWNER).read_text().strip() if (out / OWNER).is_file() else None
     if owner is None and (out / "optuna.db").is_file():
-        with contextlib.suppress(*STORAGE_ERRORS):  # a damaged storage is said where it is opened
+        with contextlib.suppress(*STORAGE_ERRORS, ValueError, LookupError):  # a damaged storage is said where it is opened
             held = optuna.get_all_study_names(storage_url(out, None))
             owner = None if study.key in held else ", ".join(held) or None
     if owner not in (None, study.key):
@@ -622,10 +626,11 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
     trial's number and learning rate), and the checkpoint. That study is looked for in this one's
     storage (a server shared by studies), then in its own default folder. The weights of the
     ``loaded`` seeds (those with trials still to train) are loaded, to refuse those that do not."""
-    init, seeds = study.definition.variants[variant].init, study.definition.seeds
-    if init.run:
-        used = check_start(study, [variant] if loaded else [], init.run, f"variants.{variant}.init.run")
-        return {seed: {"run": os.path.abspath(init.run), "checkpoint": str(used)} for seed in seeds}
+    seeds = study.definition.seeds
+    if started := study.start_run(variant):
+        run, field = started
+        used = check_start(study, variant, run, field, bool(loaded))
+        return {seed: {"run": os.path.abspath(run), "checkpoint": str(used)} for seed in seeds}
     pretraining, pretrained = study.pretraining[variant]
     stored, where = _stored(pretraining, url, variant)
     check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
@@ -639,7 +644,7 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
             f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
             f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
             f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
-    starts, models = {}, _start_models(study, [variant]) if loaded else {}  # built once, each seed's weights loaded in turn
+    starts, models = {}, _start_model(study, variant) if loaded else {}  # built once, each seed's weights loaded in turn
     for seed in seeds:
         trial = by_seed[seed]
         folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
@@ -652,27 +657,28 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
     return starts
 
 
-def check_start(study: Study, variants: list[str], run: str, field: str) -> Path:
-    """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variants``
-    start from, refused at the study's ``field`` where it is not there or its weights do not load
-    into a variant's model (another model's, damaged, not finite): every trial would fail on it."""
+def check_start(study: Study, variant: str, run: str, field: str, load: bool) -> Path:
+    """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variant``
+    start from, refused at the study's ``field`` where it is not there or, if ``load`` (a trial
+    is still to train from it), where its weights do not load into the variant's model (another
+    model's, damaged, not finite): every trial would fail on it."""
     try:
-        return _loaded_start(_start_models(study, variants), run, "start")
+        return _loaded_start(_start_model(study, variant) if load else {}, run, "start")
     except checkpoint.CheckpointError as exc:
-        raise SpecError(str(study.source), [Problem(field, str(exc))]) from None
+        named = "" if field.startswith(f"variants.{variant}.") else f"variant {variant}: "  # a field every variant shares
+        raise SpecError(str(study.source), [Problem(field, f"{named}{exc}")]) from None
 
 
-def _start_models(study: Study, variants: list[str]) -> dict[str, Model]:
-    """A model of each of ``variants`` to load the weights its trials start from into; one not in
-    this machine's memory is left out: its trials load them where they train."""
+def _start_model(study: Study, variant: str) -> dict[str, Model]:
+    """A model of ``variant`` to load the weights its trials start from into, by its name; none
+    where it is not in this machine's memory: its trials load them where they train."""
     from archlab.memory import NoRoom
     from archlab.model import build_model
 
-    models = {}
-    for variant in variants:
-        with contextlib.suppress(NoRoom):
-            models[variant] = build_model(study.specs[variant])
-    return models
+    try:
+        return {variant: build_model(study.specs[variant])}
+    except NoRoom:
+        return {}
 
 
 def _loaded_start(models: dict[str, Model], run: str | Path, use: str) -> Path:
@@ -680,11 +686,8 @@ def _loaded_start(models: dict[str, Model], run: str | Path, use: str) -> Path:
     weights loaded into each; a CheckpointError where they do not load (``use``: what for, as
     ``checkpoint.damaged`` takes it)."""
     used = checkpoint.resolve(run)[1]
-    for variant, model in models.items():
-        try:
-            checkpoint.load_weights(used, model, use)
-        except checkpoint.WeightsDoNotFit as exc:
-            raise checkpoint.WeightsDoNotFit(f"variant {variant}: {exc}" if len(models) > 1 else str(exc)) from None
+    for model in models.values():
+        checkpoint.load_weights(used, model, use)
     return used
 
 
@@ -771,7 +774,7 @@ def _train(study: Study, trial: optuna.Trial, key: tuple, out: Path, url: str) -
         trial.study.sampler = SameVariantSampler(optuna.samplers.TPESampler(seed=trial.number))
         lr = trial.suggest_float("lr", definition.lr.low, definition.lr.high, log=True)
     spec, cfg, steps = study.specs[variant], study.config, setup["steps"]
-    start = trial.study.user_attrs[STARTS][variant][str(seed)] if definition.variants[variant].init else None
+    start = trial.study.user_attrs[STARTS][variant][str(seed)] if study.fine_tuned(variant) else None
     if start:
         trial.set_user_attr("started_from", start)  # for the report
     cfg = cfg.model_copy(
@@ -944,20 +947,25 @@ class _TrialSystem(_Records):
     retry_history: list[int] = None
 
 
+Loss = Annotated[float, Field(ge=0, allow_inf_nan=False)]  # the trainer stops on one that is not finite, before reporting it
+Share = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+
 class _Loss(_Records):
-    """A completed trial's value where the metric is the held-out loss: finite (the trainer stops on
-    one that is not) and not below 0."""
-    value: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    """A completed trial's value and evaluations, by step, where the metric is the held-out loss."""
+    value: Loss = None
+    intermediate_values: dict[int, Loss]
 
 
 class _Accuracy(_Records):
-    """A completed trial's value where the metric is the accuracy: a share."""
-    value: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+    """A completed trial's value and evaluations, by step, where the metric is the accuracy."""
+    value: Share = None
+    intermediate_values: dict[int, Share]
 
 
 class _Curve(_Records):
-    """A trial's evaluations, by step: numbers (not required finite: earlier versions of the trainer
-    reported a loss that was not before stopping)."""
+    """Another trial's evaluations, by step: numbers (not required finite: earlier versions of the
+    trainer reported a loss that was not before stopping the trial)."""
     intermediate_values: dict[int, float]
 
 
@@ -968,30 +976,42 @@ class _StudyAttrs(_Records):
     joined: Annotated[float, Field(allow_inf_nan=False)] = Field(None, alias=JOINED)
 
 
+@contextmanager
+def _readable(where: str):
+    """Records Optuna cannot read itself (JSON that does not parse, a state it has no name for, a
+    study with no direction) said as damage to ``where``, not as a traceback."""
+    try:
+        yield
+    except (ValueError, LookupError, AssertionError) as exc:
+        why = ("a trial's value or intermediate value disagrees with its type (a finite one that is empty, or an infinite one"
+               " that holds a number)") if isinstance(exc, AssertionError) else said(exc)
+        raise StorageError(f"{where} is damaged: Optuna cannot read its records ({why}); restore the database from a copy, or"
+                           " run the study afresh with another --out (or --storage)") from None
+
+
 def check_records(optuna_study: optuna.Study, url: str) -> None:
     """Refuse a storage whose records are not as archlab writes them (the database edited by hand,
     or by another program): they came out as tracebacks deep in a report or a worker, or as figures
     that are not (a learning rate of -1 in the table, a plot of text)."""
     where = f"study {optuna_study.study_name} in {shown(url)}"
-    try:
+    with _readable(where):
         kept, trials = optuna_study.user_attrs, optuna_study.get_trials(deepcopy=False)
-    except (ValueError, LookupError, AssertionError) as exc:  # what Optuna cannot read: JSON that does not parse, a state it has no name for
-        why = ("a trial's value or intermediate value disagrees with its type (a finite one that is empty, or an infinite one"
-               " that holds a number)") if isinstance(exc, AssertionError) else said(exc)
-        raise StorageError(f"{where} is damaged: Optuna cannot read its records ({why}); restore the database from a copy, or"
-                           " run the study afresh with another --out (or --storage)") from None
     found = [f"the study's user attribute {p}" for p in _invalid(_StudyAttrs, kept)]
+    numbers = collections.Counter(t.number for t in trials)  # Optuna numbers a new trial by the count: a gap gives two one number
+    found += [f"trial {n} is missing (trials are numbered from 0 as they are made)" for n in range(len(trials)) if n not in numbers]
+    found += [f"trial {n} is there {count} times" for n, count in sorted(numbers.items()) if count > 1]
     for t in trials:
         problems = [*(f"user attribute {p}" for p in _invalid(_TrialAttrs, t.user_attrs)),
                     *(f"system attribute {p}" for p in _invalid(_TrialSystem, t.system_attrs))]
         if "fixed_params" not in t.system_attrs:
             problems += [f"param {p}" for p in _invalid(_Planned, t.params)]
-        problems += _invalid(_Curve, {"intermediate_values": t.intermediate_values})
         if t.state == TrialState.COMPLETE:  # what the report reads of every completed trial
             problems += [f"complete, with no {what}" for what, value in (("value", t.value), ("learning rate", learning_rate(t)),
                                                                          ("flops_per_step", t.user_attrs.get("flops_per_step"))) if value is None]
-            if t.value is not None:
-                problems += _invalid(_Accuracy if optuna_study.direction == StudyDirection.MAXIMIZE else _Loss, {"value": t.value})
+            scored = {"intermediate_values": t.intermediate_values, **({"value": t.value} if t.value is not None else {})}
+            problems += _invalid(_Accuracy if optuna_study.direction == StudyDirection.MAXIMIZE else _Loss, scored)
+        else:
+            problems += _invalid(_Curve, {"intermediate_values": t.intermediate_values})
         found += [f"trial {t.number}: {p}" for p in problems]
     if found:
         raise StorageError(f"{where} holds records archlab did not write (was the database edited?): {first_few(found, 3, '; ')};"

@@ -205,7 +205,9 @@ def damaged(path: Path, why: str, use: str = "resume") -> CheckpointError:
     earlier = [kept for kept in checkpoints(path.parent.parent) if step_of(kept) < step] if step is not None else []
     if earlier:
         advice = {"resume": "; remove it to resume from the one before", "score": "; remove it to score the one before",
-                  "init": f"; give --init the one before it, {earlier[-1]}"}
+                  "init": f"; give --init the one before it, {earlier[-1]}",
+                  "start": f"; put it back as it was (the study's trials already trained started from it), or, in a study that has"
+                           f" trained none from it, name the one before it, {earlier[-1]}"}
         return CheckpointError(said + advice.get(use, f"; give the one before it, {earlier[-1]}"))
     if use == "resume" and step is not None:
         return CheckpointError(f"{said}, and no checkpoint before it is kept: train the run again into a new --out (or remove"

@@ -22,7 +22,7 @@ import yaml
 from archlab.engine import Engine
 from archlab.study.definition import load_study
 from archlab.study.runner import StudyChanged, claim, join, planned_as, run_trial, storage_url
-from archlab.train.checkpoint import load_trained
+from archlab.train.checkpoint import file_hash, load_trained
 from archlab.train.config import Data, holds_examples, load_config
 from archlab.train.data import DataError, TokenSource, load_tokenizer, prepare, read_examples, reply_prompt, tokens_of
 from conftest import ROOT
@@ -1122,7 +1122,8 @@ def test_a_start_damaged_after_its_trials_finished_stops_only_trials_still_to_tr
 def test_a_scales_start_is_pinned_to_its_checkpoint_as_a_variants_is(pretrained, tmp_path):
     """A scale's train.init was resolved by each trial as it started: a seed added after the run
     gained a checkpoint trained from the newer one beside trials from the older, and no trial
-    recorded where it started."""
+    recorded where it started. A run trained again in place, its checkpoint of the same name, is
+    told apart by its weights' hash."""
     run = shutil.copytree(pretrained, tmp_path / "pretrained")
     transformer = {"spec": "transformer.yaml"}
     variants = {"afresh": transformer, "tuned": transformer}
@@ -1138,9 +1139,19 @@ def test_a_scales_start_is_pinned_to_its_checkpoint_as_a_variants_is(pretrained,
         optuna_study._storage.set_trial_user_attr(trial_id, "started_from", starts[variant]["0"])
         completed(load_study(str(path)), optuna_study._storage, trial_id, 2.0)
 
-    went_on = shutil.copytree(run / "checkpoints/step-00000004", run / "checkpoints/step-00000006")  # the run went on
-    (went_on / "state.json").write_text(json.dumps({**json.loads((went_on / "state.json").read_text()), "step": 6}))
     more = load_study(str(study_file(path, variants, seeds=[0, 1], baseline="afresh", init=str(run))))
+    latest = run / "checkpoints/step-00000004"
+    kept = (latest / "model.safetensors").read_bytes(), (latest / "state.json").read_text()
+    (latest / "model.safetensors").write_bytes(kept[0][:-1] + bytes([kept[0][-1] ^ 1]))  # the run trained again in place
+    (latest / "state.json").write_text(json.dumps({**json.loads(kept[1]), "weights_blake2b": file_hash(latest / "model.safetensors")}))
+    with pytest.raises(StudyChanged, match=re.escape(f"afresh seed 0 lr slot 0: started from {run} at step-00000004, whose weights have"
+                                                     " changed since")):
+        join(more, out, url, grace_period=60)
+    (latest / "model.safetensors").write_bytes(kept[0])
+    (latest / "state.json").write_text(kept[1])
+
+    went_on = shutil.copytree(latest, run / "checkpoints/step-00000006")  # the run went on
+    (went_on / "state.json").write_text(json.dumps({**json.loads((went_on / "state.json").read_text()), "step": 6}))
     with pytest.raises(StudyChanged, match=re.escape(f"afresh seed 0 lr slot 0: started from {run} at step-00000004, would now start"
                                                      f" from {run} at step-00000006")):
         join(more, out, url, grace_period=60)

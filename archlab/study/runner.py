@@ -151,6 +151,9 @@ def check_unchanged(study: Study, optuna_study: optuna.Study, starts: dict[str, 
         elif was and now and start_said(was) != start_said(now):
             differences.insert(0, f"started from {start_said(was)}, would now start from {start_said(now)}")
             moved = True
+        elif was and now and was.get("weights", now.get("weights")) != now.get("weights"):  # recorded by both
+            differences.insert(0, f"started from {start_said(was)}, whose weights have changed since")
+            moved = True
         if differences:
             changed.append(f"  {key[0]} seed {key[1]} lr slot {key[2]}: {first_few(differences, 3, '; ')}")
     if changed:
@@ -628,9 +631,7 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
     ``loaded`` seeds (those with trials still to train) are loaded, to refuse those that do not."""
     seeds = study.definition.seeds
     if started := study.start_run(variant):
-        run, field = started
-        used = check_start(study, variant, run, field, bool(loaded))
-        return {seed: {"run": os.path.abspath(run), "checkpoint": str(used)} for seed in seeds}
+        return dict.fromkeys(seeds, check_start(study, variant, *started, bool(loaded)))
     pretraining, pretrained = study.pretraining[variant]
     stored, where = _stored(pretraining, url, variant)
     check_unchanged(pretraining, stored)  # its trials answer its definition as it stands
@@ -657,13 +658,16 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
     return starts
 
 
-def check_start(study: Study, variant: str, run: str, field: str, load: bool) -> Path:
-    """The checkpoint of ``run`` (a run's latest, or one named) that the trials of ``variant``
-    start from, refused at the study's ``field`` where it is not there or, if ``load`` (a trial
-    is still to train from it), where its weights do not load into the variant's model (another
-    model's, damaged, not finite): every trial would fail on it."""
+def check_start(study: Study, variant: str, run: str, field: str, load: bool) -> dict:
+    """The start of the trials of ``variant`` from ``run``: the run, its checkpoint they start from
+    (its latest, or one named) and the hash of its weights, where recorded (a run trained again in
+    place has a checkpoint of the same name). Refused at the study's ``field`` where it is not
+    there or, if ``load`` (a trial is still to train from it), where its weights do not load into
+    the variant's model (another model's, damaged, not finite): every trial would fail on it."""
     try:
-        return _loaded_start(_start_model(study, variant) if load else {}, run, "start")
+        used = _loaded_start(_start_model(study, variant) if load else {}, run, "start")
+        weights = checkpoint.info_of(used, "start").get(checkpoint.HASHED["model.safetensors"])
+        return {"run": os.path.abspath(run), "checkpoint": str(used), **({"weights": weights} if isinstance(weights, str) else {})}
     except checkpoint.CheckpointError as exc:
         named = "" if field.startswith(f"variants.{variant}.") else f"variant {variant}: "  # a field every variant shares
         raise SpecError(str(study.source), [Problem(field, f"{named}{exc}")]) from None
@@ -910,6 +914,7 @@ class _RunStart(_Records):
     model_config = ConfigDict(extra="forbid")
     run: str
     checkpoint: str
+    weights: str = None  # a hash of its weights, recorded since runs trained again in place were told apart
 
 
 class _StudyStart(_Records):

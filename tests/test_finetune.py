@@ -21,6 +21,7 @@ import yaml
 
 from archlab.engine import Engine
 from archlab.study.definition import load_study
+from archlab.study.report import starts as starts_said
 from archlab.study.runner import StudyChanged, claim, join, planned_as, run_trial, storage_url
 from archlab.train.checkpoint import file_hash, load_trained
 from archlab.train.config import Data, holds_examples, load_config
@@ -1015,7 +1016,8 @@ def test_a_study_refuses_a_start_whose_weights_its_variants_cannot_load(cli, pre
     code, _, stderr = cli("study", "run", path, "--out", tmp_path / "changed")
     said = " ".join(stderr.split())
     assert code == 1 and (f"variants.tuned.init.run: checkpoint {latest} is damaged (its model.safetensors is not the file saved with"
-                          f" it: a hash of its bytes differs); give the one before it, {earlier}") in said, stderr
+                          f" it: a hash of its bytes differs); put it back as it was (the study's trials already trained started from"
+                          f" it), or, in a study that has trained none from it, name the one before it, {earlier}") in said, stderr
     assert not list((tmp_path / "changed").glob("trials/*/*"))
 
 
@@ -1138,6 +1140,8 @@ def test_a_scales_start_is_pinned_to_its_checkpoint_as_a_variants_is(pretrained,
         variant = planned_as(optuna_study._storage.get_trial(trial_id))[0]
         optuna_study._storage.set_trial_user_attr(trial_id, "started_from", starts[variant]["0"])
         completed(load_study(str(path)), optuna_study._storage, trial_id, 2.0)
+    assert starts_said(load_study(str(path)), optuna_study.get_trials()) == [
+        f"- `{variant}` is fine-tuned from the run {run} (step-00000004)" for variant in variants]  # no line at all before
 
     more = load_study(str(study_file(path, variants, seeds=[0, 1], baseline="afresh", init=str(run))))
     latest = run / "checkpoints/step-00000004"

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from archlab.block import BuildContext, MixerInput
-from archlab.ops.attention import attend, band_mask, local_attend
+from archlab.ops.attention import attend, band_mask, folded_attention, local_attend
 from archlab.ops.common import decay_parameters
 from archlab.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 from archlab.ops.retention import fused_recurrent_simple_gla
@@ -34,12 +34,14 @@ def naive_window_attention(q, k, v, window):
 @pytest.mark.parametrize("n", [1, 9])
 def test_masked_gqa_attention_folds_query_groups_exactly(window, n):
     """Masked attention with GQA (decoding, chunked prefill) folds each K,V head's query heads
-    into the query axis; the same as the naive per-query softmax on the last n of 23 positions."""
+    into the query axis (on the CPU, for one query); folded or not, the same as the naive
+    per-query softmax on the last n of 23 positions."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 23, 6, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64), torch.randn(2, 23, 2, 8, dtype=torch.float64)
     positions = torch.arange(23)[None].expand(2, -1)
-    out = attend(q[:, -n:], k, v, band_mask(positions[:, -n:], positions, window))
-    torch.testing.assert_close(out, naive_window_attention(q, k, v, window)[:, -n:], rtol=1e-10, atol=1e-10)
+    mask = band_mask(positions[:, -n:], positions, window)
+    for out in (attend(q[:, -n:], k, v, mask), folded_attention(q[:, -n:], k, v, mask)):
+        torch.testing.assert_close(out, naive_window_attention(q, k, v, window)[:, -n:], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("block", [None, 1, 3, 5, 8, 64])

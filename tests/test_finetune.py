@@ -1095,7 +1095,7 @@ def test_a_variant_given_a_start_after_it_trained_from_random_weights_is_refused
 @pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
 def test_a_start_damaged_after_its_trials_finished_stops_only_trials_still_to_train(pretrained, tmp_path):
     """Each joining worker loaded every start's weights, so a start damaged after its trials were
-    done blocked the study's run (and its report at the end) with nothing left to train from it."""
+    done blocked `study run` (and the report it prints) with nothing left to train from it."""
     from archlab.spec import SpecError
 
     run = shutil.copytree(pretrained, tmp_path / "pretrained")

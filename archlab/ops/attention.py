@@ -52,8 +52,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     (``folded_attention``), so no kernel copies K,V per query head: decoding over a long cache then
     reads it once per layer. On the CPU a chunk of queries is left to SDPA's own GQA, which took
     less than repeating the mask for each folded head: a 16K prefill of the tiny transformer (4
-    heads on 2) took 10.7 s so, 13.4 s folded, where 50 decoding steps at 64K (16 heads on 4) took
-    0.66 s folded and 2.9 s not.
+    heads on 2) took 10.7 s unfolded and 13.4 s folded, where 50 decoding steps at 64K (16 heads
+    on 4) took 0.66 s folded and 2.9 s unfolded.
     """
     heads, kv_heads = q.shape[2], k.shape[2]
     if mask is not None and heads != kv_heads and (q.shape[1] == 1 or q.device.type != "cpu"):

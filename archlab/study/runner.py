@@ -624,9 +624,9 @@ def refuse_other_study(out: Path, study: Study) -> None:
 
 
 def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> dict[int, dict]:
-    """Where each seed of a variant that names an ``init`` starts from: its run, or the trial of
-    the same seed at the learning rate its report chose of the study it names (the study, the
-    trial's number and learning rate), and the checkpoint. That study is looked for in this one's
+    """Where each seed of a fine-tuned variant (its ``init``, or the scale's) starts from: its run
+    (``check_start``), or the trial of the same seed at the learning rate its report chose of the
+    study it names (the study, the trial's number and learning rate), and the checkpoint. That study is looked for in this one's
     storage (a server shared by studies), then in its own default folder. The weights of the
     ``loaded`` seeds (those with trials still to train) are loaded, to refuse those that do not."""
     seeds = study.definition.seeds

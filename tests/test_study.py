@@ -991,6 +991,20 @@ def test_the_trials_still_to_train_are_those_a_joining_worker_queues_retries_or_
     assert _to_run(study, None) == set(keys)
 
 
+def test_a_baseline_with_no_evaluation_is_reported_without_the_comparison(tmp_path):
+    """A baseline whose chosen trials share no evaluation step (a curve deleted from the storage)
+    was a traceback in the report: min() of nothing."""
+    study = load_study(str(mini(tmp_path, "bare")))
+    recorded = optuna.create_study()
+    for trial in (finished("yoco", 0, 0, 3.0, 0.002), finished("yoco-u", 0, 0, 2.5, 0.002)):
+        trial.user_attrs["flops_per_step"] = 1e9
+        if planned_as(trial)[0] == "yoco":  # the baseline
+            trial.intermediate_values = {}
+        recorded.add_trial(trial)
+    text = report(study, recorded, tmp_path / "out", "sqlite:///study.db")
+    assert re.search(r"\| yoco-u \|.*\| 2\.5000 \|", text) and "| yoco |" in text, text
+
+
 def test_a_report_the_disk_cannot_hold_keeps_the_last_report_and_plots(tmp_path, monkeypatch):
     """report.md and the plots were written in place: a disk that filled as a report was rewritten
     left the first blocks of a PNG, or of the markdown, where the last whole ones had been. The

@@ -661,11 +661,16 @@ def differences(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
 
 
 def describe_differences(old: Any, new: Any) -> list[str]:
-    """``differences`` as lines ``path old -> new`` (floats to 6 significant digits)."""
+    """``differences`` as lines ``path old -> new`` (``described``)."""
+    return described(differences(old, new))
+
+
+def described(changed: dict[str, tuple[Any, Any]]) -> list[str]:
+    """Changes by path, each (old, new), as lines ``path old -> new`` (floats to 6 significant digits)."""
     def shown(value: Any) -> str:
         return f"{value:.6g}" if isinstance(value, float) else str(value)
 
-    return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in differences(old, new).items()]
+    return [f"{path} {shown(was)} -> {shown(now)}" for path, (was, now) in changed.items()]
 
 
 def spec_changes(old: ModelSpec, new: ModelSpec) -> str:

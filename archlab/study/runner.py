@@ -645,14 +645,14 @@ def starts_of(study: Study, variant: str, url: str, loaded: Collection[int]) -> 
             f"variant {variant} seed {seed} starts from study {pretraining.key}'s {pretrained} trial of seed {seed} at its"
             f" chosen learning rate, and {shown(where)} holds none completed (its completed seeds there:"
             f" {sorted(by_seed) or 'none'}); finish that study first, with seeds {seeds}")
-    starts, models = {}, _start_model(study, variant) if loaded else {}  # built once, each seed's weights loaded in turn
+    starts, model = {}, _start_model(study, variant) if loaded else None  # built once, each seed's weights loaded in turn
     for seed in seeds:
         trial = by_seed[seed]
         folder = trial.user_attrs.get("run") or trial_folder(  # the folder of a trial recorded before trials kept it
             trials_folder(default_dir(pretraining), stored.study_name, where), trial.number, planned_as(trial))
         try:
             starts[seed] = {"study": pretraining.key, "trial": trial.number, "lr": learning_rate(trial),
-                            "checkpoint": str(_loaded_start(models if seed in loaded else {}, folder, "trial"))}
+                            "checkpoint": str(_loaded_start(model if seed in loaded else None, folder, "trial"))}
         except checkpoint.CheckpointError as exc:
             raise StorageError(f"variant {variant} seed {seed} starts from trial {trial.number} of {pretraining.key}: {exc}") from None
     return starts
@@ -665,7 +665,7 @@ def check_start(study: Study, variant: str, run: str, field: str, load: bool) ->
     there or, if ``load`` (a trial is still to train from it), where its weights do not load into
     the variant's model (another model's, damaged, not finite): every trial would fail on it."""
     try:
-        used = _loaded_start(_start_model(study, variant) if load else {}, run, "start")
+        used = _loaded_start(_start_model(study, variant) if load else None, run, "start")
         weights = checkpoint.info_of(used, "start").get(checkpoint.HASHED["model.safetensors"])
         return {"run": os.path.abspath(run), "checkpoint": str(used), **({"weights": weights} if isinstance(weights, str) else {})}
     except checkpoint.CheckpointError as exc:
@@ -673,24 +673,24 @@ def check_start(study: Study, variant: str, run: str, field: str, load: bool) ->
         raise SpecError(str(study.source), [Problem(field, f"{named}{exc}")]) from None
 
 
-def _start_model(study: Study, variant: str) -> dict[str, Model]:
-    """A model of ``variant`` to load the weights its trials start from into, by its name; none
-    where it is not in this machine's memory: its trials load them where they train."""
+def _start_model(study: Study, variant: str) -> Model | None:
+    """A model of ``variant`` to load the weights its trials start from into; None where it is not
+    in this machine's memory: its trials load them where they train."""
     from archlab.memory import NoRoom
     from archlab.model import build_model
 
     try:
-        return {variant: build_model(study.specs[variant])}
+        return build_model(study.specs[variant])
     except NoRoom:
-        return {}
+        return None
 
 
-def _loaded_start(models: dict[str, Model], run: str | Path, use: str) -> Path:
-    """The checkpoint of ``run`` that the trials of the variants of ``models`` start from, its
-    weights loaded into each; a CheckpointError where they do not load (``use``: what for, as
+def _loaded_start(model: Model | None, run: str | Path, use: str) -> Path:
+    """The checkpoint of ``run`` that trials start from, its weights loaded into ``model`` (none
+    where None); a CheckpointError where they do not load (``use``: what for, as
     ``checkpoint.damaged`` takes it)."""
     used = checkpoint.resolve(run)[1]
-    for model in models.values():
+    if model is not None:
         checkpoint.load_weights(used, model, use)
     return used
 

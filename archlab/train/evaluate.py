@@ -23,6 +23,7 @@ from archlab.files import path_kind, save_figure_whole
 from archlab.loss import IGNORE, scores
 from archlab.memory import ACTIVATIONS, Watched
 from archlab.model import Model
+from archlab.spec import described
 from archlab.table import Decimals
 from archlab.train.checkpoint import info_of, latest_read, load_checkpoint, resolve, step_of
 from archlab.train.config import SYNTHETIC, TrainConfig, changes_since_trained, holds_examples, load_config
@@ -121,7 +122,7 @@ def _say_an_edited_config(file: Path, config: TrainConfig, used: Path, trained: 
     """A notice where ``file`` (``config``) gives another length, precision or seed than checkpoint
     ``used`` trained with (``trained``, as its state.json records it; nothing to compare where it
     records none that reads): the run is scored as edited, which one may mean, or not."""
-    if edited := [f"{key} {old} -> {new}" for key, (old, new) in changes_since_trained(trained, config).items() if key in SCORED_AS_TRAINED]:
+    if edited := described({key: pair for key, pair in changes_since_trained(trained, config).items() if key in SCORED_AS_TRAINED}):
         warnings.warn(f"{file} was edited since checkpoint {used} was saved ({', '.join(edited)}); the run is scored as edited",
                       stacklevel=3)
 

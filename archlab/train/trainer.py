@@ -39,7 +39,7 @@ from archlab.loss import scores
 from archlab.memory import Watched, check_room
 from archlab.model import Model, build_model
 from archlab.ops.dispatch import BackendError
-from archlab.spec import ModelSpec, describe_differences, load_spec, spec_changes, spec_to_yaml
+from archlab.spec import ModelSpec, describe_differences, described, load_spec, spec_changes, spec_to_yaml
 from archlab.table import first_few
 from archlab.train import checkpoint
 from archlab.train.config import Optimizer, TrainConfig, absolute, changes, changes_since_trained, divisor_below, kept_on_resume, load_config, resumable, tokenized
@@ -404,8 +404,8 @@ class Trainer:
         may be read where it now is; its init chose only the first weights. A checkpoint written
         before they recorded their config, or whose config this version no longer reads, has
         nothing to compare."""
-        edited = [f"{key} {old} -> {new}" for key, (old, new) in changes_since_trained(trained, self.cfg).items()
-                  if key.split(".")[0] not in (*resumable, "data", "init")]
+        edited = described({key: pair for key, pair in changes_since_trained(trained, self.cfg).items()
+                            if key.split(".")[0] not in (*resumable, "data", "init")})
         if edited:
             raise TrainError(f"{self.run_dir / 'config.yaml'} was edited since checkpoint {saved} was saved ({', '.join(edited)}): a"
                              " resumed run keeps these, which decide which tokens a step reads or how it computes them; put them"
